@@ -1,0 +1,77 @@
+"""The offline entry point: ``LLM(...).generate(prompts, sampling_params)``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tqdm.auto import tqdm
+
+from .config import EngineConfig
+from .core import RequestOutput, SamplingParams
+from .engine.engine import Engine
+
+
+class LLM:
+    """An engine for offline generation.
+
+    ``model`` is a Hugging Face Qwen3-Next checkpoint directory, or None for the embedded default (a small model
+    with random weights). ``engine_options`` are the fields of :class:`hylo.config.EngineConfig`.
+    """
+
+    def __init__(self, model: str | None = None, device: str = "auto", dtype: str = "auto", **engine_options):
+        unknown = set(engine_options) - EngineConfig.option_names()
+        if unknown:
+            raise TypeError(f"unknown engine option(s): {', '.join(sorted(unknown))}; "
+                            f"known: {', '.join(sorted(EngineConfig.option_names()))}")
+        self.engine = Engine(model, device=device, dtype=dtype, engine_config=EngineConfig(**engine_options))
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for every prompt; returns one RequestOutput per prompt, in order.
+
+        Every prompt and parameter set is validated before anything runs: a bad one raises ValueError naming its
+        index and the problem.
+        """
+        if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if not prompts:
+            return []
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            try:
+                if not isinstance(p, SamplingParams):
+                    raise ValueError(f"sampling params must be SamplingParams, got {type(p).__name__}")
+                p.validate()
+                self.engine.encode_prompt(prompt)
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
+        eng = self.engine
+        rids = [eng.add_request(prompt, p) for prompt, p in zip(prompts, params)]
+        pending = set(rids)
+        bar = tqdm(total=len(rids), desc="generating", unit="req", disable=not use_tqdm or len(rids) < 2)
+        try:
+            while pending:
+                for req in eng.step():
+                    if req.finished and req.rid in pending:
+                        pending.discard(req.rid)
+                        bar.update(1)
+                if pending and not eng.has_unfinished():
+                    raise RuntimeError("engine stopped with requests pending (this is a bug)")
+        except BaseException:
+            for rid in pending:
+                eng.abort(rid)
+            raise
+        finally:
+            bar.close()
+        return [eng.pop_finished(rid) for rid in rids]

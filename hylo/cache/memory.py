@@ -1,0 +1,79 @@
+"""Sizing and allocating every cache from one memory budget. The only module that allocates cache memory."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..config import EngineConfig, ModelConfig
+from .kv_pool import KVPool
+from .req_slots import ReqSlots
+from .state_pool import StatePool
+
+_GIB = 1 << 30
+CPU_DEFAULT_BUDGET_GB = 2.0
+CUDA_FREE_FRACTION = 0.9
+CUDA_ACTIVATION_RESERVE_GB = 2.0
+
+
+@dataclass
+class Caches:
+    req_slots: ReqSlots
+    kv_pool: KVPool
+    state_pool: StatePool
+    max_model_len: int
+
+    def summary(self) -> str:
+        mib = 1 << 20
+        return (f"caches: {self.req_slots.max_num_seqs} request slots, "
+                f"KV pool {self.kv_pool.num_tokens} tokens ({self.kv_pool.bytes / mib:.1f} MiB), "
+                f"state pool {self.state_pool.num_slots} slots ({self.state_pool.bytes / mib:.1f} MiB), "
+                f"max_model_len {self.max_model_len}")
+
+
+def _budget_bytes(ec: EngineConfig, device: torch.device) -> int:
+    if ec.memory_budget_gb is not None:
+        return int(ec.memory_budget_gb * _GIB)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return max(int(free * CUDA_FREE_FRACTION - CUDA_ACTIVATION_RESERVE_GB * _GIB), 0)
+    return int(CPU_DEFAULT_BUDGET_GB * _GIB)
+
+
+def allocate_caches(mc: ModelConfig, ec: EngineConfig, dtype: torch.dtype, device: torch.device) -> Caches:
+    """Size the state pool for ``max_num_seqs`` requests, give the KV pool the rest of the budget, allocate all."""
+    state_dtype = getattr(torch, ec.state_dtype)
+    n_lin, n_attn = len(mc.linear_layer_ids), len(mc.attn_layer_ids)
+    state_bytes = ec.max_num_seqs * StatePool.bytes_per_slot(
+        n_lin, mc.conv_dim, mc.linear_conv_kernel_dim, mc.linear_num_value_heads, mc.linear_key_head_dim,
+        mc.linear_value_head_dim, dtype, state_dtype)
+    kv_bytes_per_token = 2 * n_attn * mc.num_key_value_heads * mc.head_dim * torch.finfo(dtype).bits // 8
+    len_limit = min(ec.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+
+    if ec.kv_cache_tokens is not None:
+        kv_tokens = ec.kv_cache_tokens
+    else:
+        budget = _budget_bytes(ec, device)
+        if state_bytes >= budget:
+            raise ValueError(
+                f"the state pool for max_num_seqs={ec.max_num_seqs} needs {state_bytes / _GIB:.2f} GiB, more than "
+                f"the cache budget of {budget / _GIB:.2f} GiB: lower max_num_seqs or raise memory_budget_gb")
+        kv_tokens = (budget - state_bytes) // max(kv_bytes_per_token, 1)
+        kv_tokens = int(min(kv_tokens, ec.max_num_seqs * len_limit))
+    if ec.max_model_len is not None and ec.max_model_len > kv_tokens:
+        raise ValueError(f"max_model_len={ec.max_model_len} does not fit the KV pool of {kv_tokens} tokens: "
+                         f"raise memory_budget_gb / kv_cache_tokens or lower max_model_len")
+    max_model_len = min(len_limit, kv_tokens)
+    if max_model_len < 2:
+        raise ValueError(f"the KV pool holds only {kv_tokens} tokens: raise memory_budget_gb or kv_cache_tokens")
+
+    caches = Caches(
+        req_slots=ReqSlots(ec.max_num_seqs, max_model_len, device),
+        kv_pool=KVPool(n_attn, kv_tokens, mc.num_key_value_heads, mc.head_dim, dtype, device),
+        state_pool=StatePool(n_lin, ec.max_num_seqs, mc.conv_dim, mc.linear_conv_kernel_dim,
+                             mc.linear_num_value_heads, mc.linear_key_head_dim, mc.linear_value_head_dim,
+                             dtype, state_dtype, device),
+        max_model_len=max_model_len,
+    )
+    return caches

@@ -1,0 +1,45 @@
+"""Request slots: which KV locations and which state slot belong to each running request."""
+
+from __future__ import annotations
+
+import torch
+
+
+class ReqSlots:
+    """``req_to_token[slot, pos]`` is the KV pool location of position ``pos``; ``req_to_state[slot]`` the state slot.
+
+    NOTE: slot 0 is reserved as the padding row. Padded batch rows point at it, its ``req_to_token`` row is all
+    location 0 (the KV pool's dummy location) and its state slot is -1, so a padded row reads nothing real and its
+    writes land on dummies.
+    """
+
+    def __init__(self, max_num_seqs: int, max_context: int, device: torch.device):
+        self.max_num_seqs = max_num_seqs
+        self.max_context = max_context
+        self.req_to_token = torch.zeros(max_num_seqs + 1, max_context, dtype=torch.int64, device=device)
+        self.req_to_state = torch.full((max_num_seqs + 1,), -1, dtype=torch.int64, device=device)
+        self._free = list(range(max_num_seqs, 0, -1))  # pop() hands out 1, 2, ...
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.max_num_seqs - len(self._free)
+
+    def alloc(self) -> int | None:
+        return self._free.pop() if self._free else None
+
+    def free(self, slot: int) -> None:
+        assert 0 < slot <= self.max_num_seqs and slot not in self._free, f"bad request slot free: {slot}"
+        self._free.append(slot)
+
+    def write_locations(self, rows: list[int], cols: list[int], locs: torch.Tensor) -> None:
+        """Record the KV locations of newly allocated positions (one scatter for the whole step)."""
+        if not rows:
+            return
+        dev = self.req_to_token.device
+        r = torch.tensor(rows, dtype=torch.int64).to(dev, non_blocking=True)
+        c = torch.tensor(cols, dtype=torch.int64).to(dev, non_blocking=True)
+        self.req_to_token[r, c] = locs.to(dev, non_blocking=True)

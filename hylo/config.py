@@ -1,0 +1,257 @@
+"""Configuration: the model's shape (parsed from a Hugging Face ``config.json``) and the engine's options.
+
+Both are frozen dataclasses: nothing changes them after start-up, so every component can hold a reference.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, fields
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The Qwen3-Next architecture, as its ``config.json`` describes it."""
+
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    layer_types: tuple[str, ...]  # "linear_attention" | "full_attention", one per layer
+    # full attention
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rope_theta: float
+    partial_rotary_factor: float
+    attention_bias: bool
+    # gated delta net
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int
+    # feed-forward
+    intermediate_size: int
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    shared_expert_intermediate_size: int
+    norm_topk_prob: bool
+    decoder_sparse_step: int
+    mlp_only_layers: tuple[int, ...]
+    # misc
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    eos_token_ids: tuple[int, ...] = ()
+    num_nextn_predict_layers: int = 1
+    hidden_act: str = "silu"
+
+    # ---- derived shapes -------------------------------------------------------------------------------------
+    @property
+    def attn_layer_ids(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == "full_attention"]
+
+    @property
+    def linear_layer_ids(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == "linear_attention"]
+
+    @property
+    def linear_key_dim(self) -> int:
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def linear_value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels that go through the causal conv: q, k and v of the GDN layer."""
+        return 2 * self.linear_key_dim + self.linear_value_dim
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        return (
+            layer_id not in self.mlp_only_layers
+            and self.num_experts > 0
+            and (layer_id + 1) % self.decoder_sparse_step == 0
+        )
+
+    # ---- parsing --------------------------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
+        model_type = cfg.get("model_type")
+        if model_type != "qwen3_next":
+            raise ValueError(
+                f"unsupported model_type {model_type!r}: hylo serves the Qwen3-Next architecture ('qwen3_next')"
+            )
+        n_layers = int(cfg["num_hidden_layers"])
+        layer_types = cfg.get("layer_types")
+        if layer_types is None:
+            interval = int(cfg.get("full_attention_interval", 4))
+            layer_types = [
+                "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n_layers)
+            ]
+        layer_types = tuple(layer_types)
+        if len(layer_types) != n_layers or any(t not in ("linear_attention", "full_attention") for t in layer_types):
+            raise ValueError(f"config.json: layer_types must list {n_layers} entries of "
+                             f"'linear_attention' or 'full_attention', got {list(layer_types)}")
+        rope = dict(cfg.get("rope_parameters") or {})
+        if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
+            raise ValueError(f"config.json: rope_type {rope.get('rope_type')!r} is not supported (only 'default')")
+        rope_theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+        prf = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25)))
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        num_heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        return cls(
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            num_hidden_layers=n_layers,
+            layer_types=layer_types,
+            num_attention_heads=num_heads,
+            num_key_value_heads=int(cfg.get("num_key_value_heads", num_heads)),
+            head_dim=int(cfg.get("head_dim") or hidden // num_heads),
+            rope_theta=rope_theta,
+            partial_rotary_factor=prf,
+            attention_bias=bool(cfg.get("attention_bias", False)),
+            linear_num_key_heads=int(cfg["linear_num_key_heads"]),
+            linear_num_value_heads=int(cfg["linear_num_value_heads"]),
+            linear_key_head_dim=int(cfg["linear_key_head_dim"]),
+            linear_value_head_dim=int(cfg["linear_value_head_dim"]),
+            linear_conv_kernel_dim=int(cfg.get("linear_conv_kernel_dim", 4)),
+            intermediate_size=int(cfg.get("intermediate_size", 0)),
+            num_experts=int(cfg.get("num_experts", 0)),
+            num_experts_per_tok=int(cfg.get("num_experts_per_tok", 0)),
+            moe_intermediate_size=int(cfg.get("moe_intermediate_size", 0)),
+            shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size", 0)),
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+            decoder_sparse_step=int(cfg.get("decoder_sparse_step", 1)),
+            mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 32768)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            eos_token_ids=eos_ids,
+            num_nextn_predict_layers=int(cfg.get("num_nextn_predict_layers", 1) or 1),
+            hidden_act=str(cfg.get("hidden_act", "silu")),
+        )
+
+    @classmethod
+    def from_pretrained(cls, path: str) -> "ModelConfig":
+        cfg_path = os.path.join(path, "config.json")
+        if not os.path.isfile(cfg_path):
+            raise FileNotFoundError(f"no config.json in model directory {path!r}")
+        with open(cfg_path) as f:
+            cfg = json.load(f)
+        mc = cls.from_dict(cfg)
+        gen_path = os.path.join(path, "generation_config.json")
+        if os.path.isfile(gen_path):  # generation_config's eos list wins: chat models stop on several ids
+            with open(gen_path) as f:
+                eos = json.load(f).get("eos_token_id")
+            if eos is not None:
+                eos_ids = tuple(eos) if isinstance(eos, list) else (int(eos),)
+                mc = _replace(mc, eos_token_ids=tuple(dict.fromkeys(mc.eos_token_ids + eos_ids)))
+        mc.validate()
+        return mc
+
+    def validate(self) -> None:
+        problems = []
+        if self.num_attention_heads % self.num_key_value_heads:
+            problems.append("num_attention_heads must be a multiple of num_key_value_heads")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            problems.append("linear_num_value_heads must be a multiple of linear_num_key_heads")
+        if self.rotary_dim % 2:
+            problems.append("head_dim * partial_rotary_factor must be even")
+        if self.num_experts and not (0 < self.num_experts_per_tok <= self.num_experts):
+            problems.append("num_experts_per_tok must be in [1, num_experts]")
+        if self.hidden_act != "silu":
+            problems.append(f"hidden_act {self.hidden_act!r} is not supported (only 'silu')")
+        if problems:
+            raise ValueError("invalid Qwen3-Next config: " + "; ".join(problems))
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The ``config.json`` that describes this model (used to write checkpoints)."""
+        return {
+            "architectures": ["Qwen3NextForCausalLM"],
+            "model_type": "qwen3_next",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "layer_types": list(self.layer_types),
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta,
+                                "partial_rotary_factor": self.partial_rotary_factor},
+            "attention_bias": self.attention_bias,
+            "linear_num_key_heads": self.linear_num_key_heads,
+            "linear_num_value_heads": self.linear_num_value_heads,
+            "linear_key_head_dim": self.linear_key_head_dim,
+            "linear_value_head_dim": self.linear_value_head_dim,
+            "linear_conv_kernel_dim": self.linear_conv_kernel_dim,
+            "intermediate_size": self.intermediate_size,
+            "num_experts": self.num_experts,
+            "num_experts_per_tok": self.num_experts_per_tok,
+            "moe_intermediate_size": self.moe_intermediate_size,
+            "shared_expert_intermediate_size": self.shared_expert_intermediate_size,
+            "norm_topk_prob": self.norm_topk_prob,
+            "decoder_sparse_step": self.decoder_sparse_step,
+            "mlp_only_layers": list(self.mlp_only_layers),
+            "rms_norm_eps": self.rms_norm_eps,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "eos_token_id": list(self.eos_token_ids) or None,
+            "num_nextn_predict_layers": self.num_nextn_predict_layers,
+            "hidden_act": self.hidden_act,
+        }
+
+
+def _replace(obj, **changes):
+    values = {f.name: getattr(obj, f.name) for f in fields(obj)}
+    values.update(changes)
+    return type(obj)(**values)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Options of one engine instance. Every field can be passed to ``LLM(...)`` and most to the CLI."""
+
+    max_num_seqs: int = 64  # concurrent requests (request slots; slot 0 is reserved for padding)
+    max_model_len: int | None = None  # context limit per request; default: min(config, KV pool)
+    chunk_size: int = 2048  # prefill tokens per step (chunked prefill budget)
+    kv_cache_tokens: int | None = None  # explicit KV pool size in tokens; default: from the memory budget
+    memory_budget_gb: float | None = None  # cache memory budget; default: CPU 2 GiB, CUDA 90% of free memory
+    state_dtype: str = "float32"  # recurrent state dtype of the GDN layers
+    seed: int = 0  # seed of the engine's own random draws (per-request seeds for unseeded requests)
+    preemption: str = "recompute"  # when KV runs out mid-decode: preempt the newest request and re-run it
+    verbose: bool = True  # print the memory plan at start-up
+
+    def __post_init__(self):
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {self.chunk_size}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.kv_cache_tokens is not None and self.kv_cache_tokens < 2:
+            raise ValueError(f"kv_cache_tokens must be >= 2, got {self.kv_cache_tokens}")
+        if self.memory_budget_gb is not None and not (self.memory_budget_gb > 0 and math.isfinite(self.memory_budget_gb)):
+            raise ValueError(f"memory_budget_gb must be a positive number, got {self.memory_budget_gb}")
+        if self.state_dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"state_dtype must be float32, bfloat16 or float16, got {self.state_dtype!r}")
+        if self.preemption != "recompute":
+            raise ValueError(f"preemption must be 'recompute', got {self.preemption!r}")
+
+    @classmethod
+    def option_names(cls) -> set[str]:
+        return {f.name for f in fields(cls)}
+
+
+__all__ = ["ModelConfig", "EngineConfig"]

@@ -1,0 +1,263 @@
+"""The shared nouns: sampling parameters, requests, forward modes and the forward batch.
+
+Everything below the engine imports these and nothing above them, so that no backend or model ever needs to import
+the scheduler to know what a batch is.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Sampling parameters
+# ---------------------------------------------------------------------------------------------------------------
+@dataclass
+class SamplingParams:
+    """How to sample one request's continuation.
+
+    ``temperature == 0`` is greedy. ``top_k <= 0`` (or -1) and ``top_p == 1`` disable those filters. ``seed`` makes
+    the sample reproducible whatever else runs in the same batch. ``stop`` strings end the output before the match
+    (the match itself is not returned); ``stop_token_ids`` end it after the token (also not returned in ``text``).
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        def _num(name, value):
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"{name} must be a number, got {value!r}")
+            if not math.isfinite(float(value)):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
+
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
+            raise ValueError(f"max_tokens must be an integer, got {self.max_tokens!r}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        _num("temperature", self.temperature)
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        _num("top_p", self.top_p)
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int):
+            raise ValueError(f"top_k must be an integer, got {self.top_k!r}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1, 0 (both disable it) or positive, got {self.top_k}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        if not all(isinstance(s, str) and s for s in stops):
+            raise ValueError(f"stop must be a non-empty string or a list of non-empty strings, got {self.stop!r}")
+        ids = self.stop_token_ids or []
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+            raise ValueError(f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}")
+
+    @property
+    def stop_strings(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Requests
+# ---------------------------------------------------------------------------------------------------------------
+class ReqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Req:
+    """One request as the scheduler tracks it.
+
+    ``num_computed`` counts the tokens of ``prompt_ids + output_ids`` whose KV and recurrent state are in the
+    caches; the next step feeds the tokens after it. ``req_slot`` / ``state_slot`` are -1 while the request holds
+    no slot (waiting or preempted).
+    """
+
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int  # the request's own seed (its SamplingParams.seed, or one drawn by the engine)
+    prompt: str | None = None
+    output_ids: list[int] = field(default_factory=list)
+    status: ReqStatus = ReqStatus.WAITING
+    req_slot: int = -1
+    state_slot: int = -1
+    num_computed: int = 0
+    finish_reason: str | None = None  # "length" | "stop" | "abort"
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    num_preemptions: int = 0
+    arrival: int = 0  # admission order; the newest running request is preempted first
+    kv_locs: list[torch.Tensor] = field(default_factory=list)  # host copies of its KV locations, for freeing
+    spec: "SpecStats | None" = None
+    # incremental detokenisation state (see engine/detok.py)
+    text: str = ""
+    detok_prefix: int = 0
+    detok_read: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def token_at(self, i: int) -> int:
+        n = len(self.prompt_ids)
+        return self.prompt_ids[i] if i < n else self.output_ids[i - n]
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        n = len(self.prompt_ids)
+        if end <= n:
+            return self.prompt_ids[start:end]
+        if start >= n:
+            return self.output_ids[start - n:end - n]
+        return self.prompt_ids[start:] + self.output_ids[:end - n]
+
+    @property
+    def finished(self) -> bool:
+        return self.status is ReqStatus.FINISHED
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Forward batch
+# ---------------------------------------------------------------------------------------------------------------
+class ForwardMode(enum.Enum):
+    EXTEND = "extend"  # prefill chunks (decode rows may ride along with one token each)
+    DECODE = "decode"  # one token per request
+    TARGET_VERIFY = "target_verify"  # last token + k drafts per request; states go to the verify buffers
+    DRAFT_DECODE = "draft_decode"
+    DRAFT_EXTEND = "draft_extend"
+
+    @property
+    def is_extend(self) -> bool:
+        return self in (ForwardMode.EXTEND, ForwardMode.DRAFT_EXTEND)
+
+    @property
+    def is_decode(self) -> bool:
+        return self in (ForwardMode.DECODE, ForwardMode.DRAFT_DECODE)
+
+
+@dataclass
+class ForwardBatch:
+    """Everything one forward pass needs, passed explicitly down the call chain (no global context).
+
+    Device tensors are indexed by batch row (``[B]``) or by token (``[T]``). Host-side fields are upper bounds or
+    facts the scheduler already knows; none of them is ever read back from the device.
+    """
+
+    mode: ForwardMode
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    req_slots: torch.Tensor  # [B] int64, 0 for padded rows
+    state_slots: torch.Tensor  # [B] int64, -1 for padded rows
+    seq_lens: torch.Tensor  # [B] int64, tokens in the cache after this pass (prefix + new)
+    query_start_loc: torch.Tensor  # [B + 1] int64, row b's tokens are [qsl[b], qsl[b+1])
+    out_cache_loc: torch.Tensor  # [T] int64, KV pool location of every new token
+    max_seq_len: int  # host upper bound of seq_lens (sizes the attention gather)
+    # Host facts for EXTEND: the scheduler decided the chunk sizes, so it knows them without a device read.
+    extend_lens_cpu: list[int] | None = None
+    prefix_lens_cpu: list[int] | None = None
+    req_slots_cpu: list[int] | None = None
+    state_slots_cpu: list[int] | None = None
+    seq_lens_cpu: torch.Tensor | None = None  # only when some backend needs it (none of ours does)
+    num_padding: int = 0  # padded rows at the tail (CUDA graph replay)
+    tokens_per_row: int = 1  # DECODE: 1; TARGET_VERIFY: k + 1
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.req_slots.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling parameters on the device, plus host flags that pick which work is needed at all."""
+
+    temperatures: torch.Tensor  # [B] float32, 0 = greedy
+    top_p: torch.Tensor  # [B] float32
+    top_k: torch.Tensor  # [B] int64, vocab size when disabled
+    seeds: torch.Tensor  # [B] int64
+    steps: torch.Tensor  # [B] int64, index of the output token being sampled (keys the per-request noise)
+    all_greedy: bool
+    any_greedy: bool
+    need_top_k: bool
+    need_top_p: bool
+
+    @classmethod
+    def from_reqs(cls, reqs: list[Req], vocab_size: int, device: torch.device) -> "SamplingBatch":
+        temps = [float(r.params.temperature) for r in reqs]
+        top_ps = [float(r.params.top_p) for r in reqs]
+        top_ks = [r.params.top_k if r.params.top_k > 0 else vocab_size for r in reqs]
+        seeds = [r.seed for r in reqs]
+        steps = [len(r.output_ids) for r in reqs]
+        greedy = [t == 0 for t in temps]
+        return cls(
+            temperatures=torch.tensor(temps, dtype=torch.float32).to(device, non_blocking=True),
+            top_p=torch.tensor(top_ps, dtype=torch.float32).to(device, non_blocking=True),
+            top_k=torch.tensor(top_ks, dtype=torch.int64).to(device, non_blocking=True),
+            seeds=torch.tensor(seeds, dtype=torch.int64).to(device, non_blocking=True),
+            steps=torch.tensor(steps, dtype=torch.int64).to(device, non_blocking=True),
+            all_greedy=all(greedy),
+            any_greedy=any(greedy),
+            need_top_k=any(k < vocab_size for k, g in zip(top_ks, greedy) if not g),
+            need_top_p=any(p < 1.0 for p, g in zip(top_ps, greedy) if not g),
+        )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Outputs
+# ---------------------------------------------------------------------------------------------------------------
+@dataclass
+class SpecStats:
+    """Speculative decoding counters of one request."""
+
+    verify_steps: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    emitted_tokens: int = 0  # tokens produced by verify steps (accepted drafts + one bonus per step)
+
+    @property
+    def mean_accept_length(self) -> float:
+        """Tokens emitted per verify step, the bonus token included."""
+        return self.emitted_tokens / self.verify_steps if self.verify_steps else 0.0
+
+    def as_dict(self) -> dict:
+        return {"verify_steps": self.verify_steps, "draft_tokens": self.draft_tokens,
+                "accepted_tokens": self.accepted_tokens, "mean_accept_length": self.mean_accept_length}
+
+
+@dataclass
+class RequestOutput:
+    """What a request produced so far (``finished`` tells whether it is complete)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # generated tokens only
+    text: str | None  # None without a tokenizer
+    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    finished: bool
+    stop_reason: int | str | None = None
+    spec: SpecStats | None = None
+    num_preemptions: int = 0

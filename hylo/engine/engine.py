@@ -1,0 +1,234 @@
+"""The engine: loads a model, owns the scheduler and the worker, and advances all requests one step at a time.
+
+``add_request`` validates input before anything is queued, so a bad request raises a ValueError naming the problem
+and never reaches (or harms) the requests already running.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import random
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..cache.memory import allocate_caches
+from ..config import EngineConfig, ModelConfig
+from ..core import Req, RequestOutput, ReqStatus, SamplingParams
+from ..layers.weights import DictReader, TensorReader
+from ..models.default import DEFAULT_MODEL_NAME, DEFAULT_SEED, default_model_config
+from ..models.loader import SafetensorsReader
+from ..models.qwen3_next import Qwen3NextForCausalLM
+from ..models.random_init import random_checkpoint
+from ..tokenizer import ByteTokenizer, load_tokenizer
+from .detok import detokenize_step, find_stop_string
+from .scheduler import Scheduler
+from .worker import ModelWorker
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} asked for, but CUDA is not available on this machine")
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"unsupported device {device!r}: use 'cpu', 'cuda' or 'auto'")
+    return dev
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float16": torch.float16, "fp16": torch.float16}
+    if dtype not in names:
+        raise ValueError(f"unsupported dtype {dtype!r}: use auto, float32, bfloat16 or float16")
+    return names[dtype]
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    config: ModelConfig
+    model: Qwen3NextForCausalLM
+    reader: TensorReader
+    tokenizer: object | None
+    is_random: bool
+
+
+def load_model(path: str | None, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+    """A checkpoint directory, or the embedded default (random weights) when ``path`` is None."""
+    if path is None:
+        mc = default_model_config()
+        reader: TensorReader = DictReader(random_checkpoint(mc, seed=DEFAULT_SEED))
+        name, tokenizer, is_random = DEFAULT_MODEL_NAME, ByteTokenizer(), True
+    else:
+        if not os.path.isdir(path):
+            raise FileNotFoundError(f"model directory {path!r} does not exist")
+        mc = ModelConfig.from_pretrained(path)
+        reader = SafetensorsReader(path)
+        name, tokenizer, is_random = os.path.basename(os.path.normpath(path)), load_tokenizer(path), False
+    with torch.device(device):
+        model = Qwen3NextForCausalLM(mc, dtype, device)
+    model.load(reader)
+    model.eval()
+    return LoadedModel(name, mc, model, reader, tokenizer, is_random)
+
+
+class Engine:
+    """One model, its caches, a scheduler and a worker. Not thread-safe: one caller drives ``step``."""
+
+    def __init__(self, model: str | None = None, device: str = "auto", dtype: str = "auto",
+                 engine_config: EngineConfig | None = None):
+        self.ec = engine_config or EngineConfig()
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        t0 = time.perf_counter()
+        lm = load_model(model, self.dtype, self.device)
+        self.model_name, self.model_config, self.model = lm.name, lm.config, lm.model
+        self.tokenizer, self.is_random = lm.tokenizer, lm.is_random
+        self.reader = lm.reader
+        self.caches = allocate_caches(self.model_config, self.ec, self.dtype, self.device)
+        self.max_model_len = self.caches.max_model_len
+        self.scheduler = Scheduler(self.caches, self.ec)
+        self.worker = ModelWorker(self.model, self.caches, self.device)
+        self._rng = random.Random(self.ec.seed)
+        self._ids = itertools.count()
+        self._reqs: dict[str, Req] = {}
+        self.eos_ids = set(self.model_config.eos_token_ids)
+        self.load_seconds = time.perf_counter() - t0
+        if self.ec.verbose:
+            kind = "embedded default, RANDOM WEIGHTS (output is noise)" if self.is_random else "checkpoint"
+            print(f"[hylo] model {self.model_name} ({kind}) on {self.device} in {str(self.dtype)[6:]}, "
+                  f"loaded in {self.load_seconds:.1f}s", flush=True)
+            print(f"[hylo] {self.caches.summary()}", flush=True)
+
+    # ---- requests ---------------------------------------------------------------------------------------------
+    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
+        """Token ids of a prompt, validated: non-empty, inside the vocabulary, inside the context limit."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model directory has no tokenizer.json: pass prompts as lists of token ids")
+            if not prompt:
+                raise ValueError("prompt is empty")
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)) or (isinstance(prompt, torch.Tensor) and prompt.dim() == 1):
+            ids = prompt.tolist() if isinstance(prompt, torch.Tensor) else list(prompt)
+            for i, t in enumerate(ids):
+                if isinstance(t, bool) or not isinstance(t, int):
+                    raise ValueError(f"prompt token at position {i} is {t!r}, not an integer token id")
+        else:
+            raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        if not ids:
+            raise ValueError("prompt is empty")
+        vocab = self.model_config.vocab_size
+        for i, t in enumerate(ids):
+            if not 0 <= t < vocab:
+                raise ValueError(f"prompt token id {t} at position {i} is outside the vocabulary [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens, but the context limit (max_model_len) is "
+                             f"{self.max_model_len}: it must be shorter to leave room for output")
+        return ids
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        params.validate()
+        ids = self.encode_prompt(prompt)
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self._reqs:
+            raise ValueError(f"request id {rid!r} is already in use")
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        req = Req(rid=rid, prompt_ids=ids, params=params, seed=seed,
+                  prompt=prompt if isinstance(prompt, str) else None)
+        self._reqs[rid] = req
+        self.scheduler.add(req)
+        return rid
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now and free its slots; returns False if it is unknown or already finished."""
+        req = self._reqs.get(request_id)
+        if req is None or req.finished:
+            return False
+        self.scheduler.finish(req, "abort")
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    def output_of(self, req: Req) -> RequestOutput:
+        return RequestOutput(
+            request_id=req.rid, prompt=req.prompt, prompt_token_ids=req.prompt_ids,
+            token_ids=list(req.output_ids), text=req.text if self.tokenizer is not None else None,
+            finish_reason=req.finish_reason, finished=req.finished, stop_reason=req.stop_reason,
+            spec=req.spec, num_preemptions=req.num_preemptions)
+
+    def pop_finished(self, request_id: str) -> RequestOutput:
+        req = self._reqs.pop(request_id)
+        return self.output_of(req)
+
+    # ---- stepping ---------------------------------------------------------------------------------------------
+    def step(self) -> list[Req]:
+        """Run one step. Returns the requests that produced a token or finished in it."""
+        sched = self.scheduler.schedule()
+        if sched is None:
+            return []
+        next_tokens = self.worker.run(sched).tolist()  # the one device read of a plain step
+        updated = []
+        it = iter(next_tokens)
+        for req, n, keep in zip(sched.reqs, sched.extend_lens, sched.sample):
+            req.num_computed += n
+            if keep:
+                self._append_token(req, next(it))
+                updated.append(req)
+        return updated
+
+    def _append_token(self, req: Req, token: int) -> None:
+        req.output_ids.append(token)
+        p = req.params
+        if (not p.ignore_eos and token in self.eos_ids) or (p.stop_token_ids and token in p.stop_token_ids):
+            req.stop_reason = token
+            self.scheduler.finish(req, "stop")  # the stop token's text is not part of the output
+            return
+        if self.tokenizer is not None:
+            delta = detokenize_step(self.tokenizer, req)
+            hit = find_stop_string(req, delta)
+            if hit is not None:
+                req.text = req.text[:hit[0]]
+                req.stop_reason = hit[1]
+                self.scheduler.finish(req, "stop")
+                return
+        if len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            if self.tokenizer is not None:  # flush a character the last token left unfinished
+                req.text = self.tokenizer.decode(req.output_ids)
+            self.scheduler.finish(req, "length")
+
+    @torch.inference_mode()
+    def prompt_logits(self, prompt: str | list[int]) -> torch.Tensor:
+        """Logits at every prompt position ([L, vocab] float32), computed by chunked prefill through the caches.
+
+        Runs on an idle engine only (it would otherwise advance other requests without sampling them).
+        """
+        if self.has_unfinished():
+            raise RuntimeError("prompt_logits needs an idle engine")
+        ids = self.encode_prompt(prompt)
+        req = Req(rid=f"__prompt_logits_{next(self._ids)}", prompt_ids=ids, params=SamplingParams(max_tokens=1),
+                  seed=0)
+        self.scheduler.add(req)
+        chunks = []
+        try:
+            while req.num_computed < len(ids):
+                sched = self.scheduler.schedule()
+                hidden = self.worker.forward_hidden(self.worker.build_batch(sched))
+                chunks.append(self.model.compute_logits(hidden))
+                req.num_computed += sched.extend_lens[0]
+        finally:
+            self.scheduler.finish(req, "abort")
+        return torch.cat(chunks)

@@ -1,0 +1,85 @@
+"""The plain worker: turns a scheduled step into a ForwardBatch, runs the model, samples the next tokens."""
+
+from __future__ import annotations
+
+import torch
+
+from ..backends.attention import AttentionBackend
+from ..backends.gdn import GDNBackend
+from ..backends.hybrid import HybridBackend
+from ..cache.memory import Caches
+from ..core import ForwardBatch, ForwardMode, SamplingBatch
+from ..models.qwen3_next import Qwen3NextForCausalLM
+from ..ops.sampling import sample
+from .scheduler import ScheduledBatch
+
+
+def _dev(values, device, dtype=torch.int64) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
+class ModelWorker:
+    def __init__(self, model: Qwen3NextForCausalLM, caches: Caches, device: torch.device):
+        self.model = model
+        self.caches = caches
+        self.device = device
+        self.vocab_size = model.config.vocab_size
+        self.backend = HybridBackend(AttentionBackend(caches.kv_pool, caches.req_slots),
+                                     GDNBackend(caches.state_pool), model.config.layer_types)
+
+    def build_batch(self, sched: ScheduledBatch) -> ForwardBatch:
+        """Host plan -> device batch. Also records the step's new KV locations in ``req_to_token``."""
+        ids, pos, rows, cols = [], [], [], []
+        qsl = [0]
+        for req, n, prefix in zip(sched.reqs, sched.extend_lens, sched.prefix_lens):
+            ids.extend(req.tokens(prefix, prefix + n))
+            pos.extend(range(prefix, prefix + n))
+            rows.extend([req.req_slot] * n)
+            qsl.append(qsl[-1] + n)
+        self.caches.req_slots.write_locations(rows, pos, sched.out_cache_loc)
+        seq_lens = [p + n for p, n in zip(sched.prefix_lens, sched.extend_lens)]
+        req_slots = [r.req_slot for r in sched.reqs]
+        state_slots = [r.state_slot for r in sched.reqs]
+        dev = self.device
+        batch = ForwardBatch(
+            mode=sched.mode,
+            input_ids=_dev(ids, dev),
+            positions=_dev(pos, dev),
+            req_slots=_dev(req_slots, dev),
+            state_slots=_dev(state_slots, dev),
+            seq_lens=_dev(seq_lens, dev),
+            query_start_loc=_dev(qsl, dev),
+            out_cache_loc=sched.out_cache_loc.to(dev, non_blocking=True),
+            max_seq_len=max(seq_lens),
+            extend_lens_cpu=list(sched.extend_lens),
+            prefix_lens_cpu=list(sched.prefix_lens),
+            req_slots_cpu=req_slots,
+            state_slots_cpu=state_slots,
+        )
+        if self.backend.needs_cpu_seq_lens:
+            batch.seq_lens_cpu = torch.tensor(seq_lens, dtype=torch.int64)
+        return batch
+
+    def forward_hidden(self, batch: ForwardBatch) -> torch.Tensor:
+        self.backend.init_forward_metadata(batch)
+        return self.model(batch, self.backend)
+
+    @torch.inference_mode()
+    def run(self, sched: ScheduledBatch) -> torch.Tensor:
+        """Runs one step; returns the sampled token of every sampling row, [num_sampled] int64 on the device."""
+        batch = self.build_batch(sched)
+        hidden = self.forward_hidden(batch)
+        if batch.mode is ForwardMode.DECODE:
+            last = hidden
+        else:
+            ends, total = [], 0
+            for n, keep in zip(sched.extend_lens, sched.sample):
+                total += n
+                if keep:
+                    ends.append(total - 1)
+            last = hidden[_dev(ends, self.device)]
+        sampled = [r for r, keep in zip(sched.reqs, sched.sample) if keep]
+        if not sampled:
+            return torch.empty(0, dtype=torch.int64, device=self.device)
+        logits = self.model.compute_logits(last)
+        return sample(logits, SamplingBatch.from_reqs(sampled, self.vocab_size, self.device))

@@ -1,0 +1,67 @@
+"""Gated full attention (Qwen3-Next): per-head q/k RMSNorm, partial rotary, output times sigmoid(gate).
+
+At load time ``q_proj`` (query and gate interleaved per head), ``k_proj`` and ``v_proj`` are fused into one
+projection laid out ``[q | gate | k | v]``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+from ..core import ForwardBatch
+from .weights import TensorReader, copy_into
+from ..ops.norm import rms_norm
+from .rotary import RotaryEmbedding
+
+
+class GatedAttention(nn.Module):
+    def __init__(self, mc: ModelConfig, layer_id: int, dtype: torch.dtype, device=None):
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads, self.num_kv_heads, self.head_dim = mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim
+        self.hidden = mc.hidden_size
+        self.eps = mc.rms_norm_eps
+        self.scaling = self.head_dim ** -0.5
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        kw = dict(dtype=dtype, device=device)
+        rows = 2 * self.q_size + 2 * self.kv_size
+        self.qkv_proj = nn.Parameter(torch.empty(rows, self.hidden, **kw), requires_grad=False)
+        self.qkv_bias = (nn.Parameter(torch.empty(rows, **kw), requires_grad=False) if mc.attention_bias else None)
+        self.o_proj = nn.Parameter(torch.empty(self.hidden, self.q_size, **kw), requires_grad=False)
+        self.o_bias = nn.Parameter(torch.empty(self.hidden, **kw), requires_grad=False) if mc.attention_bias else None
+        self.q_norm = nn.Parameter(torch.empty(self.head_dim, **kw), requires_grad=False)
+        self.k_norm = nn.Parameter(torch.empty(self.head_dim, **kw), requires_grad=False)
+        self.rotary = RotaryEmbedding(mc.rotary_dim, mc.rope_theta, device=device)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, backend) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        proj = F.linear(x, self.qkv_proj, self.qkv_bias)
+        q, gate, k, v = proj.split([self.q_size, self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = rms_norm(q.reshape(num_tokens, self.num_heads, self.head_dim), self.q_norm, self.eps)
+        k = rms_norm(k.reshape(num_tokens, self.num_kv_heads, self.head_dim), self.k_norm, self.eps)
+        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(batch.positions, q, k)
+        out = backend.attention(self.layer_id, q, k, v, batch, self.scaling)  # [T, H, D]
+        out = out.reshape(num_tokens, self.q_size) * torch.sigmoid(gate)
+        return F.linear(out, self.o_proj, self.o_bias)
+
+    def load(self, r: TensorReader, prefix: str) -> None:
+        h, d = self.num_heads, self.head_dim
+        qg = r.get(f"{prefix}.q_proj.weight", (2 * self.q_size, self.hidden)).view(h, 2 * d, self.hidden)
+        k = r.get(f"{prefix}.k_proj.weight", (self.kv_size, self.hidden))
+        v = r.get(f"{prefix}.v_proj.weight", (self.kv_size, self.hidden))
+        q, gate = qg[:, :d].reshape(-1, self.hidden), qg[:, d:].reshape(-1, self.hidden)
+        copy_into(self.qkv_proj, torch.cat([q, gate, k, v], dim=0))
+        if self.qkv_bias is not None:
+            qgb = r.get(f"{prefix}.q_proj.bias", (2 * self.q_size,)).view(h, 2 * d)
+            copy_into(self.qkv_bias, torch.cat([qgb[:, :d].reshape(-1), qgb[:, d:].reshape(-1),
+                                                r.get(f"{prefix}.k_proj.bias", (self.kv_size,)),
+                                                r.get(f"{prefix}.v_proj.bias", (self.kv_size,))]))
+            copy_into(self.o_bias, r.get(f"{prefix}.o_proj.bias", (self.hidden,)))
+        copy_into(self.o_proj, r.get(f"{prefix}.o_proj.weight", (self.hidden, self.q_size)))
+        copy_into(self.q_norm, r.get(f"{prefix}.q_norm.weight", (d,)))
+        copy_into(self.k_norm, r.get(f"{prefix}.k_norm.weight", (d,)))

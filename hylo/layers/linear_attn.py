@@ -1,0 +1,69 @@
+"""Gated DeltaNet layer (Qwen3-Next's linear attention).
+
+At load time the checkpoint's ``in_proj_qkvz`` (grouped per key head: q, k, v, z of each group together) and
+``in_proj_ba`` are re-laid into one projection ``[q | k | v | z | b | a]``: one matmul instead of two, and plain
+slices instead of per-group reshapes on every step.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..backends.gdn import GDNParams, GDNShape
+from ..config import ModelConfig
+from ..core import ForwardBatch
+from ..ops.norm import gated_rms_norm
+from .weights import TensorReader, copy_into
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, mc: ModelConfig, layer_id: int, dtype: torch.dtype, device=None):
+        super().__init__()
+        self.layer_id = layer_id
+        self.shape = GDNShape(mc.linear_num_key_heads, mc.linear_key_head_dim, mc.linear_num_value_heads,
+                              mc.linear_value_head_dim)
+        self.eps = mc.rms_norm_eps
+        self.hidden = mc.hidden_size
+        self.key_dim, self.value_dim = mc.linear_key_dim, mc.linear_value_dim
+        self.conv_dim, self.kernel = mc.conv_dim, mc.linear_conv_kernel_dim
+        hv = mc.linear_num_value_heads
+        kw = dict(dtype=dtype, device=device)
+        # [q | k | v | z | b | a] rows
+        self.in_proj = nn.Parameter(torch.empty(self.conv_dim + self.value_dim + 2 * hv, self.hidden, **kw),
+                                    requires_grad=False)
+        self.conv_weight = nn.Parameter(torch.empty(self.conv_dim, self.kernel, **kw), requires_grad=False)
+        self.A_log = nn.Parameter(torch.empty(hv, **kw), requires_grad=False)
+        self.dt_bias = nn.Parameter(torch.empty(hv, **kw), requires_grad=False)
+        self.norm_weight = nn.Parameter(torch.empty(mc.linear_value_head_dim, **kw), requires_grad=False)
+        self.out_proj = nn.Parameter(torch.empty(self.hidden, self.value_dim, **kw), requires_grad=False)
+
+    def params(self) -> GDNParams:
+        return GDNParams(self.conv_weight, self.A_log, self.dt_bias)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, backend) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        s = self.shape
+        proj = F.linear(x, self.in_proj)
+        mixed_qkv, z, b, a = proj.split([self.conv_dim, self.value_dim, s.num_v_heads, s.num_v_heads], dim=-1)
+        core = backend.linear_attention(self.layer_id, mixed_qkv, a, b, self.params(), s, batch)  # [T, Hv, Dv]
+        core = gated_rms_norm(core.to(x.dtype), z.reshape(num_tokens, s.num_v_heads, s.head_v_dim),
+                              self.norm_weight, self.eps)
+        return F.linear(core.reshape(num_tokens, self.value_dim), self.out_proj)
+
+    def load(self, r: TensorReader, prefix: str) -> None:
+        s = self.shape
+        nk, dk, rep, dv = s.num_k_heads, s.head_k_dim, s.num_v_heads // s.num_k_heads, s.head_v_dim
+        group = 2 * dk + 2 * rep * dv
+        qkvz = r.get(f"{prefix}.in_proj_qkvz.weight", (nk * group, self.hidden)).view(nk, group, self.hidden)
+        q, k, v, z = qkvz.split([dk, dk, rep * dv, rep * dv], dim=1)
+        ba = r.get(f"{prefix}.in_proj_ba.weight", (2 * s.num_v_heads, self.hidden)).view(nk, 2 * rep, self.hidden)
+        b, a = ba.split([rep, rep], dim=1)
+        fused = torch.cat([t.reshape(-1, self.hidden) for t in (q, k, v, z, b, a)], dim=0)
+        copy_into(self.in_proj, fused)
+        copy_into(self.conv_weight, r.get(f"{prefix}.conv1d.weight", (self.conv_dim, 1, self.kernel))[:, 0])
+        copy_into(self.A_log, r.get(f"{prefix}.A_log", (s.num_v_heads,)))
+        copy_into(self.dt_bias, r.get(f"{prefix}.dt_bias", (s.num_v_heads,)))
+        copy_into(self.norm_weight, r.get(f"{prefix}.norm.weight", (dv,)))
+        copy_into(self.out_proj, r.get(f"{prefix}.out_proj.weight", (self.hidden, self.value_dim)))

@@ -1,0 +1,27 @@
+"""Rotary position embedding on the first ``rotary_dim`` channels of each head (rotate-half layout)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, rotary_dim: int, base: float, device=None):
+        super().__init__()
+        self.rotary_dim = rotary_dim
+        inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=device) / rotary_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """positions: [T]; q: [T, H, D]; k: [T, KVH, D]. Rotates the first rotary_dim channels of each head."""
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, rot/2]
+        cos, sin = freqs.cos()[:, None, :], freqs.sin()[:, None, :]
+        return self._apply(q, cos, sin), self._apply(k, cos, sin)
+
+    def _apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = self.rotary_dim // 2
+        x1 = x[..., :half].float()
+        x2 = x[..., half:self.rotary_dim].float()
+        rot = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+        return torch.cat([rot, x[..., self.rotary_dim:]], dim=-1)

@@ -1,0 +1,46 @@
+"""Reading checkpoint files: one safetensors file, or shards listed in ``model.safetensors.index.json``."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from ..layers.weights import CheckpointError, TensorReader
+
+
+class SafetensorsReader(TensorReader):
+    def __init__(self, path: str):
+        super().__init__()
+        from safetensors import safe_open
+
+        index = os.path.join(path, "model.safetensors.index.json")
+        single = os.path.join(path, "model.safetensors")
+        if os.path.isfile(index):
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+            files = sorted(set(weight_map.values()))
+        elif os.path.isfile(single):
+            weight_map, files = None, ["model.safetensors"]
+        else:
+            raise CheckpointError(f"no model.safetensors or model.safetensors.index.json in {path!r}")
+        self._handles = {}
+        self._where: dict[str, str] = {}
+        for fn in files:
+            full = os.path.join(path, fn)
+            if not os.path.isfile(full):
+                raise CheckpointError(f"checkpoint shard {fn!r} listed in the index is missing from {path!r}")
+            h = safe_open(full, framework="pt")
+            self._handles[fn] = h
+            for k in h.keys():
+                self._where[k] = fn
+        if weight_map is not None:
+            missing = [k for k, fn in weight_map.items() if k not in self._where]
+            if missing:
+                raise CheckpointError(f"tensor {missing[0]!r} listed in the index is not in its shard "
+                                      f"{weight_map[missing[0]]!r}")
+
+    def keys(self):
+        return self._where.keys()
+
+    def _load(self, name):
+        return self._handles[self._where[name]].get_tensor(name)

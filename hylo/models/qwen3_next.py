@@ -1,0 +1,74 @@
+"""Qwen3-Next: a stack of Gated DeltaNet and gated full-attention layers (``layer_types``), each followed by a
+sparse MoE or a dense MLP, between a token embedding and an LM head."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+from ..core import ForwardBatch
+from ..layers.attention import GatedAttention
+from ..layers.linear_attn import GatedDeltaNet
+from ..layers.moe import MLP, SparseMoE
+from ..layers.norm import RMSNorm
+from ..layers.weights import TensorReader, copy_into
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, mc: ModelConfig, layer_id: int, dtype: torch.dtype, device=None, attention_only=False):
+        super().__init__()
+        # attention_only: the MTP head's layer, a full-attention layer numbered past the target's layers
+        self.is_linear = not attention_only and mc.layer_types[layer_id] == "linear_attention"
+        self.input_norm = RMSNorm(mc.hidden_size, mc.rms_norm_eps, dtype, device)
+        self.post_norm = RMSNorm(mc.hidden_size, mc.rms_norm_eps, dtype, device)
+        self.mixer = (GatedDeltaNet(mc, layer_id, dtype, device) if self.is_linear
+                      else GatedAttention(mc, layer_id, dtype, device))
+        use_moe = mc.num_experts > 0 if attention_only else mc.is_moe_layer(layer_id)
+        self.mlp = (SparseMoE(mc, dtype, device) if use_moe
+                    else MLP(mc.hidden_size, mc.intermediate_size, dtype, device))
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, backend) -> torch.Tensor:
+        x = x + self.mixer(self.input_norm(x), batch, backend)
+        return x + self.mlp(self.post_norm(x))
+
+    def load(self, r: TensorReader, prefix: str) -> None:
+        copy_into(self.input_norm.weight, r.get(f"{prefix}.input_layernorm.weight", self.input_norm.weight.shape))
+        copy_into(self.post_norm.weight,
+                  r.get(f"{prefix}.post_attention_layernorm.weight", self.post_norm.weight.shape))
+        self.mixer.load(r, f"{prefix}.linear_attn" if self.is_linear else f"{prefix}.self_attn")
+        self.mlp.load(r, f"{prefix}.mlp")
+
+
+class Qwen3NextForCausalLM(nn.Module):
+    def __init__(self, mc: ModelConfig, dtype: torch.dtype, device=None):
+        super().__init__()
+        self.config = mc
+        self.dtype = dtype
+        kw = dict(dtype=dtype, device=device)
+        self.embed = nn.Parameter(torch.empty(mc.vocab_size, mc.hidden_size, **kw), requires_grad=False)
+        self.layers = nn.ModuleList(DecoderLayer(mc, i, dtype, device) for i in range(mc.num_hidden_layers))
+        self.norm = RMSNorm(mc.hidden_size, mc.rms_norm_eps, dtype, device)
+        self.lm_head = (self.embed if mc.tie_word_embeddings
+                        else nn.Parameter(torch.empty(mc.vocab_size, mc.hidden_size, **kw), requires_grad=False))
+
+    def forward(self, batch: ForwardBatch, backend) -> torch.Tensor:
+        """Returns the final hidden states (after the final norm), [T, hidden]."""
+        x = F.embedding(batch.input_ids, self.embed)
+        for layer in self.layers:
+            x = layer(x, batch, backend)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head).float()
+
+    def load(self, r: TensorReader) -> None:
+        mc = self.config
+        shape = (mc.vocab_size, mc.hidden_size)
+        copy_into(self.embed, r.get("model.embed_tokens.weight", shape))
+        if not mc.tie_word_embeddings:
+            copy_into(self.lm_head, r.get("lm_head.weight", shape))
+        for i, layer in enumerate(self.layers):
+            layer.load(r, f"model.layers.{i}")
+        copy_into(self.norm.weight, r.get("model.norm.weight", (mc.hidden_size,)))

@@ -1,0 +1,100 @@
+"""Seeded random weights under the checkpoint's own names (per-expert keys, ``mtp.*`` included).
+
+Used for the embedded default model, for benchmark models, and by tests to append ``mtp.*`` tensors to checkpoints
+that transformers wrote (transformers does not write the MTP head).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..config import ModelConfig
+
+
+def _decoder_layer(mc: ModelConfig, prefix: str, kind: str, moe: bool, g: torch.Generator, std: float,
+                   dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    H = mc.hidden_size
+    t: dict[str, torch.Tensor] = {}
+
+    def normal(name, *shape):
+        t[name] = (torch.randn(*shape, generator=g) * std).to(dtype)
+
+    def zeros(name, *shape):  # zero-centred norms: weight 0 means scale 1; small noise keeps them non-trivial
+        t[name] = (torch.randn(*shape, generator=g) * 0.1).to(dtype)
+
+    zeros(f"{prefix}.input_layernorm.weight", H)
+    zeros(f"{prefix}.post_attention_layernorm.weight", H)
+    if kind == "linear_attention":
+        p = f"{prefix}.linear_attn"
+        hv = mc.linear_num_value_heads
+        normal(f"{p}.in_proj_qkvz.weight", 2 * mc.linear_key_dim + 2 * mc.linear_value_dim, H)
+        normal(f"{p}.in_proj_ba.weight", 2 * hv, H)
+        bound = 1.0 / math.sqrt(mc.linear_conv_kernel_dim)
+        t[f"{p}.conv1d.weight"] = ((torch.rand(mc.conv_dim, 1, mc.linear_conv_kernel_dim, generator=g) * 2 - 1)
+                                   * bound).to(dtype)
+        t[f"{p}.A_log"] = (torch.rand(hv, generator=g) * (16 - 0.01) + 0.01).log().to(dtype)
+        t[f"{p}.dt_bias"] = torch.ones(hv, dtype=dtype)
+        t[f"{p}.norm.weight"] = (1 + torch.randn(mc.linear_value_head_dim, generator=g) * 0.1).to(dtype)
+        normal(f"{p}.out_proj.weight", H, mc.linear_value_dim)
+    else:
+        p = f"{prefix}.self_attn"
+        q, kv = mc.num_attention_heads * mc.head_dim, mc.num_key_value_heads * mc.head_dim
+        normal(f"{p}.q_proj.weight", 2 * q, H)
+        normal(f"{p}.k_proj.weight", kv, H)
+        normal(f"{p}.v_proj.weight", kv, H)
+        normal(f"{p}.o_proj.weight", H, q)
+        if mc.attention_bias:
+            for name, n in (("q_proj", 2 * q), ("k_proj", kv), ("v_proj", kv), ("o_proj", H)):
+                normal(f"{p}.{name}.bias", n)
+        zeros(f"{p}.q_norm.weight", mc.head_dim)
+        zeros(f"{p}.k_norm.weight", mc.head_dim)
+    p = f"{prefix}.mlp"
+    if moe:
+        normal(f"{p}.gate.weight", mc.num_experts, H)
+        for e in range(mc.num_experts):
+            normal(f"{p}.experts.{e}.gate_proj.weight", mc.moe_intermediate_size, H)
+            normal(f"{p}.experts.{e}.up_proj.weight", mc.moe_intermediate_size, H)
+            normal(f"{p}.experts.{e}.down_proj.weight", H, mc.moe_intermediate_size)
+        if mc.shared_expert_intermediate_size > 0:
+            normal(f"{p}.shared_expert.gate_proj.weight", mc.shared_expert_intermediate_size, H)
+            normal(f"{p}.shared_expert.up_proj.weight", mc.shared_expert_intermediate_size, H)
+            normal(f"{p}.shared_expert.down_proj.weight", H, mc.shared_expert_intermediate_size)
+            normal(f"{p}.shared_expert_gate.weight", 1, H)
+    else:
+        normal(f"{p}.gate_proj.weight", mc.intermediate_size, H)
+        normal(f"{p}.up_proj.weight", mc.intermediate_size, H)
+        normal(f"{p}.down_proj.weight", H, mc.intermediate_size)
+    return t
+
+
+def random_mtp_tensors(mc: ModelConfig, seed: int, std: float = 0.02,
+                       dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """The ``mtp.*`` tensors of a Qwen3-Next checkpoint (one extra full-attention decoder layer per MTP layer)."""
+    g = torch.Generator().manual_seed(seed + 7919)
+    H = mc.hidden_size
+    t = {
+        "mtp.fc.weight": (torch.randn(H, 2 * H, generator=g) * std).to(dtype),
+        "mtp.pre_fc_norm_embedding.weight": (torch.randn(H, generator=g) * 0.1).to(dtype),
+        "mtp.pre_fc_norm_hidden.weight": (torch.randn(H, generator=g) * 0.1).to(dtype),
+        "mtp.norm.weight": (torch.randn(H, generator=g) * 0.1).to(dtype),
+    }
+    for i in range(mc.num_nextn_predict_layers):
+        t.update(_decoder_layer(mc, f"mtp.layers.{i}", "full_attention", mc.num_experts > 0, g, std, dtype))
+    return t
+
+
+def random_checkpoint(mc: ModelConfig, seed: int = 0, std: float = 0.02, with_mtp: bool = True,
+                      dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """A full random checkpoint, as tensors named like a Hugging Face Qwen3-Next checkpoint on disk."""
+    g = torch.Generator().manual_seed(seed)
+    t = {"model.embed_tokens.weight": (torch.randn(mc.vocab_size, mc.hidden_size, generator=g) * std).to(dtype)}
+    if not mc.tie_word_embeddings:
+        t["lm_head.weight"] = (torch.randn(mc.vocab_size, mc.hidden_size, generator=g) * std).to(dtype)
+    for i, kind in enumerate(mc.layer_types):
+        t.update(_decoder_layer(mc, f"model.layers.{i}", kind, mc.is_moe_layer(i), g, std, dtype))
+    t["model.norm.weight"] = (torch.randn(mc.hidden_size, generator=g) * 0.1).to(dtype)
+    if with_mtp:
+        t.update(random_mtp_tensors(mc, seed, std, dtype))
+    return t

@@ -1,0 +1,67 @@
+"""Causal attention over the paged KV pool (page size 1: ``req_to_token[req_slot, pos]`` is a token location).
+
+GQA: query head h reads KV head ``h // (H / KVH)``. Scores and softmax in float32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """Write new keys/values ([T, KVH, D]) at their pool locations ([T]) of one layer's cache ([N, KVH, D])."""
+    k_cache[loc] = k.to(k_cache.dtype)
+    v_cache[loc] = v.to(v_cache.dtype)
+
+
+def _attend(q, k, v, mask, scaling):
+    """q: [..., H, Lq, D]; k, v: [..., KVH, Lk, D]; mask: broadcastable bool [..., 1, Lq, Lk] (True = keep)."""
+    heads, kv_heads = q.shape[-3], k.shape[-3]
+    group = heads // kv_heads
+    qg = q.float().unflatten(-3, (kv_heads, group))  # [..., KVH, G, Lq, D]
+    scores = (qg @ k.float().unsqueeze(-3).transpose(-1, -2)) * scaling  # [..., KVH, G, Lq, Lk]
+    scores = scores.masked_fill(~mask.unsqueeze(-3), float("-inf"))
+    probs = scores.softmax(-1)
+    out = probs @ v.float().unsqueeze(-3)  # [..., KVH, G, Lq, D]
+    return out.flatten(-4, -3)  # [..., H, Lq, D]
+
+
+def extend_attention_ref(q, k_cache, v_cache, req_to_token, req_slots_cpu, prefix_lens_cpu, extend_lens_cpu,
+                         scaling):
+    """Prefill chunks of several requests, each attending to its cached prefix and causally to itself.
+
+    q: [T, H, D] packed by request; the new keys/values must already be in the cache.
+    Returns [T, H, D] in q's dtype.
+    """
+    out = torch.empty_like(q)
+    start = 0
+    for slot, prefix, length in zip(req_slots_cpu, prefix_lens_cpu, extend_lens_cpu):
+        total = prefix + length
+        locs = req_to_token[slot, :total]
+        k, v = k_cache[locs].transpose(0, 1), v_cache[locs].transpose(0, 1)  # [KVH, total, D]
+        qi = q[start:start + length].transpose(0, 1)  # [H, length, D]
+        q_pos = torch.arange(prefix, total, device=q.device)
+        mask = q_pos[:, None] >= torch.arange(total, device=q.device)[None, :]  # [length, total]
+        out[start:start + length] = _attend(qi, k, v, mask[None], scaling).transpose(0, 1).to(q.dtype)
+        start += length
+    return out
+
+
+def decode_attention_ref(q, k_cache, v_cache, req_to_token, req_slots, seq_lens, max_seq_len: int, scaling,
+                         tokens_per_row: int = 1):
+    """Decode (one query per row) or verify (``tokens_per_row`` consecutive queries per row) for a batch.
+
+    q: [B * tokens_per_row, H, D]; seq_lens: [B] cache length after this pass, the last ``tokens_per_row``
+    positions being the new tokens. ``max_seq_len`` is a host upper bound of seq_lens: nothing is read back.
+    """
+    batch = req_slots.shape[0]
+    s = tokens_per_row
+    locs = req_to_token[req_slots, :max_seq_len]  # [B, Lk]
+    k = k_cache[locs].transpose(1, 2)  # [B, KVH, Lk, D]
+    v = v_cache[locs].transpose(1, 2)
+    qb = q.view(batch, s, *q.shape[1:]).transpose(1, 2)  # [B, H, s, D]
+    key_pos = torch.arange(max_seq_len, device=q.device)
+    q_pos = seq_lens[:, None] - s + torch.arange(s, device=q.device)[None, :]  # [B, s]
+    mask = key_pos[None, None, :] <= q_pos[:, :, None]  # [B, s, Lk]
+    out = _attend(qb, k, v, mask[:, None], scaling)  # [B, H, s, D]
+    return out.transpose(1, 2).reshape(q.shape).to(q.dtype)

@@ -1,0 +1,47 @@
+"""Sparse mixture of experts: softmax router with top-k, and the routed expert SwiGLU MLPs.
+
+Expert weights are held fused: ``w13[E, 2I, H]`` (gate rows then up rows) and ``w2[E, H, I]``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def route_topk(router_logits: torch.Tensor, top_k: int, normalize: bool):
+    """Softmax over experts in float32, top-k, optional renormalisation. Returns (weights in the logits' dtype,
+    expert ids [T, k])."""
+    probs = router_logits.float().softmax(-1)
+    weights, ids = probs.topk(top_k, dim=-1)
+    if normalize:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return weights.to(router_logits.dtype), ids
+
+
+def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor) -> torch.Tensor:
+    """Sum over each token's chosen experts of ``weight * down(silu(gate(x)) * up(x))``.
+
+    x: [T, H]; topk_*: [T, k]. The reference groups tokens by expert (it reads the per-expert counts on the host);
+    the fast kernels do the same grouping on the device.
+    """
+    num_tokens, top_k = topk_ids.shape
+    inter = w2.shape[-1]
+    flat_ids = topk_ids.reshape(-1)
+    order = flat_ids.argsort(stable=True)
+    token_of = order // top_k  # token index of each sorted assignment
+    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
+    out = torch.zeros_like(x)
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        sel = order[start:start + count]
+        tok = token_of[start:start + count]
+        h = F.linear(x[tok], w13[expert])
+        h = F.silu(h[:, :inter]) * h[:, inter:]
+        h = F.linear(h, w2[expert]) * topk_weights.reshape(-1)[sel, None]
+        out.index_add_(0, tok, h.to(out.dtype))
+        start += count
+    return out

@@ -1,0 +1,72 @@
+"""Sampling without a host sync: temperature, top-k, top-p, and counter-based noise keyed by (seed, step).
+
+The noise of row b is a hash of (its request's seed, the index of the output token being sampled, the vocabulary
+index), so a seeded request samples the same tokens whatever else shares its batch, on any device, after a
+preemption too. Sampling is an exponential race: ``argmax(p / E)`` with ``E ~ Exp(1)`` draws from ``p``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..core import SamplingBatch
+
+_M32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer finaliser (xor-shift-multiply), on int64 tensors holding values < 2^32."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _M32
+    return x ^ (x >> 16)
+
+
+def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, width: int, stream: int = 0) -> torch.Tensor:
+    """Uniform (0, 1) noise of shape [B, width], a pure function of (seed, step, column, stream)."""
+    cols = torch.arange(width, device=seeds.device, dtype=torch.int64)
+    key = _mix32((seeds & _M32) ^ ((seeds >> 32) * 0x9E3779B1 & _M32))
+    key = _mix32(key ^ ((steps * 0x85EBCA77 + stream * 0xC2B2AE3D) & _M32))
+    x = _mix32((key[:, None] ^ (cols[None, :] * 0x27D4EB2F & _M32)) & _M32)
+    x = _mix32(x ^ 0x165667B1) >> 8  # 24 bits: exactly representable in float32, so u is never 0 or 1
+    return (x.float() + 0.5) * (1.0 / 16777216.0)
+
+
+def filter_probs(probs: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+    """Zero the probabilities outside each row's top-k / top-p set and renormalise. probs: [B, V] float32."""
+    if top_k is None and top_p is None:
+        return probs
+    sorted_p, sorted_idx = probs.sort(dim=-1, descending=True)
+    rank = torch.arange(probs.shape[-1], device=probs.device)[None, :]
+    drop = torch.zeros_like(sorted_p, dtype=torch.bool)
+    if top_k is not None:
+        drop |= rank >= top_k[:, None]
+    if top_p is not None:
+        # keep the smallest prefix whose mass reaches top_p: drop a token if the mass before it already does
+        mass_before = sorted_p.cumsum(-1) - sorted_p
+        drop |= mass_before >= top_p[:, None]
+    drop[:, 0] = False
+    sorted_p = sorted_p.masked_fill(drop, 0.0)
+    out = torch.zeros_like(probs).scatter_(-1, sorted_idx, sorted_p)
+    return out / out.sum(-1, keepdim=True)
+
+
+def sampling_probs(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+    """The distribution each row samples from: softmax(logits / T) with top-k / top-p applied. [B, V] float32."""
+    temps = torch.where(sb.temperatures > 0, sb.temperatures, torch.ones_like(sb.temperatures))
+    probs = (logits.float() / temps[:, None]).softmax(-1)
+    return filter_probs(probs, sb.top_k if sb.need_top_k else None, sb.top_p if sb.need_top_p else None)
+
+
+def sample(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+    """Next token per row ([B] int64): argmax for greedy rows, a seeded draw for the others."""
+    greedy = logits.argmax(-1)
+    if sb.all_greedy:
+        return greedy
+    probs = sampling_probs(logits, sb)
+    noise = uniform_noise(sb.seeds, sb.steps, probs.shape[-1])
+    drawn = (probs / -torch.log(noise)).argmax(-1)
+    if not sb.any_greedy:
+        return drawn
+    return torch.where(sb.temperatures > 0, drawn, greedy)

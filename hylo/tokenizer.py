@@ -1,0 +1,109 @@
+"""Tokenizers: a checkpoint's ``tokenizer.json`` (through the ``tokenizers`` library), or the byte-level tokenizer
+of the embedded default model. Both offer the same small interface, chat templates included."""
+
+from __future__ import annotations
+
+import json
+import os
+
+BYTE_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+# A minimal ChatML template: what the embedded default model and template-less checkpoints use for chat.
+CHATML_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+class _TemplateMixin:
+    chat_template: str | None = None
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """Render chat messages to a prompt string with the tokenizer's template (ChatML if it has none)."""
+        import jinja2
+
+        env = jinja2.Environment(undefined=jinja2.StrictUndefined, trim_blocks=False, lstrip_blocks=False)
+        env.globals["raise_exception"] = _raise
+        template = env.from_string(self.chat_template or CHATML_TEMPLATE)
+        return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                               bos_token="", eos_token="")
+
+
+def _raise(message):
+    raise ValueError(message)
+
+
+class HFTokenizer(_TemplateMixin):
+    """A ``tokenizer.json`` from a checkpoint directory."""
+
+    def __init__(self, path: str):
+        from tokenizers import Tokenizer
+
+        self._tok = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self.chat_template = _read_chat_template(path)
+        self.special_ids = {i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=True).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=True)
+
+    def token_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+
+class ByteTokenizer(_TemplateMixin):
+    """Bytes 0..255 are tokens 0..255; the special tokens follow. Decoding skips special tokens."""
+
+    def __init__(self):
+        self.vocab_size = 256 + len(BYTE_SPECIALS)
+        self.special_ids = set(range(256, self.vocab_size))
+        self.chat_template = CHATML_TEMPLATE
+
+    def encode(self, text: str) -> list[int]:
+        out: list[int] = []
+        i = 0
+        while i < len(text):  # special tokens written in the text become their ids (as in chat templates)
+            for j, tok in enumerate(BYTE_SPECIALS):
+                if text.startswith(tok, i):
+                    out.append(256 + j)
+                    i += len(tok)
+                    break
+            else:
+                nxt = min((p for p in (text.find(t, i) for t in BYTE_SPECIALS) if p >= 0), default=len(text))
+                out.extend(text[i:nxt].encode("utf-8"))
+                i = nxt
+        return out
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(t for t in ids if t < 256).decode("utf-8", errors="replace")
+
+    def token_id(self, token: str) -> int | None:
+        return 256 + BYTE_SPECIALS.index(token) if token in BYTE_SPECIALS else None
+
+
+def _read_chat_template(path: str) -> str | None:
+    jinja = os.path.join(path, "chat_template.jinja")
+    if os.path.isfile(jinja):
+        with open(jinja) as f:
+            return f.read()
+    cfg = os.path.join(path, "tokenizer_config.json")
+    if os.path.isfile(cfg):
+        with open(cfg) as f:
+            tmpl = json.load(f).get("chat_template")
+        if isinstance(tmpl, str):
+            return tmpl
+        if isinstance(tmpl, list):  # named templates: take the default one
+            for entry in tmpl:
+                if entry.get("name") == "default":
+                    return entry.get("template")
+    return None
+
+
+def load_tokenizer(path: str) -> HFTokenizer | None:
+    """The checkpoint's tokenizer, or None when the directory has no ``tokenizer.json``."""
+    if os.path.isfile(os.path.join(path, "tokenizer.json")):
+        return HFTokenizer(path)
+    return None
