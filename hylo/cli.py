@@ -1,0 +1,89 @@
+"""Command line: ``hylo generate`` (and ``python -m hylo generate``)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from .config import EngineConfig
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="Qwen3-Next checkpoint directory (default: embedded default model)")
+    g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
+    g.add_argument("--dtype", default="auto", help="auto (CPU float32, CUDA bfloat16), float32, bfloat16, float16")
+    d = EngineConfig()
+    g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="concurrent requests")
+    g.add_argument("--max-model-len", type=int, default=None, help="context limit per request")
+    g.add_argument("--chunk-size", type=int, default=d.chunk_size, help="prefill tokens per step")
+    g.add_argument("--kv-cache-tokens", type=int, default=None, help="KV pool size in tokens")
+    g.add_argument("--memory-budget-gb", type=float, default=None, help="cache memory budget in GiB")
+    g.add_argument("--state-dtype", default=d.state_dtype, help="GDN recurrent state dtype (default float32)")
+
+
+def _engine_options(args) -> dict:
+    return dict(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, chunk_size=args.chunk_size,
+                kv_cache_tokens=args.kv_cache_tokens, memory_budget_gb=args.memory_budget_gb,
+                state_dtype=args.state_dtype)
+
+
+def _generate(args) -> int:
+    from .api import LLM
+    from .core import SamplingParams
+
+    if args.prompt_file is not None:
+        with open(args.prompt_file) as f:
+            prompt = f.read()
+    else:
+        prompt = args.prompt if args.prompt is not None else args.text
+    if prompt is None:
+        print("error: give a prompt (hylo generate \"text\", --prompt TEXT or --prompt-file F)", file=sys.stderr)
+        return 2
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed, stop=args.stop or None, ignore_eos=args.ignore_eos)
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, **_engine_options(args))
+    t0 = time.perf_counter()
+    out = llm.generate(prompt, params, use_tqdm=False)[0]
+    dt = time.perf_counter() - t0
+    if out.text is not None:
+        print(prompt + out.text)
+    else:
+        print(out.token_ids)
+    n = len(out.token_ids)
+    print(f"[hylo] {n} tokens in {dt:.2f}s ({n / dt:.1f} tokens/s), prompt {len(out.prompt_token_ids)} tokens, "
+          f"finish reason: {out.finish_reason}", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hylo", description="Inference engine for hybrid linear-attention models")
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate a completion for one prompt")
+    g.add_argument("text", nargs="?", default=None, help="the prompt (or use --prompt / --prompt-file)")
+    g.add_argument("--prompt", default=None)
+    g.add_argument("--prompt-file", default=None)
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+    _add_engine_args(g)
+    g.set_defaults(func=_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
