@@ -7,6 +7,7 @@ and never reaches (or harms) the requests already running.
 from __future__ import annotations
 
 import itertools
+import sys
 import os
 import random
 import time
@@ -105,17 +106,17 @@ class Engine:
         if self.ec.verbose:
             kind = "embedded default, RANDOM WEIGHTS (output is noise)" if self.is_random else "checkpoint"
             print(f"[hylo] model {self.model_name} ({kind}) on {self.device} in {str(self.dtype)[6:]}, "
-                  f"loaded in {self.load_seconds:.1f}s", flush=True)
-            print(f"[hylo] {self.caches.summary()}", flush=True)
+                  f"loaded in {self.load_seconds:.1f}s", file=sys.stderr, flush=True)
+            print(f"[hylo] {self.caches.summary()}", file=sys.stderr, flush=True)
 
     # ---- requests ---------------------------------------------------------------------------------------------
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
         """Token ids of a prompt, validated: non-empty, inside the vocabulary, inside the context limit."""
         if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this model directory has no tokenizer.json: pass prompts as lists of token ids")
             if not prompt:
                 raise ValueError("prompt is empty")
+            if self.tokenizer is None:
+                raise ValueError("this model directory has no tokenizer.json: pass prompts as lists of token ids")
             ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, (list, tuple)) or (isinstance(prompt, torch.Tensor) and prompt.dim() == 1):
             ids = prompt.tolist() if isinstance(prompt, torch.Tensor) else list(prompt)

@@ -1,0 +1,110 @@
+"""Bad input gets a clear error naming the problem, and the requests already running carry on unharmed."""
+
+import math
+import subprocess
+import sys
+
+import pytest
+
+from hylo import LLM, SamplingParams
+from hylo.config import EngineConfig
+from hylo.engine.engine import Engine
+from hylo.layers.weights import CheckpointError
+
+from conftest import random_prompts, vocab_of
+
+BAD_PARAMS = [
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(max_tokens=-3), "max_tokens"),
+    (dict(temperature=-0.5), "temperature"),
+    (dict(temperature=math.nan), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(top_p=math.nan), "top_p"),
+    (dict(top_k=-2), "top_k"),
+    (dict(stop=[""]), "stop"),
+]
+
+
+@pytest.mark.parametrize("kwargs,word", BAD_PARAMS)
+def test_bad_sampling_params(kwargs, word):
+    with pytest.raises(ValueError, match=word):
+        SamplingParams(**kwargs)
+
+
+def test_bad_requests_never_harm_running_ones(ckpt_a):
+    vocab = vocab_of(ckpt_a)
+    prompts = random_prompts(vocab, [9, 14], seed=20)
+    params = SamplingParams(max_tokens=8, temperature=0)
+    ref = LLM(ckpt_a, verbose=False).generate(prompts, params, use_tqdm=False)
+
+    eng = Engine(ckpt_a, engine_config=EngineConfig(verbose=False, max_model_len=64))
+    rids = [eng.add_request(p, params) for p in prompts]
+    eng.step()
+    cases = [
+        ([], "empty"),
+        ("", "empty"),
+        ([1, vocab, 2], f"token id {vocab} at position 1 is outside the vocabulary"),
+        ([-1], "outside the vocabulary"),
+        ([1, 2.5], "not an integer"),
+        ([1] * 64, "context limit"),
+        ("some text", "no tokenizer"),
+        (42, "must be a string or a list of token ids"),
+    ]
+    for prompt, message in cases:
+        with pytest.raises(ValueError, match=message):
+            eng.add_request(prompt, params)
+        eng.step()
+    bad = SamplingParams(max_tokens=4)
+    bad.temperature = -1.0  # mutated after construction: still caught at submission
+    with pytest.raises(ValueError, match="temperature"):
+        eng.add_request(prompts[0], bad)
+    with pytest.raises(ValueError, match="already in use"):
+        eng.add_request(prompts[0], params, request_id=rids[0])
+    while eng.has_unfinished():
+        eng.step()
+    assert [eng.pop_finished(r).token_ids for r in rids] == [o.token_ids for o in ref]
+
+
+def test_generate_names_the_bad_prompt_and_stays_usable(ckpt_a):
+    llm = LLM(ckpt_a, verbose=False)
+    good = random_prompts(vocab_of(ckpt_a), [5], seed=21)[0]
+    with pytest.raises(ValueError, match="prompt 1: prompt is empty"):
+        llm.generate([good, []], SamplingParams(max_tokens=3))
+    assert not llm.engine.has_unfinished()
+    assert len(llm.generate([good], SamplingParams(max_tokens=3), use_tqdm=False)[0].token_ids) == 3
+
+
+def test_bad_engine_options_and_checkpoints(tmp_path, ckpt_a):
+    with pytest.raises(TypeError, match="unknown engine option"):
+        LLM(ckpt_a, max_num_seq=3)
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        LLM(ckpt_a, max_num_seqs=0)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        LLM(str(tmp_path / "nowhere"))
+    # a checkpoint with a missing and one with a wrongly shaped tensor
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    for mutate, message in [(lambda t: t.pop("model.layers.2.linear_attn.A_log"), "missing tensor"),
+                            (lambda t: t.__setitem__("model.norm.weight", t["model.norm.weight"][:-1]),
+                             "has shape")]:
+        bad = tmp_path / f"bad_{message.split()[0]}"
+        shutil.copytree(ckpt_a, bad)
+        tensors = load_file(str(bad / "model.safetensors"))
+        mutate(tensors)
+        save_file(tensors, str(bad / "model.safetensors"))
+        with pytest.raises(CheckpointError, match=message):
+            LLM(str(bad), verbose=False)
+
+
+def test_cli_generate_and_cli_errors():
+    run = [sys.executable, "-m", "hylo", "generate"]
+    ok = subprocess.run(run + ["Hello", "--max-tokens", "8"], capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout.startswith("Hello")
+    assert "8 tokens" in ok.stderr and "tokens/s" in ok.stderr and "RANDOM WEIGHTS" in ok.stderr + ok.stdout
+    bad = subprocess.run(run + ["Hello", "--temperature", "-1"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "temperature" in bad.stderr
+    empty = subprocess.run(run + ["--prompt", ""], capture_output=True, text=True, timeout=120)
+    assert empty.returncode == 2 and "empty" in empty.stderr

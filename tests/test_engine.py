@@ -1,0 +1,130 @@
+"""Engine behaviour: continuous batching, admission and preemption, stop conditions, abort, seeds."""
+
+import pytest
+
+from hylo import LLM, SamplingParams
+from hylo.config import EngineConfig
+from hylo.engine.engine import Engine
+
+from conftest import random_prompts, vocab_of
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0)
+
+
+def _run_all(engine, prompts, params):
+    rids = [engine.add_request(p, params) for p in prompts]
+    while engine.has_unfinished():
+        engine.step()
+    return [engine.pop_finished(r) for r in rids]
+
+
+def _free_everything(engine):
+    c = engine.caches
+    return (c.req_slots.num_free == c.req_slots.max_num_seqs and c.state_pool.num_free == c.state_pool.num_slots
+            and c.kv_pool.num_free == c.kv_pool.num_tokens)
+
+
+def test_request_joining_a_running_batch_matches_running_alone(ckpt_a):
+    prompts = random_prompts(vocab_of(ckpt_a), [12, 30, 5], seed=7)
+    sampled = SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, seed=123)
+    for params in (GREEDY, sampled):
+        alone = _run_all(Engine(ckpt_a, engine_config=EngineConfig(verbose=False)), [prompts[2]], params)[0]
+        eng = Engine(ckpt_a, engine_config=EngineConfig(verbose=False, chunk_size=8))
+        first = [eng.add_request(p, params) for p in prompts[:2]]
+        for _ in range(6):  # the first two are mid-prefill / decoding when the third arrives
+            eng.step()
+        late = eng.add_request(prompts[2], params)
+        while eng.has_unfinished():
+            eng.step()
+        assert eng.pop_finished(late).token_ids == alone.token_ids
+        assert all(eng.pop_finished(r).finished for r in first)
+
+
+def test_ten_times_more_requests_than_slots(ckpt_b):
+    prompts = random_prompts(vocab_of(ckpt_b), [3 + (i * 7) % 40 for i in range(20)], seed=8)
+    params = [SamplingParams(max_tokens=4 + i % 5, temperature=0) for i in range(20)]
+    llm = LLM(ckpt_b, max_num_seqs=2, chunk_size=16, verbose=False)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert len(outs) == 20 and all(o.finished for o in outs)
+    assert [len(o.token_ids) for o in outs] == [p.max_tokens for p in params]
+    assert _free_everything(llm.engine)
+    small = LLM(ckpt_b, max_num_seqs=2, verbose=False)
+    for i in range(0, 20, 2):
+        group = small.generate(prompts[i:i + 2], params[i:i + 2], use_tqdm=False)
+        assert [o.token_ids for o in group] == [o.token_ids for o in outs[i:i + 2]]
+
+
+def test_kv_exhaustion_preempts_and_recomputes_without_changing_outputs(ckpt_a):
+    prompts = random_prompts(vocab_of(ckpt_a), [20, 25, 18, 22], seed=9)
+    params = SamplingParams(max_tokens=20, temperature=0.8, seed=5)
+    ref = LLM(ckpt_a, verbose=False).generate(prompts, params, use_tqdm=False)
+    tight = LLM(ckpt_a, kv_cache_tokens=60, max_model_len=50, chunk_size=32, verbose=False)
+    outs = tight.generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    assert sum(o.num_preemptions for o in outs) > 0
+    assert _free_everything(tight.engine)
+
+
+def test_abort_frees_slots_and_others_carry_on(ckpt_a):
+    prompts = random_prompts(vocab_of(ckpt_a), [10, 15, 8], seed=10)
+    ref = _run_all(Engine(ckpt_a, engine_config=EngineConfig(verbose=False)), [prompts[0], prompts[2]], GREEDY)
+    eng = Engine(ckpt_a, engine_config=EngineConfig(verbose=False))
+    rids = [eng.add_request(p, GREEDY) for p in prompts]
+    eng.step()
+    eng.step()
+    assert eng.abort(rids[1]) and not eng.abort(rids[1])
+    waiting = eng.add_request(prompts[1], GREEDY)
+    assert eng.abort(waiting)  # aborting a queued request works too
+    while eng.has_unfinished():
+        eng.step()
+    aborted = eng.pop_finished(rids[1])
+    assert aborted.finish_reason == "abort" and len(aborted.token_ids) <= 2
+    assert [eng.pop_finished(rids[0]).token_ids, eng.pop_finished(rids[2]).token_ids] == [r.token_ids for r in ref]
+    assert _free_everything(eng)
+
+
+def test_stop_token_ids_eos_and_context_limit(ckpt_a):
+    prompt = random_prompts(vocab_of(ckpt_a), [6], seed=11)[0]
+    eng = Engine(ckpt_a, engine_config=EngineConfig(verbose=False))
+    free_run = _run_all(eng, [prompt], SamplingParams(max_tokens=12, temperature=0))[0].token_ids
+    stop_tok = free_run[5]
+    first = free_run.index(stop_tok)
+    out = _run_all(eng, [prompt], SamplingParams(max_tokens=12, temperature=0, stop_token_ids=[stop_tok]))[0]
+    assert out.token_ids == free_run[:first + 1] and out.finish_reason == "stop" and out.stop_reason == stop_tok
+    eng.eos_ids = {stop_tok}
+    out = _run_all(eng, [prompt], SamplingParams(max_tokens=12, temperature=0))[0]
+    assert out.token_ids == free_run[:first + 1] and out.finish_reason == "stop"
+    out = _run_all(eng, [prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
+    assert out.token_ids == free_run
+    short = Engine(ckpt_a, engine_config=EngineConfig(verbose=False, max_model_len=10))
+    out = _run_all(short, [prompt], SamplingParams(max_tokens=100, temperature=0))[0]
+    assert out.finish_reason == "length" and len(prompt) + len(out.token_ids) == 10
+
+
+def test_stop_strings_and_text_with_the_default_model():
+    llm = LLM(verbose=False)
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    full = llm.generate("Hello", params, use_tqdm=False)[0]
+    assert full.text == llm.tokenizer.decode(full.token_ids) and len(full.token_ids) == 30
+    visible = [c for c in full.text[3:] if c.isprintable() and c != "\ufffd"]
+    if not visible:
+        pytest.skip("random model produced no printable character to stop on")
+    stop = visible[0]
+    cut = full.text.index(stop)
+    out = llm.generate("Hello", SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, stop=[stop]),
+                       use_tqdm=False)[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == full.text[:cut]
+    assert out.token_ids == full.token_ids[:len(out.token_ids)]
+
+
+def test_seeds_reproducible_and_independent_of_batch(ckpt_a):
+    prompts = random_prompts(vocab_of(ckpt_a), [7, 19, 4], seed=12)
+    llm = LLM(ckpt_a, verbose=False)
+    seeded = SamplingParams(max_tokens=12, temperature=1.0, seed=42)
+    a = llm.generate(prompts[0], seeded, use_tqdm=False)[0].token_ids
+    b = llm.generate(prompts, [seeded, SamplingParams(max_tokens=5, temperature=1.0),
+                               SamplingParams(max_tokens=9, temperature=0)], use_tqdm=False)[0].token_ids
+    assert a == b
+    other = llm.generate(prompts[0], SamplingParams(max_tokens=12, temperature=1.0, seed=43), use_tqdm=False)
+    assert other[0].token_ids != a

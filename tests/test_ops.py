@@ -1,0 +1,210 @@
+"""Each op's torch reference against a plain float64 recurrence or formula."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hylo.ops import attention as attn_ops
+from hylo.ops import conv1d, gdn, moe, norm
+
+torch.manual_seed(0)
+
+
+def _naive_gdn(q, k, v, g, beta, state):
+    """Token-by-token float64 recurrence, written from the formula (GQA by head index arithmetic)."""
+    q, k, v, g, beta = (x.double() for x in (q, k, v, g, beta))
+    S = state.double().clone()
+    L, Hk, Dk = q.shape
+    Hv = v.shape[1]
+    rep = Hv // Hk
+    out = torch.zeros(L, Hv, v.shape[-1], dtype=torch.float64)
+    for t in range(L):
+        for h in range(Hv):
+            qt = q[t, h // rep] / q[t, h // rep].norm()
+            kt = k[t, h // rep] / k[t, h // rep].norm()
+            qt = qt / math.sqrt(Dk)
+            decayed = math.exp(g[t, h]) * S[h]
+            S[h] = decayed + torch.outer(kt, beta[t, h] * (v[t, h] - decayed.T @ kt))
+            out[t, h] = S[h].T @ qt
+    return out, S
+
+
+@pytest.mark.parametrize("length,chunk", [(1, 64), (13, 4), (70, 16), (33, 64)])
+def test_chunk_gdn_matches_recurrence(length, chunk):
+    Hk, Hv, Dk, Dv = 2, 6, 12, 10
+    q, k = torch.randn(length, Hk, Dk), torch.randn(length, Hk, Dk)
+    v = torch.randn(length, Hv, Dv)
+    g = -torch.rand(length, Hv) * 2
+    beta = torch.rand(length, Hv)
+    s0 = torch.randn(Hv, Dk, Dv) * 0.3
+    o, s = gdn.chunk_gated_delta_rule_ref(q, k, v, g, beta, s0, chunk_size=chunk)
+    ro, rs = _naive_gdn(q, k, v, g, beta, s0)
+    assert torch.allclose(o.double(), ro, atol=1e-4, rtol=1e-4)
+    assert torch.allclose(s.double(), rs, atol=1e-4, rtol=1e-4)
+
+
+def test_chunked_prefill_continues_state_exactly():
+    Hk, Hv, Dk, Dv, L = 1, 2, 8, 8, 40
+    q, k, v = torch.randn(L, Hk, Dk), torch.randn(L, Hk, Dk), torch.randn(L, Hv, Dv)
+    g, beta = -torch.rand(L, Hv), torch.rand(L, Hv)
+    o_all, s_all = gdn.chunk_gated_delta_rule_ref(q, k, v, g, beta, None)
+    o1, s1 = gdn.chunk_gated_delta_rule_ref(q[:17], k[:17], v[:17], g[:17], beta[:17], None)
+    o2, s2 = gdn.chunk_gated_delta_rule_ref(q[17:], k[17:], v[17:], g[17:], beta[17:], s1)
+    assert torch.allclose(torch.cat([o1, o2]), o_all, atol=1e-5)
+    assert torch.allclose(s2, s_all, atol=1e-5)
+
+
+def test_decode_step_by_slot_matches_recurrence_and_skips_minus_one():
+    Hk, Hv, Dk, Dv = 2, 4, 8, 6
+    pool = torch.randn(5, Hv, Dk, Dv)
+    before = pool.clone()
+    slots = torch.tensor([3, -1, 1])
+    q, k = torch.randn(3, Hk, Dk), torch.randn(3, Hk, Dk)
+    v, g, beta = torch.randn(3, Hv, Dv), -torch.rand(3, Hv), torch.rand(3, Hv)
+    out = gdn.gdn_decode_ref(q, k, v, g, beta, pool, slots)
+    for row, slot in [(0, 3), (2, 1)]:
+        ro, rs = _naive_gdn(q[row:row + 1], k[row:row + 1], v[row:row + 1], g[row:row + 1], beta[row:row + 1],
+                            before[slot])
+        assert torch.allclose(out[row].double(), ro[0], atol=1e-5)
+        assert torch.allclose(pool[slot].double(), rs, atol=1e-5)
+    for slot in (0, 2, 4):  # untouched: the skipped row, and slots nobody used
+        assert torch.equal(pool[slot], before[slot])
+
+
+def test_verify_keeps_every_step_state():
+    Hk, Hv, Dk, Dv, B, S = 1, 2, 4, 4, 2, 3
+    q, k = torch.randn(B, S, Hk, Dk), torch.randn(B, S, Hk, Dk)
+    v, g, beta = torch.randn(B, S, Hv, Dv), -torch.rand(B, S, Hv), torch.rand(B, S, Hv)
+    s0 = torch.randn(B, Hv, Dk, Dv)
+    o, states = gdn.gdn_verify_ref(q, k, v, g, beta, s0)
+    for b in range(B):
+        for s in range(S):
+            ro, rs = _naive_gdn(q[b, :s + 1], k[b, :s + 1], v[b, :s + 1], g[b, :s + 1], beta[b, :s + 1], s0[b])
+            assert torch.allclose(states[b, s].double(), rs, atol=1e-5)
+            assert torch.allclose(o[b, s].double(), ro[s], atol=1e-5)
+
+
+def test_gating_formula():
+    A_log, a, dt_bias, b = torch.randn(5), torch.randn(3, 5), torch.randn(5), torch.randn(3, 5)
+    g, beta = gdn.gdn_gating(A_log, a, dt_bias, b)
+    ref_g = -torch.exp(A_log.double()) * torch.log1p(torch.exp(a.double() + dt_bias.double()))
+    assert torch.allclose(g.double(), ref_g, atol=1e-6)
+    assert torch.allclose(beta.double(), 1 / (1 + torch.exp(-b.double())), atol=1e-7)
+
+
+def _naive_conv(x, state, w):
+    """float64: out[t, c] = silu(sum_j w[c, j] * window[c, t + j]) over [state | x]."""
+    C, K = w.shape
+    full = torch.cat([state.double(), x.double().T], dim=1)
+    out = torch.zeros(x.shape[0], C, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        s = (full[:, t:t + K] * w.double()).sum(1)
+        out[t] = s / (1 + torch.exp(-s))
+    return out, full[:, -(K - 1):]
+
+
+@pytest.mark.parametrize("length,K", [(1, 4), (2, 4), (9, 3)])
+def test_causal_conv_prefill(length, K):
+    C = 7
+    x, state, w = torch.randn(length, C), torch.randn(C, K - 1), torch.randn(C, K)
+    out, new = conv1d.causal_conv1d_ref(x, state, w)
+    ro, rs = _naive_conv(x, state, w)
+    assert torch.allclose(out.double(), ro, atol=1e-5)
+    assert torch.allclose(new.double(), rs, atol=1e-6)
+
+
+def test_causal_conv_update_by_slot_and_windows():
+    C, K = 6, 4
+    pool = torch.randn(4, C, K - 1)
+    before = pool.clone()
+    w = torch.randn(C, K)
+    x = torch.randn(3, C)
+    slots = torch.tensor([2, -1, 3])
+    out = conv1d.causal_conv1d_update_ref(x, pool, w, slots)
+    for row, slot in [(0, 2), (2, 3)]:
+        ro, rs = _naive_conv(x[row:row + 1], before[slot], w)
+        assert torch.allclose(out[row].double(), ro[0], atol=1e-5)
+        assert torch.allclose(pool[slot].double(), rs, atol=1e-6)
+    assert torch.equal(pool[0], before[0]) and torch.equal(pool[1], before[1])
+    # verify variant: every step's window, no state written
+    xs = torch.randn(2, 3, C)
+    st = torch.randn(2, C, K - 1)
+    o, states = conv1d.causal_conv1d_windows_ref(xs, st, w)
+    for b in range(2):
+        ro, _ = _naive_conv(xs[b], st[b], w)
+        assert torch.allclose(o[b].double(), ro, atol=1e-5)
+        for s in range(3):
+            _, rs = _naive_conv(xs[b, :s + 1], st[b], w)
+            assert torch.allclose(states[b, s].double(), rs, atol=1e-6)
+
+
+def _naive_attention(q, k, v, scaling):
+    """float64, causal with the last q rows aligned to the last keys, GQA by head index."""
+    Lq, H, D = q.shape
+    Lk, KVH, _ = k.shape
+    out = torch.zeros(Lq, H, D, dtype=torch.float64)
+    for i in range(Lq):
+        pos = Lk - Lq + i
+        for h in range(H):
+            kh = h // (H // KVH)
+            s = (k[:pos + 1, kh].double() @ q[i, h].double()) * scaling
+            p = torch.softmax(s, 0)
+            out[i, h] = p @ v[:pos + 1, kh].double()
+    return out
+
+
+def test_extend_and_decode_attention_over_paged_pool():
+    H, KVH, D, N = 6, 2, 20, 64
+    kc, vc = torch.randn(N, KVH, D), torch.randn(N, KVH, D)
+    req_to_token = torch.zeros(3, 40, dtype=torch.int64)
+    perm = torch.randperm(N - 1) + 1
+    req_to_token[1, :30] = perm[:30]
+    req_to_token[2, :25] = perm[30:55]
+    # extend: request 1 with prefix 20 + 10 new, request 2 with no prefix, 25 new
+    q = torch.randn(35, H, D)
+    out = attn_ops.extend_attention_ref(q, kc, vc, req_to_token, [1, 2], [20, 0], [10, 25], D ** -0.5)
+    r1 = _naive_attention(q[:10], kc[req_to_token[1, :30]], vc[req_to_token[1, :30]], D ** -0.5)
+    r2 = _naive_attention(q[10:], kc[req_to_token[2, :25]], vc[req_to_token[2, :25]], D ** -0.5)
+    assert torch.allclose(out.double(), torch.cat([r1, r2]), atol=1e-5)
+    # decode/verify with 2 queries per row, host upper bound larger than every length
+    qd = torch.randn(4, H, D)
+    seq_lens = torch.tensor([30, 25])
+    od = attn_ops.decode_attention_ref(qd, kc, vc, req_to_token, torch.tensor([1, 2]), seq_lens, 40, D ** -0.5,
+                                       tokens_per_row=2)
+    d1 = _naive_attention(qd[:2], kc[req_to_token[1, :30]], vc[req_to_token[1, :30]], D ** -0.5)
+    d2 = _naive_attention(qd[2:], kc[req_to_token[2, :25]], vc[req_to_token[2, :25]], D ** -0.5)
+    assert torch.allclose(od.double(), torch.cat([d1, d2]), atol=1e-5)
+
+
+def test_norms():
+    x, w, gate = torch.randn(5, 16), torch.randn(16), torch.randn(5, 16)
+    xd = x.double()
+    rms = xd / torch.sqrt((xd ** 2).mean(-1, keepdim=True) + 1e-6)
+    assert torch.allclose(norm.rms_norm(x, w, 1e-6).double(), rms * (1 + w.double()), atol=1e-6)
+    silu = gate.double() / (1 + torch.exp(-gate.double()))
+    assert torch.allclose(norm.gated_rms_norm(x, gate, w, 1e-6).double(), rms * w.double() * silu, atol=1e-6)
+
+
+def test_moe_matches_per_token_loop():
+    T, H, I, E, k = 9, 12, 8, 5, 2
+    x = torch.randn(T, H)
+    w13, w2 = torch.randn(E, 2 * I, H), torch.randn(E, H, I)
+    logits = torch.randn(T, E)
+    for normalize in (True, False):
+        weights, ids = moe.route_topk(logits, k, normalize)
+        p = torch.softmax(logits.double(), -1)
+        top = p.topk(k, -1)
+        ref_w = top.values / top.values.sum(-1, keepdim=True) if normalize else top.values
+        assert torch.equal(ids, top.indices)
+        assert torch.allclose(weights.double(), ref_w, atol=1e-6)
+        out = moe.fused_moe_ref(x, w13, w2, weights, ids)
+        ref = torch.zeros(T, H, dtype=torch.float64)
+        for t in range(T):
+            for j in range(k):
+                e = ids[t, j]
+                h = w13[e].double() @ x[t].double()
+                a = F.silu(h[:I]) * h[I:]
+                ref[t] += weights[t, j].double() * (w2[e].double() @ a)
+        assert torch.allclose(out.double(), ref, atol=1e-4)
