@@ -9,13 +9,15 @@ from tqdm.auto import tqdm
 from .config import EngineConfig
 from .core import RequestOutput, SamplingParams
 from .engine.engine import Engine
+from .spec.setup import SpecSetup
 
 
 class LLM:
     """An engine for offline generation.
 
     ``model`` is a Hugging Face Qwen3-Next checkpoint directory, or None for the embedded default (a small model
-    with random weights). ``engine_options`` are the fields of :class:`hylo.config.EngineConfig`.
+    with random weights). ``engine_options`` are the fields of :class:`hylo.config.EngineConfig`, speculative
+    decoding included: ``speculative="mtp" | "ngram"``, ``num_speculative_tokens=3``.
     """
 
     def __init__(self, model: str | None = None, device: str = "auto", dtype: str = "auto", **engine_options):
@@ -23,7 +25,9 @@ class LLM:
         if unknown:
             raise TypeError(f"unknown engine option(s): {', '.join(sorted(unknown))}; "
                             f"known: {', '.join(sorted(EngineConfig.option_names()))}")
-        self.engine = Engine(model, device=device, dtype=dtype, engine_config=EngineConfig(**engine_options))
+        ec = EngineConfig(**engine_options)
+        spec = SpecSetup(ec.speculative) if ec.speculative else None
+        self.engine = Engine(model, device=device, dtype=dtype, engine_config=ec, spec_setup=spec)
 
     @property
     def tokenizer(self):

@@ -231,6 +231,10 @@ class EngineConfig:
     state_dtype: str = "float32"  # recurrent state dtype of the GDN layers
     seed: int = 0  # seed of the engine's own random draws (per-request seeds for unseeded requests)
     preemption: str = "recompute"  # when KV runs out mid-decode: preempt the newest request and re-run it
+    speculative: str | None = None  # None, "mtp" (the checkpoint's MTP head) or "ngram" (prompt lookup)
+    num_speculative_tokens: int = 3  # k drafts per verify step
+    # Benchmarks on random weights only: force this mean accept length (tokens per verify step). NOT lossless.
+    simulate_accept_length: float | None = None
     verbose: bool = True  # print the memory plan at start-up
 
     def __post_init__(self):
@@ -246,8 +250,24 @@ class EngineConfig:
             raise ValueError(f"memory_budget_gb must be a positive number, got {self.memory_budget_gb}")
         if self.state_dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"state_dtype must be float32, bfloat16 or float16, got {self.state_dtype!r}")
+        if self.speculative not in (None, "mtp", "ngram"):
+            raise ValueError(f"speculative must be None, 'mtp' or 'ngram', got {self.speculative!r}")
+        if isinstance(self.num_speculative_tokens, bool) or not isinstance(self.num_speculative_tokens, int) \
+                or self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be an integer >= 1, got {self.num_speculative_tokens!r}")
+        if self.simulate_accept_length is not None:
+            if self.speculative is None:
+                raise ValueError("simulate_accept_length needs speculative decoding (speculative='mtp' or 'ngram')")
+            if not (1.0 <= self.simulate_accept_length <= self.num_speculative_tokens + 1):
+                raise ValueError(f"simulate_accept_length must be in [1, num_speculative_tokens + 1 = "
+                                 f"{self.num_speculative_tokens + 1}], got {self.simulate_accept_length}")
         if self.preemption != "recompute":
             raise ValueError(f"preemption must be 'recompute', got {self.preemption!r}")
+
+    @property
+    def spec_tokens(self) -> int:
+        """k when speculative decoding is on, else 0."""
+        return self.num_speculative_tokens if self.speculative else 0
 
     @classmethod
     def option_names(cls) -> set[str]:

@@ -104,6 +104,7 @@ class Req:
     req_slot: int = -1
     state_slot: int = -1
     num_computed: int = 0
+    num_kv: int = 0  # positions with a reserved KV location (>= num_computed: reserved ahead)
     finish_reason: str | None = None  # "length" | "stop" | "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     num_preemptions: int = 0

@@ -100,3 +100,29 @@ def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
 def random_prompts(vocab: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def append_mtp(src: str, dst: str, seed: int = 0) -> str:
+    """Copy a checkpoint and append random ``mtp.*`` tensors (transformers does not write them)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from hylo.config import ModelConfig
+    from hylo.models.random_init import random_mtp_tensors
+
+    shutil.copytree(src, dst)
+    tensors = load_file(os.path.join(dst, "model.safetensors"))
+    tensors.update(random_mtp_tensors(ModelConfig.from_pretrained(dst), seed=seed, std=0.05))
+    save_file(tensors, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+@pytest.fixture(scope="session")
+def ckpt_a_mtp(tmp_path_factory, ckpt_a):
+    return append_mtp(ckpt_a, str(tmp_path_factory.mktemp("ckpt_a_mtp") / "m"))
+
+
+@pytest.fixture(scope="session")
+def ckpt_b_mtp(tmp_path_factory, ckpt_b):
+    return append_mtp(ckpt_b, str(tmp_path_factory.mktemp("ckpt_b_mtp") / "m"))

@@ -6,7 +6,7 @@ import torch
 
 from ..cache.kv_pool import KVPool
 from ..cache.req_slots import ReqSlots
-from ..core import ForwardBatch, ForwardMode
+from ..core import ForwardBatch
 from ..ops import attention as ops
 from .base import Backend
 
@@ -24,9 +24,9 @@ class AttentionBackend(Backend):
         """q: [T, H, D]; k, v: [T, KVH, D] for the new tokens. ``layer`` indexes the attention layers only."""
         k_cache, v_cache = self.kv_pool.k[layer], self.kv_pool.v[layer]
         ops.store_kv(k_cache, v_cache, batch.out_cache_loc, k, v)
-        if batch.mode.is_extend:
+        if batch.extend_lens_cpu is not None:  # variable-length rows (prefill chunks)
             return ops.extend_attention_ref(q, k_cache, v_cache, self.req_slots.req_to_token, batch.req_slots_cpu,
                                             batch.prefix_lens_cpu, batch.extend_lens_cpu, scaling)
-        assert batch.mode in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_DECODE)
+        # fixed shape: tokens_per_row queries per row (decode, verify, draft steps)
         return ops.decode_attention_ref(q, k_cache, v_cache, self.req_slots.req_to_token, batch.req_slots,
                                         batch.seq_lens, batch.max_seq_len, scaling, batch.tokens_per_row)

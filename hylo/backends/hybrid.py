@@ -9,7 +9,10 @@ from .gdn import GDNBackend
 
 
 class HybridBackend(Backend):
-    def __init__(self, attn: AttentionBackend, linear: GDNBackend, layer_types: tuple[str, ...]):
+    def __init__(self, attn: AttentionBackend, linear: GDNBackend, layer_types: tuple[str, ...],
+                 extra_attn_layers: int = 0):
+        """``extra_attn_layers``: attention layers numbered after the model's (the MTP head's), each with its own KV
+        layer after the model's attention layers."""
         self.attn = attn
         self.linear = linear
         self.children = (attn, linear)
@@ -19,6 +22,8 @@ class HybridBackend(Backend):
         for i, t in enumerate(layer_types):
             self.local_index[i] = counts[t]
             counts[t] += 1
+        for i in range(extra_attn_layers):
+            self.local_index[len(layer_types) + i] = counts["full_attention"] + i
         self.needs_cpu_seq_lens = any(c.needs_cpu_seq_lens for c in self.children)
 
     def attention(self, layer_id: int, *args, **kwargs):

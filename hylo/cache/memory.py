@@ -41,13 +41,20 @@ def _budget_bytes(ec: EngineConfig, device: torch.device) -> int:
     return int(CPU_DEFAULT_BUDGET_GB * _GIB)
 
 
-def allocate_caches(mc: ModelConfig, ec: EngineConfig, dtype: torch.dtype, device: torch.device) -> Caches:
-    """Size the state pool for ``max_num_seqs`` requests, give the KV pool the rest of the budget, allocate all."""
+def allocate_caches(mc: ModelConfig, ec: EngineConfig, dtype: torch.dtype, device: torch.device,
+                    extra_attn_layers: int = 0) -> Caches:
+    """Size the state pool (and, with speculative decoding, its verify buffers: k + 1 checkpoints per request) for
+    ``max_num_seqs`` requests, give the KV pool the rest of the budget, allocate all.
+
+    ``extra_attn_layers``: KV layers beyond the model's attention layers (the MTP head's).
+    """
     state_dtype = getattr(torch, ec.state_dtype)
-    n_lin, n_attn = len(mc.linear_layer_ids), len(mc.attn_layer_ids)
-    state_bytes = ec.max_num_seqs * StatePool.bytes_per_slot(
+    k = ec.spec_tokens
+    n_lin, n_attn = len(mc.linear_layer_ids), len(mc.attn_layer_ids) + extra_attn_layers
+    slot_bytes = StatePool.bytes_per_slot(
         n_lin, mc.conv_dim, mc.linear_conv_kernel_dim, mc.linear_num_value_heads, mc.linear_key_head_dim,
         mc.linear_value_head_dim, dtype, state_dtype)
+    state_bytes = ec.max_num_seqs * slot_bytes * (1 + (k + 1 if k else 0))
     kv_bytes_per_token = 2 * n_attn * mc.num_key_value_heads * mc.head_dim * torch.finfo(dtype).bits // 8
     len_limit = min(ec.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
 
@@ -68,12 +75,19 @@ def allocate_caches(mc: ModelConfig, ec: EngineConfig, dtype: torch.dtype, devic
     if max_model_len < 2:
         raise ValueError(f"the KV pool holds only {kv_tokens} tokens: raise memory_budget_gb or kv_cache_tokens")
 
+    if k and kv_tokens < max_model_len + 2 * k:  # a request at the limit still reserves its draft positions
+        max_model_len = kv_tokens - 2 * k
+        if max_model_len < 2:
+            raise ValueError(f"the KV pool of {kv_tokens} tokens is too small for {k} speculative tokens")
     caches = Caches(
-        req_slots=ReqSlots(ec.max_num_seqs, max_model_len, device),
+        # columns past max_model_len: positions a verify pass and its drafts reserve ahead of the last token
+        req_slots=ReqSlots(ec.max_num_seqs, max_model_len + 2 * k + 1, device),
         kv_pool=KVPool(n_attn, kv_tokens, mc.num_key_value_heads, mc.head_dim, dtype, device),
         state_pool=StatePool(n_lin, ec.max_num_seqs, mc.conv_dim, mc.linear_conv_kernel_dim,
                              mc.linear_num_value_heads, mc.linear_key_head_dim, mc.linear_value_head_dim,
                              dtype, state_dtype, device),
         max_model_len=max_model_len,
     )
+    if k:
+        caches.state_pool.alloc_verify_buffers(ec.max_num_seqs, k + 1)
     return caches

@@ -25,6 +25,17 @@ class StatePool:
         self.verify_conv: torch.Tensor | None = None
         self.verify_recurrent: torch.Tensor | None = None
 
+    def alloc_verify_buffers(self, max_batch: int, steps: int) -> None:
+        """Per batch row and verify step, the conv window and recurrent state after that step (speculative decoding).
+
+        ``verify_conv[layer, row, step]``, ``verify_recurrent[layer, row, step]``: indexed by batch row, not slot.
+        """
+        L, _, C, K1 = self.conv.shape
+        _, _, H, Dk, Dv = self.recurrent.shape
+        self.verify_conv = torch.zeros(L, max_batch, steps, C, K1, dtype=self.conv.dtype, device=self.conv.device)
+        self.verify_recurrent = torch.zeros(L, max_batch, steps, H, Dk, Dv, dtype=self.recurrent.dtype,
+                                            device=self.recurrent.device)
+
     @staticmethod
     def bytes_per_slot(num_layers, conv_dim, conv_kernel, num_v_heads, key_dim, value_dim, conv_dtype,
                        state_dtype) -> int:
@@ -34,7 +45,8 @@ class StatePool:
 
     @property
     def bytes(self) -> int:
-        return self.conv.numel() * self.conv.element_size() + self.recurrent.numel() * self.recurrent.element_size()
+        tensors = [self.conv, self.recurrent, self.verify_conv, self.verify_recurrent]
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     @property
     def num_free(self) -> int:

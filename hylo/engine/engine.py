@@ -7,8 +7,8 @@ and never reaches (or harms) the requests already running.
 from __future__ import annotations
 
 import itertools
-import sys
 import os
+import sys
 import random
 import time
 from dataclasses import dataclass
@@ -17,7 +17,7 @@ import torch
 
 from ..cache.memory import allocate_caches
 from ..config import EngineConfig, ModelConfig
-from ..core import Req, RequestOutput, ReqStatus, SamplingParams
+from ..core import ForwardMode, Req, RequestOutput, SamplingParams, SpecStats
 from ..layers.weights import DictReader, TensorReader
 from ..models.default import DEFAULT_MODEL_NAME, DEFAULT_SEED, default_model_config
 from ..models.loader import SafetensorsReader
@@ -85,7 +85,10 @@ class Engine:
     """One model, its caches, a scheduler and a worker. Not thread-safe: one caller drives ``step``."""
 
     def __init__(self, model: str | None = None, device: str = "auto", dtype: str = "auto",
-                 engine_config: EngineConfig | None = None):
+                 engine_config: EngineConfig | None = None, spec_setup=None):
+        """``spec_setup`` (from ``hylo.spec``) adds speculative decoding: ``prepare(loaded_model, dtype, device)``
+        loads what the drafter needs and returns how many extra KV layers it wants; ``wrap(worker, config)``
+        returns the speculative worker."""
         self.ec = engine_config or EngineConfig()
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
@@ -94,10 +97,17 @@ class Engine:
         self.model_name, self.model_config, self.model = lm.name, lm.config, lm.model
         self.tokenizer, self.is_random = lm.tokenizer, lm.is_random
         self.reader = lm.reader
-        self.caches = allocate_caches(self.model_config, self.ec, self.dtype, self.device)
+        extra_kv = spec_setup.prepare(lm, self.dtype, self.device) if spec_setup is not None else 0
+        unused = self.reader.unused(ignore_prefixes=("mtp.",))
+        if unused and self.ec.verbose:
+            print(f"[hylo] warning: {len(unused)} checkpoint tensors not used, e.g. {unused[0]!r}", file=sys.stderr)
+        self.caches = allocate_caches(self.model_config, self.ec, self.dtype, self.device, extra_kv)
         self.max_model_len = self.caches.max_model_len
-        self.scheduler = Scheduler(self.caches, self.ec)
-        self.worker = ModelWorker(self.model, self.caches, self.device)
+        k = self.ec.spec_tokens
+        self.scheduler = Scheduler(self.caches, self.ec, k)
+        self.model_worker = ModelWorker(self.model, self.caches, self.device, extra_kv)
+        # the worker interface: run(ScheduledBatch) -> StepResult; a speculative worker wraps the plain one
+        self.worker = (spec_setup.wrap(self.model_worker, self.ec) if spec_setup is not None else self.model_worker)
         self._rng = random.Random(self.ec.seed)
         self._ids = itertools.count()
         self._reqs: dict[str, Req] = {}
@@ -148,7 +158,8 @@ class Engine:
             raise ValueError(f"request id {rid!r} is already in use")
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         req = Req(rid=rid, prompt_ids=ids, params=params, seed=seed,
-                  prompt=prompt if isinstance(prompt, str) else None)
+                  prompt=prompt if isinstance(prompt, str) else None,
+                  spec=SpecStats() if self.ec.speculative else None)
         self._reqs[rid] = req
         self.scheduler.add(req)
         return rid
@@ -181,23 +192,41 @@ class Engine:
         sched = self.scheduler.schedule()
         if sched is None:
             return []
-        next_tokens = self.worker.run(sched).tolist()  # the one device read of a plain step
+        res = self.worker.run(sched)
+        tokens = res.tokens.tolist()  # the one device read of a step
+        counts = res.counts.tolist() if res.counts is not None else [1] * len(tokens)
+        verify = sched.mode is ForwardMode.TARGET_VERIFY
         updated = []
-        it = iter(next_tokens)
+        it = iter(zip(tokens, counts))
         for req, n, keep in zip(sched.reqs, sched.extend_lens, sched.sample):
-            req.num_computed += n
-            if keep:
-                self._append_token(req, next(it))
-                updated.append(req)
+            if not keep:
+                req.num_computed += n
+                continue
+            new, count = next(it)
+            # a verify row commits its last token and the accepted drafts: count - 1 of them
+            req.num_computed += count if verify else n
+            appended = 0
+            for tok in new[:count]:
+                appended += 1
+                if self._append_token(req, tok):
+                    break
+            if verify:
+                stats = req.spec
+                stats.verify_steps += 1
+                stats.draft_tokens += self.ec.spec_tokens
+                stats.accepted_tokens += count - 1
+                stats.emitted_tokens += appended
+            updated.append(req)
         return updated
 
-    def _append_token(self, req: Req, token: int) -> None:
+    def _append_token(self, req: Req, token: int) -> bool:
+        """Append one generated token and apply the stop rules; True when the request finished."""
         req.output_ids.append(token)
         p = req.params
         if (not p.ignore_eos and token in self.eos_ids) or (p.stop_token_ids and token in p.stop_token_ids):
             req.stop_reason = token
             self.scheduler.finish(req, "stop")  # the stop token's text is not part of the output
-            return
+            return True
         if self.tokenizer is not None:
             delta = detokenize_step(self.tokenizer, req)
             hit = find_stop_string(req, delta)
@@ -205,11 +234,13 @@ class Engine:
                 req.text = req.text[:hit[0]]
                 req.stop_reason = hit[1]
                 self.scheduler.finish(req, "stop")
-                return
+                return True
         if len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
             if self.tokenizer is not None:  # flush a character the last token left unfinished
                 req.text = self.tokenizer.decode(req.output_ids)
             self.scheduler.finish(req, "length")
+            return True
+        return False
 
     @torch.inference_mode()
     def prompt_logits(self, prompt: str | list[int]) -> torch.Tensor:
@@ -227,7 +258,7 @@ class Engine:
         try:
             while req.num_computed < len(ids):
                 sched = self.scheduler.schedule()
-                hidden = self.worker.forward_hidden(self.worker.build_batch(sched))
+                hidden = self.model_worker.forward_hidden(self.model_worker.build_batch(sched))
                 chunks.append(self.model.compute_logits(hidden))
                 req.num_computed += sched.extend_lens[0]
         finally:

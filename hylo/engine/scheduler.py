@@ -1,13 +1,17 @@
 """The scheduler: which requests run in the next step, how many tokens each feeds, and where their KV goes.
 
 Policy, in one place:
-1. Running requests, oldest first, each feed what is left of their tokens: one token for a decoding request, a
-   chunk for a request still prefilling (prefill tokens of a step share the ``chunk_size`` budget; decode tokens
-   ride along outside it).
+1. Running requests, oldest first, feed what is left of their tokens: one token for a decoding request (k + 1 with
+   speculative decoding: the last token and k drafts), a chunk for a request still prefilling. Prefill tokens of a
+   step share the ``chunk_size`` budget; decode tokens ride along outside it.
 2. A running request that cannot get KV preempts the newest running request (its caches are freed; it goes back
    to the front of the queue and is re-run from its prompt and the tokens it already generated).
 3. Waiting requests are admitted, in order, while a request slot, a state slot, prefill budget and KV remain.
-Nothing here touches the device except through the caches' own host-side free lists.
+4. With speculative decoding, prefill chunks and verify passes run in separate steps (their shapes differ), taking
+   turns when both are wanted.
+KV is reserved ahead of what a step feeds (``kv_lookahead``): a verify pass and the draft steps after it write
+positions beyond the last committed token. Positions past the committed ones hold garbage that later steps
+overwrite. Nothing here touches the device except through the caches' host-side free lists.
 """
 
 from __future__ import annotations
@@ -27,11 +31,14 @@ class ScheduledBatch:
     """The host-side plan of one step."""
 
     reqs: list[Req]
-    extend_lens: list[int]
-    prefix_lens: list[int]
+    extend_lens: list[int]  # tokens fed per row
+    prefix_lens: list[int]  # tokens already in the cache per row
     sample: list[bool]  # row produces a token in this step (its last known token is fed)
-    out_cache_loc: torch.Tensor  # [T] host int64, KV location of every fed token
     mode: ForwardMode
+    # newly reserved KV positions: req_to_token[kv_rows[i], kv_cols[i]] = kv_locs[i]
+    kv_rows: list[int] = field(default_factory=list)
+    kv_cols: list[int] = field(default_factory=list)
+    kv_locs: list[torch.Tensor] = field(default_factory=list)
     preempted: list[Req] = field(default_factory=list)
 
     @property
@@ -40,12 +47,16 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, caches: Caches, ec: EngineConfig):
+    def __init__(self, caches: Caches, ec: EngineConfig, num_spec_tokens: int = 0):
         self.caches = caches
         self.ec = ec
+        self.k = num_spec_tokens
+        # positions reserved past the fed tokens: the verify pass and the drafts after it reach 2k - 1 beyond
+        self.kv_lookahead = 2 * num_spec_tokens
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []  # in admission order
         self._arrivals = 0
+        self._last_was_prefill = False
 
     # ---- queue ------------------------------------------------------------------------------------------------
     def add(self, req: Req) -> None:
@@ -54,15 +65,6 @@ class Scheduler:
     @property
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
-
-    def find(self, rid: str) -> Req | None:
-        for r in self.running:
-            if r.rid == rid:
-                return r
-        for r in self.waiting:
-            if r.rid == rid:
-                return r
-        return None
 
     def finish(self, req: Req, reason: str) -> None:
         """End a request and return every resource it holds."""
@@ -84,7 +86,7 @@ class Scheduler:
         if req.state_slot > 0:
             c.state_pool.free(req.state_slot)
         req.req_slot = req.state_slot = -1
-        req.num_computed = 0
+        req.num_computed = req.num_kv = 0
 
     def _preempt(self, req: Req) -> None:
         self.running.remove(req)
@@ -93,62 +95,103 @@ class Scheduler:
         req.num_preemptions += 1
         self.waiting.appendleft(req)
 
+    def is_decoding(self, req: Req) -> bool:
+        """Prefill done (a token was generated) and only the newest token is left to feed."""
+        return bool(req.output_ids) and req.num_tokens - req.num_computed == 1
+
     # ---- one step ---------------------------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch | None:
-        kv = self.caches.kv_pool
-        budget = self.ec.chunk_size
-        rows: list[tuple[Req, int, torch.Tensor]] = []
-        preempted: list[Req] = []
+        if self.k == 0:
+            return self._schedule(self.running, prefill=True, decode=True)
+        decoding = [r for r in self.running if self.is_decoding(r)]
+        wants_prefill = len(decoding) < len(self.running) or bool(self.waiting)
+        if wants_prefill and (not decoding or not self._last_was_prefill):
+            batch = self._schedule(self.running, prefill=True, decode=False)
+            if batch is not None:
+                self._last_was_prefill = True
+                return batch
+        self._last_was_prefill = False
+        return self._schedule(self.running, prefill=False, decode=True) if decoding else None
 
-        pending = list(self.running)  # oldest first; victims are taken from the end
+    def _schedule(self, candidates: list[Req], prefill: bool, decode: bool) -> ScheduledBatch | None:
+        budget = self.ec.chunk_size
+        plan = ScheduledBatch([], [], [], [], ForwardMode.EXTEND)
+        pending = list(candidates)  # oldest first; preemption victims are taken from the end
         while pending:
             req = pending.pop(0)
+            is_decode = self.is_decoding(req) if self.k else req.num_tokens - req.num_computed == 1
+            if (is_decode and not decode) or (not is_decode and not prefill):
+                continue
             remaining = req.num_tokens - req.num_computed
-            n = 1 if remaining == 1 else min(remaining, budget)
+            n = (self.k + 1 if self.k else 1) if is_decode else min(remaining, budget)
             if n == 0:
                 continue
-            locs = kv.alloc(n)
-            while locs is None and pending:
-                victim = pending.pop()  # the newest request not yet scheduled in this step
-                self._preempt(victim)
-                preempted.append(victim)
-                locs = kv.alloc(n)
-            if locs is None:  # nobody left to preempt but itself
-                self._preempt(req)
-                preempted.append(req)
+            if not self._reserve(req, n, pending, plan):
                 continue
-            if remaining > 1:
+            if not is_decode:
                 budget -= n
-            rows.append((req, n, locs))
+            self._add_row(plan, req, n, is_decode)
 
-        while self.waiting and budget > 0:
+        while prefill and self.waiting and budget > 0:
             req = self.waiting[0]
             n = min(req.num_tokens, budget)
-            # keep room for one more token per running request, so admissions do not force preemptions at once
-            if kv.num_free < n + len(self.running) or self.caches.req_slots.num_free == 0 \
-                    or self.caches.state_pool.num_free == 0:
+            need = n + (self.kv_lookahead if n == req.num_tokens else 0)
+            # keep room for one more step of every running request, so admissions do not force preemptions at once
+            room = len(self.running) * (self.kv_lookahead + 1)
+            if (self.caches.kv_pool.num_free < need + room or self.caches.req_slots.num_free == 0
+                    or self.caches.state_pool.num_free == 0):
                 break
             self.waiting.popleft()
             req.req_slot = self.caches.req_slots.alloc()
             req.state_slot = self.caches.state_pool.alloc()
             req.status = ReqStatus.RUNNING
-            req.num_computed = 0
+            req.num_computed = req.num_kv = 0
             req.arrival = self._arrivals
             self._arrivals += 1
             self.running.append(req)
-            rows.append((req, n, kv.alloc(n)))
+            reserved = self._reserve(req, n, [], plan)
+            assert reserved
+            self._add_row(plan, req, n, False)
             budget -= n
 
-        if not rows:
+        if not plan.reqs:
             return None
-        reqs, extend_lens, prefix_lens, sample, locs = [], [], [], [], []
-        for req, n, loc in rows:
-            reqs.append(req)
-            extend_lens.append(n)
-            prefix_lens.append(req.num_computed)
-            sample.append(req.num_computed + n == req.num_tokens)
-            locs.append(loc)
-            req.kv_locs.append(loc)
-        decode = all(n == 1 for n in extend_lens) and all(sample)
-        return ScheduledBatch(reqs, extend_lens, prefix_lens, sample, torch.cat(locs),
-                              ForwardMode.DECODE if decode else ForwardMode.EXTEND, preempted)
+        if self.k:
+            if all(self.is_decoding(r) for r in plan.reqs):  # prefill rows never share a step with verify rows
+                plan.mode = ForwardMode.TARGET_VERIFY
+        elif all(n == 1 for n in plan.extend_lens) and all(plan.sample):
+            plan.mode = ForwardMode.DECODE
+        return plan
+
+    def _add_row(self, plan: ScheduledBatch, req: Req, n: int, is_decode: bool) -> None:
+        plan.reqs.append(req)
+        plan.extend_lens.append(n)
+        plan.prefix_lens.append(req.num_computed)
+        # a verify row feeds its last token plus k drafts; the drafts are not in req's tokens
+        plan.sample.append(is_decode or req.num_computed + n == req.num_tokens)
+
+    def _reserve(self, req: Req, n: int, pending: list[Req], plan: ScheduledBatch) -> bool:
+        """Reserve KV up to the fed tokens plus the lookahead, preempting the newest pending requests if needed.
+        False if ``req`` itself had to be preempted."""
+        end = req.num_computed + n
+        if end == req.num_tokens or self.k and self.is_decoding(req):
+            end += self.kv_lookahead
+        need = max(0, end - req.num_kv)
+        kv = self.caches.kv_pool
+        locs = kv.alloc(need)
+        while locs is None and pending:
+            victim = pending.pop()  # the newest request not yet scheduled in this step
+            self._preempt(victim)
+            plan.preempted.append(victim)
+            locs = kv.alloc(need)
+        if locs is None:
+            self._preempt(req)
+            plan.preempted.append(req)
+            return False
+        if need:
+            plan.kv_rows.extend([req.req_slot] * need)
+            plan.kv_cols.extend(range(req.num_kv, end))
+            plan.kv_locs.append(locs)
+            req.kv_locs.append(locs)
+            req.num_kv = end
+        return True

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ..backends.attention import AttentionBackend
@@ -14,47 +16,64 @@ from ..ops.sampling import sample
 from .scheduler import ScheduledBatch
 
 
+@dataclass
+class StepResult:
+    """Tokens of one step's sampling rows, on the device: ``tokens[i, :counts[i]]`` are row i's new tokens
+    (``counts`` None means one each)."""
+
+    tokens: torch.Tensor  # [S, W] int64
+    counts: torch.Tensor | None = None  # [S] int64
+
+
 def _dev(values, device, dtype=torch.int64) -> torch.Tensor:
     return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
 
 class ModelWorker:
-    def __init__(self, model: Qwen3NextForCausalLM, caches: Caches, device: torch.device):
+    def __init__(self, model: Qwen3NextForCausalLM, caches: Caches, device: torch.device, extra_attn_layers: int = 0):
         self.model = model
         self.caches = caches
         self.device = device
         self.vocab_size = model.config.vocab_size
         self.backend = HybridBackend(AttentionBackend(caches.kv_pool, caches.req_slots),
-                                     GDNBackend(caches.state_pool), model.config.layer_types)
+                                     GDNBackend(caches.state_pool), model.config.layer_types, extra_attn_layers)
 
-    def build_batch(self, sched: ScheduledBatch) -> ForwardBatch:
-        """Host plan -> device batch. Also records the step's new KV locations in ``req_to_token``."""
-        ids, pos, rows, cols = [], [], [], []
+    def build_batch(self, sched: ScheduledBatch, input_ids: torch.Tensor | None = None) -> ForwardBatch:
+        """Host plan -> device batch. Records the step's newly reserved KV locations in ``req_to_token`` and reads
+        the fed tokens' locations back from it on the device. ``input_ids`` overrides the fed tokens (verify rows
+        feed drafts that only the device knows)."""
+        slots = self.caches.req_slots
+        if sched.kv_locs:
+            slots.write_locations(sched.kv_rows, sched.kv_cols, torch.cat(sched.kv_locs))
+        ids, pos, tok_slots = [], [], []
         qsl = [0]
         for req, n, prefix in zip(sched.reqs, sched.extend_lens, sched.prefix_lens):
-            ids.extend(req.tokens(prefix, prefix + n))
+            if input_ids is None:
+                ids.extend(req.tokens(prefix, prefix + n))
             pos.extend(range(prefix, prefix + n))
-            rows.extend([req.req_slot] * n)
+            tok_slots.extend([req.req_slot] * n)
             qsl.append(qsl[-1] + n)
-        self.caches.req_slots.write_locations(rows, pos, sched.out_cache_loc)
         seq_lens = [p + n for p, n in zip(sched.prefix_lens, sched.extend_lens)]
         req_slots = [r.req_slot for r in sched.reqs]
         state_slots = [r.state_slot for r in sched.reqs]
         dev = self.device
+        positions = _dev(pos, dev)
+        varlen = sched.mode.is_extend
         batch = ForwardBatch(
             mode=sched.mode,
-            input_ids=_dev(ids, dev),
-            positions=_dev(pos, dev),
+            input_ids=_dev(ids, dev) if input_ids is None else input_ids,
+            positions=positions,
             req_slots=_dev(req_slots, dev),
             state_slots=_dev(state_slots, dev),
             seq_lens=_dev(seq_lens, dev),
             query_start_loc=_dev(qsl, dev),
-            out_cache_loc=sched.out_cache_loc.to(dev, non_blocking=True),
+            out_cache_loc=slots.req_to_token[_dev(tok_slots, dev), positions],
             max_seq_len=max(seq_lens),
-            extend_lens_cpu=list(sched.extend_lens),
-            prefix_lens_cpu=list(sched.prefix_lens),
-            req_slots_cpu=req_slots,
-            state_slots_cpu=state_slots,
+            extend_lens_cpu=list(sched.extend_lens) if varlen else None,
+            prefix_lens_cpu=list(sched.prefix_lens) if varlen else None,
+            req_slots_cpu=req_slots if varlen else None,
+            state_slots_cpu=state_slots if varlen else None,
+            tokens_per_row=1 if varlen else sched.extend_lens[0],
         )
         if self.backend.needs_cpu_seq_lens:
             batch.seq_lens_cpu = torch.tensor(seq_lens, dtype=torch.int64)
@@ -65,8 +84,8 @@ class ModelWorker:
         return self.model(batch, self.backend)
 
     @torch.inference_mode()
-    def run(self, sched: ScheduledBatch) -> torch.Tensor:
-        """Runs one step; returns the sampled token of every sampling row, [num_sampled] int64 on the device."""
+    def run(self, sched: ScheduledBatch) -> StepResult:
+        """Runs one step; returns the sampled token of every sampling row."""
         batch = self.build_batch(sched)
         hidden = self.forward_hidden(batch)
         if batch.mode is ForwardMode.DECODE:
@@ -80,6 +99,6 @@ class ModelWorker:
             last = hidden[_dev(ends, self.device)]
         sampled = [r for r, keep in zip(sched.reqs, sched.sample) if keep]
         if not sampled:
-            return torch.empty(0, dtype=torch.int64, device=self.device)
+            return StepResult(torch.empty(0, 1, dtype=torch.int64, device=self.device))
         logits = self.model.compute_logits(last)
-        return sample(logits, SamplingBatch.from_reqs(sampled, self.vocab_size, self.device))
+        return StepResult(sample(logits, SamplingBatch.from_reqs(sampled, self.vocab_size, self.device))[:, None])

@@ -1,0 +1,71 @@
+"""The multi-token-prediction head of Qwen3-Next (``mtp.*`` in the checkpoint), used as the MTP drafter's model.
+
+One draft step: ``fc(concat(norm_e(embed(token)), norm_h(hidden)))``, a full-attention decoder layer (same MoE as
+the target), ``mtp.norm``; the result feeds the shared ``lm_head`` and is the ``hidden`` of the next chained step.
+``hidden`` is the target's final (normed) hidden state at the position before ``token``. The layer keeps its own
+attention KV in the KV pool (one extra KV layer), at the same token locations as the target.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+from ..core import ForwardBatch
+from ..layers.norm import RMSNorm
+from ..layers.weights import CheckpointError, TensorReader, copy_into
+from .qwen3_next import DecoderLayer, Qwen3NextForCausalLM
+
+
+def has_mtp_weights(reader: TensorReader) -> bool:
+    return reader.has("mtp.fc.weight")
+
+
+class Qwen3NextMTP(nn.Module):
+    def __init__(self, mc: ModelConfig, target: Qwen3NextForCausalLM, dtype: torch.dtype, device=None):
+        super().__init__()
+        H = mc.hidden_size
+        self.config = mc
+        self.target = [target]  # shared embed and lm_head; a list so it is not registered as a submodule
+        self.fc = nn.Parameter(torch.empty(H, 2 * H, dtype=dtype, device=device), requires_grad=False)
+        self.norm_embedding = RMSNorm(H, mc.rms_norm_eps, dtype, device)
+        self.norm_hidden = RMSNorm(H, mc.rms_norm_eps, dtype, device)
+        self.norm = RMSNorm(H, mc.rms_norm_eps, dtype, device)
+        # layer ids continue after the target's, so the hybrid backend maps them to the extra KV layers
+        self.layers = nn.ModuleList(
+            DecoderLayer(mc, mc.num_hidden_layers + i, dtype, device, attention_only=True)
+            for i in range(mc.num_nextn_predict_layers))
+
+    @property
+    def layer_ids(self) -> list[int]:
+        return [self.config.num_hidden_layers + i for i in range(len(self.layers))]
+
+    def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch, backend) -> torch.Tensor:
+        """input_ids: [T]; hidden: [T, H] (target or previous MTP output). Returns the MTP hidden [T, H] (normed).
+
+        NOTE: checkpoints with several MTP layers chain them within one step (layer i refines layer i-1's output);
+        Qwen3-Next ships one.
+        """
+        target = self.target[0]
+        e = self.norm_embedding(F.embedding(input_ids, target.embed))
+        x = F.linear(torch.cat([e, self.norm_hidden(hidden)], dim=-1), self.fc)
+        for layer in self.layers:
+            x = layer(x, batch, backend)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.target[0].compute_logits(hidden)
+
+    def load(self, r: TensorReader) -> None:
+        H = self.config.hidden_size
+        if not has_mtp_weights(r):
+            raise CheckpointError("speculative='mtp' needs the checkpoint's multi-token-prediction head (mtp.* "
+                                  "tensors), and this checkpoint has none: use speculative='ngram' instead")
+        copy_into(self.fc, r.get("mtp.fc.weight", (H, 2 * H)))
+        copy_into(self.norm_embedding.weight, r.get("mtp.pre_fc_norm_embedding.weight", (H,)))
+        copy_into(self.norm_hidden.weight, r.get("mtp.pre_fc_norm_hidden.weight", (H,)))
+        copy_into(self.norm.weight, r.get("mtp.norm.weight", (H,)))
+        for i, layer in enumerate(self.layers):
+            layer.load(r, f"mtp.layers.{i}")

@@ -1,0 +1,1 @@
+"""Speculative decoding: drafters (MTP head, n-gram lookup), the verify pass, acceptance and the state commit."""

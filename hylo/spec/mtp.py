@@ -1,0 +1,83 @@
+"""MTP drafter: the checkpoint's multi-token-prediction head proposes k tokens by chaining itself.
+
+After the target prefills a chunk or verifies drafts, one DRAFT_EXTEND pass feeds the MTP head every new position's
+pair (target hidden at position j, token at j + 1): this brings the head's KV up to date with the committed tokens,
+and its output at the newest position gives draft 1. Drafts 2..k come from DRAFT_DECODE steps that feed the head its
+own previous output with the previous draft. After a verify the extend pass has a fixed shape (k + 1 rows per
+request, the accepted count picks the output row on the device); its entries past the accepted tokens are garbage
+that the draft steps overwrite before anything reads them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..core import ForwardBatch, ForwardMode, SamplingBatch
+from ..models.qwen3_next_mtp import Qwen3NextMTP
+from ..ops.sampling import sampling_probs, uniform_noise
+
+STREAM_DRAFT = 2
+
+
+class MTPDrafter:
+    def __init__(self, mtp: Qwen3NextMTP, k: int, max_num_seqs: int, vocab: int, device: torch.device):
+        self.mtp = mtp
+        self.k = k
+        self.drafts = torch.zeros(max_num_seqs + 1, k, dtype=torch.int64, device=device)
+        # q of each draft, for rejection sampling of sampled requests (greedy rows never read it)
+        self.draft_probs = torch.zeros(max_num_seqs + 1, k, vocab, dtype=torch.float32, device=device)
+
+    def _pick(self, hidden: torch.Tensor, req_slots: torch.Tensor, sb: SamplingBatch, base_steps: torch.Tensor,
+              i: int) -> torch.Tensor:
+        """Draft i from MTP hidden states: argmax for greedy rows, a draw from q for the others."""
+        logits = self.mtp.compute_logits(hidden)
+        token = logits.argmax(-1)
+        if not sb.all_greedy:
+            q = sampling_probs(logits, sb)
+            drawn = (q / -torch.log(uniform_noise(sb.seeds, base_steps + i, q.shape[-1], STREAM_DRAFT))).argmax(-1)
+            token = torch.where(sb.temperatures > 0, drawn, token)
+            self.draft_probs[req_slots, i] = q
+        self.drafts[req_slots, i] = token
+        return token
+
+    def _chain(self, worker, hidden, token, positions0, req_slots, state_slots, max_seq_len, sb, base_steps):
+        """Drafts 2..k: each step feeds (previous MTP output, previous draft) at the next position."""
+        rows = torch.arange(req_slots.shape[0], device=req_slots.device)
+        req_to_token = worker.caches.req_slots.req_to_token
+        for i in range(1, self.k):
+            pos = positions0 + (i - 1)
+            batch = ForwardBatch(
+                mode=ForwardMode.DRAFT_DECODE, input_ids=token, positions=pos, req_slots=req_slots,
+                state_slots=state_slots, seq_lens=pos + 1, query_start_loc=torch.cat([rows, rows[-1:] + 1]),
+                out_cache_loc=req_to_token[req_slots, pos], max_seq_len=max_seq_len + i)
+            hidden = self.mtp(token, hidden, batch, worker.backend)
+            token = self._pick(hidden, req_slots, sb, base_steps, i)
+
+    def after_prefill(self, worker, batch: ForwardBatch, hidden: torch.Tensor, next_ids: torch.Tensor,
+                      tok_idx: torch.Tensor, row_idx: torch.Tensor, sb: SamplingBatch, max_seq_len: int) -> None:
+        """batch: the target's EXTEND batch; next_ids: [T] the token after each fed token (the sampled one at the
+        end of a finished prompt); tok_idx / row_idx: token index and batch row of each sampling row's last token;
+        max_seq_len: host bound of those rows' lengths."""
+        mtp_batch = ForwardBatch(**{**batch.__dict__, "mode": ForwardMode.DRAFT_EXTEND, "input_ids": next_ids})
+        out = self.mtp(next_ids, hidden, mtp_batch, worker.backend)
+        if tok_idx.numel() == 0:
+            return
+        req_slots, state_slots = batch.req_slots[row_idx], batch.state_slots[row_idx]
+        last = out[tok_idx]
+        base = sb.steps + 1
+        first = self._pick(last, req_slots, sb, base, 0)
+        self._chain(worker, last, first, batch.positions[tok_idx] + 1, req_slots, state_slots, max_seq_len, sb, base)
+
+    def after_verify(self, worker, batch: ForwardBatch, hidden: torch.Tensor, emitted: torch.Tensor,
+                     accepted: torch.Tensor, sb: SamplingBatch) -> None:
+        """batch: the TARGET_VERIFY batch ([B * (k+1)] tokens); emitted/accepted: the acceptance result."""
+        k1 = self.k + 1
+        mtp_batch = ForwardBatch(**{**batch.__dict__, "mode": ForwardMode.DRAFT_EXTEND,
+                                    "input_ids": emitted.reshape(-1)})
+        out = self.mtp(emitted.reshape(-1), hidden, mtp_batch, worker.backend).view(-1, k1, hidden.shape[-1])
+        rows = torch.arange(out.shape[0], device=out.device)
+        last = out[rows, accepted]  # [B, H]: the pair (target hidden, token) at the newest committed position
+        base = sb.steps + accepted + 1
+        first = self._pick(last, batch.req_slots, sb, base, 0)
+        positions0 = batch.seq_lens - k1 + accepted + 1
+        self._chain(worker, last, first, positions0, batch.req_slots, batch.state_slots, batch.max_seq_len, sb, base)

@@ -1,0 +1,121 @@
+"""The speculative worker: prefill + first drafts, or verify + accept + commit + next drafts, in one step.
+
+It has the plain worker's interface (``run(sched) -> StepResult``), so the engine drives both the same way. The
+committed GDN state is never touched by a verify pass: the GDN backend writes every step's state into the verify
+buffers, and only the checkpoint after the last accepted token is copied into the request's slot.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..core import ForwardMode, SamplingBatch
+from ..engine.scheduler import ScheduledBatch
+from ..engine.worker import ModelWorker, StepResult, _dev
+from ..ops.sampling import sample, sampling_probs
+from .verify import commit_states, greedy_accept, rejection_accept
+
+
+class SpecWorker:
+    def __init__(self, target: ModelWorker, drafter, k: int, simulate_accept_length: float | None = None,
+                 seed: int = 0):
+        self.target = target
+        self.drafter = drafter
+        self.k = k
+        self.simulate_accept_length = simulate_accept_length
+        self._sim_gen = torch.Generator(device=target.device).manual_seed(seed)
+        # test hook: fn(reqs, drafts [B, k] device) -> drafts, to force acceptance or rejection
+        self.draft_hook = None
+
+    @property
+    def backend(self):
+        return self.target.backend
+
+    @property
+    def caches(self):
+        return self.target.caches
+
+    @torch.inference_mode()
+    def run(self, sched: ScheduledBatch) -> StepResult:
+        if sched.mode is ForwardMode.TARGET_VERIFY:
+            return self._verify(sched)
+        return self._prefill(sched)
+
+    def _prefill(self, sched: ScheduledBatch) -> StepResult:
+        tw = self.target
+        batch = tw.build_batch(sched)
+        hidden = tw.forward_hidden(batch)
+        tok_idx_list, row_idx_list, ends, total = [], [], [], 0
+        next_host = []  # the token after each fed chunk, for the MTP pairs: known unless it is being sampled
+        for row, (req, n, prefix, keep) in enumerate(zip(sched.reqs, sched.extend_lens, sched.prefix_lens,
+                                                         sched.sample)):
+            total += n
+            ends.append(total - 1)
+            next_host.append(0 if keep else req.token_at(prefix + n))
+            if keep:
+                tok_idx_list.append(total - 1)
+                row_idx_list.append(row)
+        dev = tw.device
+        tok_idx, row_idx = _dev(tok_idx_list, dev), _dev(row_idx_list, dev)
+        sampled_reqs = [r for r, keep in zip(sched.reqs, sched.sample) if keep]
+        sb = SamplingBatch.from_reqs(sampled_reqs, tw.vocab_size, dev)
+        tokens = (sample(tw.model.compute_logits(hidden[tok_idx]), sb) if sampled_reqs
+                  else torch.empty(0, dtype=torch.int64, device=dev))
+        next_ids = batch.input_ids.roll(-1)
+        end_vals = _dev(next_host, dev)
+        end_vals[row_idx] = tokens
+        next_ids[_dev(ends, dev)] = end_vals
+        max_len = max([p + n for p, n, keep in zip(sched.prefix_lens, sched.extend_lens, sched.sample) if keep],
+                      default=1)
+        self.drafter.after_prefill(tw, batch, hidden, next_ids, tok_idx, row_idx, sb, max_len)
+        return StepResult(tokens[:, None], None)
+
+    def _verify(self, sched: ScheduledBatch) -> StepResult:
+        tw, k = self.target, self.k
+        dev = tw.device
+        req_slots = _dev([r.req_slot for r in sched.reqs], dev)
+        drafts = self.drafter.drafts[req_slots]
+        if self.draft_hook is not None:
+            drafts = self.draft_hook(sched.reqs, drafts)
+        last = _dev([r.output_ids[-1] for r in sched.reqs], dev)
+        input_ids = torch.cat([last[:, None], drafts], dim=1).reshape(-1)
+        batch = tw.build_batch(sched, input_ids=input_ids)
+        hidden = tw.forward_hidden(batch)
+        bs = len(sched.reqs)
+        logits = tw.model.compute_logits(hidden).view(bs, k + 1, -1)
+        sb = SamplingBatch.from_reqs(sched.reqs, tw.vocab_size, dev)
+        emitted, accepted = greedy_accept(drafts, logits)
+        if not sb.all_greedy:
+            p = sampling_probs(logits.reshape(bs * (k + 1), -1), _repeat(sb, k + 1)).view(bs, k + 1, -1)
+            q = None if self.drafter.draft_probs is None else self.drafter.draft_probs[req_slots]
+            s_emitted, s_accepted = rejection_accept(drafts, q, p, sb.seeds, sb.steps)
+            sampled = sb.temperatures > 0
+            emitted = torch.where(sampled[:, None], s_emitted, emitted)
+            accepted = torch.where(sampled, s_accepted, accepted)
+        if self.simulate_accept_length is not None:
+            emitted, accepted = self._simulate(drafts, emitted, accepted)
+        commit_states(self.caches.state_pool, batch.state_slots, accepted)
+        self.drafter.after_verify(tw, batch, hidden, emitted, accepted, sb)
+        return StepResult(emitted, accepted + 1)
+
+    def _simulate(self, drafts, emitted, accepted):
+        """Force a mean accept length (benchmarks on random weights): a drafts accepted, with a drawn so that
+        E[a + 1] equals the target; the emitted tokens are the drafts plus the target's token after them.
+        Breaks losslessness on purpose."""
+        want = min(max(self.simulate_accept_length - 1.0, 0.0), float(self.k))
+        lo = int(want)
+        frac = want - lo
+        u = torch.rand(drafts.shape[0], generator=self._sim_gen, device=drafts.device)
+        forced = torch.full_like(accepted, lo) + (u < frac).long()
+        forced = forced.clamp(max=self.k)
+        rows = torch.arange(drafts.shape[0], device=drafts.device)
+        out = torch.cat([drafts, drafts[:, :1]], dim=1).clone()
+        out[rows, forced] = emitted[rows, forced]
+        return out, forced
+
+
+def _repeat(sb: SamplingBatch, times: int) -> SamplingBatch:
+    """The same per-row parameters for every verify position of the row."""
+    rep = lambda t: t.repeat_interleave(times)  # noqa: E731
+    return SamplingBatch(rep(sb.temperatures), rep(sb.top_p), rep(sb.top_k), rep(sb.seeds), rep(sb.steps),
+                         sb.all_greedy, sb.any_greedy, sb.need_top_k, sb.need_top_p)
