@@ -21,12 +21,20 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-tokens", type=int, default=None, help="KV pool size in tokens")
     g.add_argument("--memory-budget-gb", type=float, default=None, help="cache memory budget in GiB")
     g.add_argument("--state-dtype", default=d.state_dtype, help="GDN recurrent state dtype (default float32)")
+    g.add_argument("--speculative", choices=["mtp", "ngram"], default=None,
+                   help="speculative decoding: the checkpoint's MTP head, or n-gram prompt lookup")
+    g.add_argument("--num-speculative-tokens", type=int, default=d.num_speculative_tokens,
+                   help="drafts per verify step (default 3)")
+    g.add_argument("--simulate-accept-length", type=float, default=None,
+                   help="benchmarks only: force this mean accept length (breaks losslessness)")
 
 
 def _engine_options(args) -> dict:
     return dict(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, chunk_size=args.chunk_size,
                 kv_cache_tokens=args.kv_cache_tokens, memory_budget_gb=args.memory_budget_gb,
-                state_dtype=args.state_dtype)
+                state_dtype=args.state_dtype, speculative=args.speculative,
+                num_speculative_tokens=args.num_speculative_tokens,
+                simulate_accept_length=args.simulate_accept_length)
 
 
 def _generate(args) -> int:
@@ -54,6 +62,11 @@ def _generate(args) -> int:
     n = len(out.token_ids)
     print(f"[hylo] {n} tokens in {dt:.2f}s ({n / dt:.1f} tokens/s), prompt {len(out.prompt_token_ids)} tokens, "
           f"finish reason: {out.finish_reason}", file=sys.stderr)
+    if out.spec is not None:
+        s = out.spec
+        print(f"[hylo] speculative ({args.speculative}, k={args.num_speculative_tokens}): {s.verify_steps} verify "
+              f"steps, {s.accepted_tokens}/{s.draft_tokens} drafts accepted, mean accept length "
+              f"{s.mean_accept_length:.2f} tokens per step", file=sys.stderr)
     return 0
 
 

@@ -108,3 +108,10 @@ def test_cli_generate_and_cli_errors():
     assert bad.returncode == 2 and "temperature" in bad.stderr
     empty = subprocess.run(run + ["--prompt", ""], capture_output=True, text=True, timeout=120)
     assert empty.returncode == 2 and "empty" in empty.stderr
+    spec = subprocess.run(run + ["ab ab ab ab", "--max-tokens", "12", "--speculative", "mtp",
+                                 "--num-speculative-tokens", "2"], capture_output=True, text=True, timeout=120)
+    assert spec.returncode == 0, spec.stderr
+    assert "speculative (mtp, k=2)" in spec.stderr and "mean accept length" in spec.stderr
+    bad_k = subprocess.run(run + ["x", "--speculative", "ngram", "--num-speculative-tokens", "0"],
+                           capture_output=True, text=True, timeout=120)
+    assert bad_k.returncode == 2 and "num_speculative_tokens" in bad_k.stderr
