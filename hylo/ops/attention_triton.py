@@ -1,0 +1,136 @@
+"""Triton paged attention for fixed-shape passes: decode (1 query per row) and verify / draft extend (S queries
+per row, causal among themselves), GQA, any head size.
+
+Split-K ("flash decoding"): the program for (row, KV head, split) attends all G query heads of that KV head for the
+row's S queries over its share of the row's keys, and writes a partial result with its log-sum-exp; a second kernel
+merges the splits. The number of splits is fixed, so grids never depend on sequence lengths: each program reads the
+row's length on the device and sizes its own share (empty shares exit at once). This is what makes the kernel safe
+to capture in a CUDA graph and free of host reads.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_utils import INTERPRET, next_pow2
+
+NUM_SPLITS = 16
+
+
+@triton.jit
+def _attend_block(q, k_ptr, v_ptr, req_to_token_ptr, slot, stride_r2t, stride_kt, stride_kh, kvh, n0, end, q_pos,
+                  offs_d, md, m_i, l_i, acc, scale, BN: tl.constexpr):
+    """One block of BN keys with online softmax: returns the updated (max, sum, accumulator)."""
+    offs_n = n0 + tl.arange(0, BN)
+    mn = offs_n < end
+    loc = tl.load(req_to_token_ptr + slot * stride_r2t + offs_n, mask=mn, other=0)
+    kv_off = loc[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :]
+    k = tl.load(k_ptr + kv_off, mask=mn[:, None] & md[None, :], other=0.0)
+    scores = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
+    keep = mn[None, :] & (offs_n[None, :] <= q_pos[:, None])
+    scores = tl.where(keep, scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp(scores - m_safe[:, None])
+    alpha = tl.exp(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_ptr + kv_off, mask=mn[:, None] & md[None, :], other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _paged_attn_split_kernel(
+    q_ptr, k_ptr, v_ptr, req_to_token_ptr, req_slots_ptr, seq_lens_ptr, part_o_ptr, part_lse_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_r2t, scale,
+    S: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    SPLITS: tl.constexpr, USE_WHILE: tl.constexpr,
+):
+    row = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + row)
+    slot = tl.load(req_slots_ptr + row)
+    share = tl.cdiv(tl.cdiv(seq_len, SPLITS), BN) * BN
+    start = split * share
+    end = tl.minimum(start + share, seq_len)
+    # query rows m = s * G + g: token s of the row, head kvh * G + g
+    offs_m = tl.arange(0, BM)
+    qs = offs_m // G
+    qg = offs_m % G
+    mm = offs_m < S * G
+    offs_d = tl.arange(0, BD)
+    md = offs_d < D
+    q = tl.load(q_ptr + (row * S + qs)[:, None] * stride_qt + (kvh * G + qg)[:, None] * stride_qh + offs_d[None, :],
+                mask=mm[:, None] & md[None, :], other=0.0)
+    q_pos = seq_len - S + qs  # absolute position of each query
+    m_i = tl.full([BM], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BM], dtype=tl.float32)
+    acc = tl.zeros([BM, BD], dtype=tl.float32)
+    if USE_WHILE:  # Triton's interpreter cannot run a for loop with run-time bounds
+        n0 = start
+        while n0 < end:
+            m_i, l_i, acc = _attend_block(q, k_ptr, v_ptr, req_to_token_ptr, slot, stride_r2t, stride_kt, stride_kh,
+                                          kvh, n0, end, q_pos, offs_d, md, m_i, l_i, acc, scale, BN)
+            n0 += BN
+    else:
+        for n0 in range(start, end, BN):
+            m_i, l_i, acc = _attend_block(q, k_ptr, v_ptr, req_to_token_ptr, slot, stride_r2t, stride_kt, stride_kh,
+                                          kvh, n0, end, q_pos, offs_d, md, m_i, l_i, acc, scale, BN)
+    lse = tl.where(l_i > 0, m_i + tl.log(l_i), float("-inf"))
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    # partials: [B * S, H, SPLITS, D] and [B * S, H, SPLITS]
+    tok = row * S + qs
+    head = kvh * G + qg
+    H = tl.num_programs(1) * G
+    base = (tok * H + head) * SPLITS + split
+    tl.store(part_o_ptr + base[:, None] * D + offs_d[None, :], out, mask=mm[:, None] & md[None, :])
+    tl.store(part_lse_ptr + base, lse, mask=mm)
+
+
+@triton.jit
+def _merge_splits_kernel(part_o_ptr, part_lse_ptr, out_ptr, stride_ot, stride_oh, H,
+                         D: tl.constexpr, BD: tl.constexpr, SPLITS: tl.constexpr):
+    tok = tl.program_id(0)
+    head = tl.program_id(1)
+    base = (tok * H + head) * SPLITS
+    offs_s = tl.arange(0, SPLITS)
+    lse = tl.load(part_lse_ptr + base + offs_s)
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp(lse - m)
+    w = w / tl.maximum(tl.sum(w, 0), 1e-30)
+    offs_d = tl.arange(0, BD)
+    md = offs_d < D
+    o = tl.load(part_o_ptr + (base + offs_s)[:, None] * D + offs_d[None, :], mask=md[None, :], other=0.0)
+    res = tl.sum(o * w[:, None], 0)
+    tl.store(out_ptr + tok * stride_ot + head * stride_oh + offs_d, res.to(out_ptr.dtype.element_ty), mask=md)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_token: torch.Tensor,
+                    req_slots: torch.Tensor, seq_lens: torch.Tensor, scaling: float,
+                    tokens_per_row: int = 1) -> torch.Tensor:
+    """q: [B * S, H, D]; caches: [N, KVH, D]; seq_lens: [B] (the last S positions are the queries).
+    Returns [B * S, H, D] in q's dtype."""
+    num_tokens, heads, dim = q.shape
+    kv_heads = k_cache.shape[1]
+    group = heads // kv_heads
+    batch = num_tokens // tokens_per_row
+    out = torch.empty_like(q)
+    if batch == 0:
+        return out
+    part_o = torch.empty(num_tokens, heads, NUM_SPLITS, dim, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(num_tokens, heads, NUM_SPLITS, dtype=torch.float32, device=q.device)
+    bd = next_pow2(dim)
+    bm = max(16, next_pow2(tokens_per_row * group))
+    bn = 32 if bd > 128 else 64
+    _paged_attn_split_kernel[(batch, kv_heads, NUM_SPLITS)](
+        q, k_cache, v_cache, req_to_token, req_slots, seq_lens, part_o, part_lse,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), req_to_token.stride(0), scaling,
+        S=tokens_per_row, G=group, D=dim, BD=bd, BM=bm, BN=bn, SPLITS=NUM_SPLITS, USE_WHILE=INTERPRET, num_warps=4,
+    )
+    _merge_splits_kernel[(num_tokens, heads)](part_o, part_lse, out, out.stride(0), out.stride(1), heads,
+                                              D=dim, BD=bd, SPLITS=NUM_SPLITS, num_warps=4)
+    return out

@@ -1,0 +1,90 @@
+"""Triton kernel for the recurrent gated delta rule over S steps per row (S = 1 decode, S = k + 1 verify).
+
+One program per (row, value head, block of value channels). It fuses everything after the conv: the gating
+(``A_log``, ``dt_bias``, softplus, sigmoid beta), the L2 norm and scaling of q and k, and the state update. The
+state is read from the pool by slot (-1: zero state, nothing written). Decode writes the final state back to the
+slot in place; verify writes the state after every step to ``verify[layer, row, step]`` and never the slot.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_utils import next_pow2
+
+
+@triton.jit
+def _gdn_steps_kernel(
+    x_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, pool_ptr, slots_ptr, out_ptr, verify_ptr,
+    stride_x, stride_ab, stride_pool, stride_vrow, stride_vstep, scale,
+    S: tl.constexpr, HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, VERIFY: tl.constexpr,
+):
+    row = tl.program_id(0)
+    h = tl.program_id(1)
+    vb = tl.program_id(2)
+    hk = h // (HV // HK)
+    slot = tl.load(slots_ptr + row)
+    offs_k = tl.arange(0, BK)
+    offs_v = vb * BV + tl.arange(0, BV)
+    mk = offs_k < DK
+    mv = offs_v < DV
+    m2 = mk[:, None] & mv[None, :]
+    state_off = h * DK * DV + offs_k[:, None] * DV + offs_v[None, :]
+    valid = slot >= 0
+    safe_slot = tl.where(valid, slot, 0)
+    state = tl.load(pool_ptr + safe_slot * stride_pool + state_off, mask=m2 & valid, other=0.0).to(tl.float32)
+    A = -tl.exp(tl.load(A_log_ptr + h).to(tl.float32))
+    dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
+    for s in tl.static_range(S):
+        tok = row * S + s
+        xrow = x_ptr + tok * stride_x
+        q = tl.load(xrow + hk * DK + offs_k, mask=mk, other=0.0).to(tl.float32)
+        k = tl.load(xrow + HK * DK + hk * DK + offs_k, mask=mk, other=0.0).to(tl.float32)
+        v = tl.load(xrow + 2 * HK * DK + h * DV + offs_v, mask=mv, other=0.0).to(tl.float32)
+        q = q * tl.rsqrt(tl.sum(q * q) + 1e-6) * scale
+        k = k * tl.rsqrt(tl.sum(k * k) + 1e-6)
+        a = tl.load(a_ptr + tok * stride_ab + h).to(tl.float32) + dt_bias
+        softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(tl.minimum(a, 20.0))))
+        decay = tl.exp(A * softplus)
+        beta = tl.sigmoid(tl.load(b_ptr + tok * stride_ab + h).to(tl.float32))
+        state = state * decay
+        kv = tl.sum(state * k[:, None], axis=0)
+        delta = (v - kv) * beta
+        state = state + k[:, None] * delta[None, :]
+        o = tl.sum(state * q[:, None], axis=0)
+        tl.store(out_ptr + tok * (HV * DV) + h * DV + offs_v, o, mask=mv)
+        if VERIFY:
+            tl.store(verify_ptr + row * stride_vrow + s * stride_vstep + state_off,
+                     state.to(verify_ptr.dtype.element_ty), mask=m2)
+    if not VERIFY:
+        tl.store(pool_ptr + safe_slot * stride_pool + state_off, state.to(pool_ptr.dtype.element_ty),
+                 mask=m2 & valid)
+
+
+def gdn_steps(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+              pool: torch.Tensor, slots: torch.Tensor, num_k_heads: int, head_k_dim: int, head_v_dim: int,
+              steps: int = 1, verify: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [B * steps, conv_dim] (conv output: q | k | v); a, b: [B * steps, Hv]; pool: [slots, Hv, Dk, Dv] (one
+    layer); verify: [max_B, steps, Hv, Dk, Dv] (one layer) or None for decode. Returns o [B * steps, Hv, Dv] fp32.
+    """
+    num_tokens = x.shape[0]
+    hv = a.shape[-1]
+    batch = num_tokens // steps
+    out = torch.empty(num_tokens, hv, head_v_dim, dtype=torch.float32, device=x.device)
+    if batch == 0:
+        return out
+    bk, bv = next_pow2(head_k_dim), min(next_pow2(head_v_dim), 32)
+    grid = (batch, hv, triton.cdiv(head_v_dim, bv))
+    vbuf = verify if verify is not None else pool
+    _gdn_steps_kernel[grid](
+        x, a, b, A_log, dt_bias, pool, slots, out, vbuf,
+        x.stride(0), a.stride(0), pool.stride(0),
+        vbuf.stride(0) if verify is not None else 0, vbuf.stride(1) if verify is not None else 0,
+        head_k_dim ** -0.5,
+        S=steps, HK=num_k_heads, HV=hv, DK=head_k_dim, DV=head_v_dim, BK=bk, BV=bv, VERIFY=verify is not None,
+        num_warps=4,
+    )
+    return out

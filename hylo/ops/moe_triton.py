@@ -1,0 +1,182 @@
+"""Triton fused MoE: the routed experts' SwiGLU MLPs without a per-expert Python loop, reading only the chosen
+experts' weights.
+
+Two layouts of the (token, expert) pairs, picked by their number P = tokens * top_k:
+- few pairs (decode): one program row per pair, a GEMV over that pair's expert. No sorting at all, so the whole
+  MoE is two launches; an expert chosen by several pairs is re-read from L2.
+- many pairs (prefill, large batches): pairs sorted by expert into blocks of BM that each belong to one expert
+  (padding with a sentinel pair), then a grouped GEMM with tensor-core dots. The sort runs on the device with
+  fixed-size outputs, so it needs no host sync and can be captured in a CUDA graph.
+Both write one row per pair (weighted by its routing weight); the k rows of a token are summed at the end.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+PAIR_GEMV_MAX_PAIRS = 64
+
+
+# ---- few pairs: one GEMV per pair ------------------------------------------------------------------------------
+@triton.jit
+def _pair_gate_up_kernel(x_ptr, w13_ptr, ids_ptr, act_ptr, H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
+                         BN: tl.constexpr, BK: tl.constexpr):
+    pair = tl.program_id(0)
+    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+    mn = offs_n < I
+    e = tl.load(ids_ptr + pair).to(tl.int64)
+    tok = pair // TOP_K
+    w_base = w13_ptr + e * (2 * I * H)
+    acc_g = tl.zeros([BN], dtype=tl.float32)
+    acc_u = tl.zeros([BN], dtype=tl.float32)
+    for k0 in range(0, H, BK):
+        offs_k = k0 + tl.arange(0, BK)
+        mk = offs_k < H
+        x = tl.load(x_ptr + tok * H + offs_k, mask=mk, other=0.0).to(tl.float32)
+        m2 = mn[:, None] & mk[None, :]
+        wg = tl.load(w_base + offs_n[:, None] * H + offs_k[None, :], mask=m2, other=0.0).to(tl.float32)
+        wu = tl.load(w_base + (I + offs_n)[:, None] * H + offs_k[None, :], mask=m2, other=0.0).to(tl.float32)
+        acc_g += tl.sum(wg * x[None, :], 1)
+        acc_u += tl.sum(wu * x[None, :], 1)
+    act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    tl.store(act_ptr + pair * I + offs_n, act.to(act_ptr.dtype.element_ty), mask=mn)
+
+
+@triton.jit
+def _pair_down_kernel(act_ptr, w2_ptr, ids_ptr, wts_ptr, out_ptr, H: tl.constexpr, I: tl.constexpr,
+                      BN: tl.constexpr, BK: tl.constexpr):
+    pair = tl.program_id(0)
+    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+    mn = offs_n < H
+    e = tl.load(ids_ptr + pair).to(tl.int64)
+    w_base = w2_ptr + e * (H * I)
+    acc = tl.zeros([BN], dtype=tl.float32)
+    for k0 in range(0, I, BK):
+        offs_k = k0 + tl.arange(0, BK)
+        mk = offs_k < I
+        a = tl.load(act_ptr + pair * I + offs_k, mask=mk, other=0.0).to(tl.float32)
+        w = tl.load(w_base + offs_n[:, None] * I + offs_k[None, :], mask=mn[:, None] & mk[None, :],
+                    other=0.0).to(tl.float32)
+        acc += tl.sum(w * a[None, :], 1)
+    acc = acc * tl.load(wts_ptr + pair).to(tl.float32)
+    tl.store(out_ptr + pair * H + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mn)
+
+
+# ---- many pairs: grouped GEMM over expert-sorted blocks --------------------------------------------------------
+@triton.jit
+def _grouped_gate_up_kernel(x_ptr, w13_ptr, sorted_ptr, block_expert_ptr, act_ptr, H: tl.constexpr,
+                            I: tl.constexpr, P,
+                            TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    blk = tl.program_id(0)
+    e = tl.load(block_expert_ptr + blk).to(tl.int64)
+    if e < 0:
+        return
+    pairs = tl.load(sorted_ptr + blk * BM + tl.arange(0, BM))
+    mp = pairs < P
+    toks = pairs // TOP_K
+    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+    mn = offs_n < I
+    w_base = w13_ptr + e * (2 * I * H)
+    acc_g = tl.zeros([BM, BN], dtype=tl.float32)
+    acc_u = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(0, H, BK):
+        offs_k = k0 + tl.arange(0, BK)
+        mk = offs_k < H
+        x = tl.load(x_ptr + toks[:, None] * H + offs_k[None, :], mask=mp[:, None] & mk[None, :], other=0.0)
+        m2 = mk[:, None] & mn[None, :]
+        wg = tl.load(w_base + offs_n[None, :] * H + offs_k[:, None], mask=m2, other=0.0)
+        wu = tl.load(w_base + (I + offs_n)[None, :] * H + offs_k[:, None], mask=m2, other=0.0)
+        acc_g += tl.dot(x, wg)
+        acc_u += tl.dot(x, wu)
+    act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    tl.store(act_ptr + pairs[:, None] * I + offs_n[None, :], act.to(act_ptr.dtype.element_ty),
+             mask=mp[:, None] & mn[None, :])
+
+
+@triton.jit
+def _grouped_down_kernel(act_ptr, w2_ptr, sorted_ptr, block_expert_ptr, wts_ptr, out_ptr, H: tl.constexpr,
+                         I: tl.constexpr, P,
+                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    blk = tl.program_id(0)
+    e = tl.load(block_expert_ptr + blk).to(tl.int64)
+    if e < 0:
+        return
+    pairs = tl.load(sorted_ptr + blk * BM + tl.arange(0, BM))
+    mp = pairs < P
+    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+    mn = offs_n < H
+    w_base = w2_ptr + e * (H * I)
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(0, I, BK):
+        offs_k = k0 + tl.arange(0, BK)
+        mk = offs_k < I
+        a = tl.load(act_ptr + pairs[:, None] * I + offs_k[None, :], mask=mp[:, None] & mk[None, :], other=0.0)
+        w = tl.load(w_base + offs_n[None, :] * I + offs_k[:, None], mask=mk[:, None] & mn[None, :], other=0.0)
+        acc += tl.dot(a, w)
+    wts = tl.load(wts_ptr + pairs, mask=mp, other=0.0).to(tl.float32)
+    acc = acc * wts[:, None]
+    tl.store(out_ptr + pairs[:, None] * H + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=mp[:, None] & mn[None, :])
+
+
+def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+    """Sort the (token, expert) pairs by expert into blocks of ``block_m`` that each hold one expert's pairs.
+
+    Returns (sorted_pairs [num_blocks * block_m] with the sentinel P for padding, block_expert [num_blocks] with
+    -1 for unused blocks). Output sizes depend only on (P, E, block_m): no host sync, graph-capturable.
+    """
+    flat = topk_ids.reshape(-1)
+    num_pairs = flat.numel()
+    dev = flat.device
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(
+        0, flat, torch.ones_like(flat, dtype=torch.int64))
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = padded.cumsum(0)
+    starts = ends - padded
+    order = flat.argsort(stable=True)
+    sorted_e = flat[order]
+    first = counts.cumsum(0) - counts
+    rank = torch.arange(num_pairs, device=dev) - first[sorted_e]
+    num_blocks = triton.cdiv(num_pairs + num_experts * (block_m - 1), block_m)
+    sorted_pairs = torch.full((num_blocks * block_m,), num_pairs, dtype=torch.int64, device=dev)
+    sorted_pairs[starts[sorted_e] + rank] = order
+    block_start = torch.arange(num_blocks, device=dev) * block_m
+    block_expert = torch.searchsorted(ends, block_start, right=True)
+    block_expert = torch.where(block_start < ends[-1], block_expert, torch.full_like(block_expert, -1))
+    return sorted_pairs, block_expert
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+    """x: [T, H]; w13: [E, 2I, H]; w2: [E, H, I]; topk_*: [T, k]. Returns [T, H] in x's dtype."""
+    num_tokens, hidden = x.shape
+    top_k = topk_ids.shape[1]
+    num_experts, inter = w13.shape[0], w2.shape[-1]
+    num_pairs = num_tokens * top_k
+    x = x.contiguous()
+    ids = topk_ids.reshape(-1).contiguous()
+    wts = topk_weights.reshape(-1).contiguous()
+    act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
+    out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
+    if num_pairs == 0:
+        return torch.zeros_like(x)
+    if num_pairs <= PAIR_GEMV_MAX_PAIRS:
+        bn, bk = 32, 128
+        _pair_gate_up_kernel[(num_pairs, triton.cdiv(inter, bn))](x, w13, ids, act, hidden, inter, TOP_K=top_k,
+                                                                  BN=bn, BK=bk, num_warps=4)
+        _pair_down_kernel[(num_pairs, triton.cdiv(hidden, bn))](act, w2, ids, wts, out, hidden, inter, BN=bn, BK=bk,
+                                                                num_warps=4)
+    else:
+        bm = 64 if num_pairs >= 64 * num_experts else 16
+        bn, bk = 64, 64
+        sorted_pairs, block_expert = align_pairs(ids, num_experts, bm)
+        grid_blocks = block_expert.shape[0]
+        _grouped_gate_up_kernel[(grid_blocks, triton.cdiv(inter, bn))](
+            x, w13, sorted_pairs, block_expert, act, hidden, inter, num_pairs, TOP_K=top_k, BM=bm, BN=bn, BK=bk,
+            num_warps=4)
+        _grouped_down_kernel[(grid_blocks, triton.cdiv(hidden, bn))](
+            act, w2, sorted_pairs, block_expert, wts, out, hidden, inter, num_pairs, BM=bm, BN=bn, BK=bk,
+            num_warps=4)
+    return out.view(num_tokens, top_k, hidden).sum(1)

@@ -1,0 +1,75 @@
+"""GDN and conv Triton kernels against their torch references: random inputs, slot -1 rows, odd sizes."""
+
+import pytest
+import torch
+
+from hylo.ops import conv1d as conv_ref
+from hylo.ops import gdn as gdn_ref
+
+
+@pytest.mark.parametrize("hk,hv,dk,dv,batch", [(2, 4, 16, 20, 3), (1, 3, 12, 10, 5), (16, 32, 128, 128, 2)])
+@pytest.mark.parametrize("steps", [1, 4])
+def test_gdn_steps_matches_reference(dev, hk, hv, dk, dv, batch, steps):
+    from hylo.ops.gdn_triton import gdn_steps
+
+    g = torch.Generator().manual_seed(0)
+    conv_dim = 2 * hk * dk + hv * dv
+    x = torch.randn(batch * steps, conv_dim, generator=g)
+    a, b = torch.randn(batch * steps, hv, generator=g), torch.randn(batch * steps, hv, generator=g)
+    A_log, dt_bias = torch.randn(hv, generator=g) * 0.5, torch.randn(hv, generator=g)
+    pool = torch.randn(batch + 2, hv, dk, dv, generator=g) * 0.3
+    slots = torch.tensor([batch + 1 - i if i != 1 else -1 for i in range(batch)])
+    ref_pool = pool.clone()
+    q, k, v = x.split([hk * dk, hk * dk, hv * dv], -1)
+    q, k, v = q.reshape(-1, hk, dk), k.reshape(-1, hk, dk), v.reshape(-1, hv, dv)
+    gg, beta = gdn_ref.gdn_gating(A_log, a, dt_bias, b)
+    valid = (slots >= 0)
+    init = ref_pool[slots.clamp(min=0)] * valid[:, None, None, None]
+    ro, rstates = gdn_ref.gdn_verify_ref(q.view(batch, steps, hk, dk), k.view(batch, steps, hk, dk),
+                                         v.view(batch, steps, hv, dv), gg.view(batch, steps, hv),
+                                         beta.view(batch, steps, hv), init)
+    t = lambda z: z.to(dev)  # noqa: E731
+    if steps == 1:
+        dpool = t(pool)
+        out = gdn_steps(t(x), t(a), t(b), t(A_log), t(dt_bias), dpool, t(slots), hk, dk, dv)
+        for i, s in enumerate(slots.tolist()):
+            if s >= 0:
+                assert torch.allclose(dpool[s].cpu(), rstates[i, 0], atol=1e-4)
+        untouched = [j for j in range(batch + 2) if j not in slots.tolist()]
+        assert torch.equal(dpool[untouched].cpu(), pool[untouched])
+    else:
+        verify = torch.full((batch + 1, steps, hv, dk, dv), float("nan"), device=dev)
+        dpool = t(pool)
+        out = gdn_steps(t(x), t(a), t(b), t(A_log), t(dt_bias), dpool, t(slots), hk, dk, dv, steps, verify)
+        assert torch.equal(dpool.cpu(), pool)  # verify never writes the slots
+        assert torch.allclose(verify[:batch].cpu(), rstates, atol=1e-4)
+    assert torch.allclose(out.cpu().view(batch, steps, hv, dv), ro, atol=1e-4)
+
+
+@pytest.mark.parametrize("channels,kernel,batch", [(7, 4, 3), (300, 4, 2), (33, 3, 4)])
+@pytest.mark.parametrize("steps", [1, 3])
+def test_conv_steps_matches_reference(dev, channels, kernel, batch, steps):
+    from hylo.ops.conv1d_triton import conv_steps
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(batch * steps, channels, generator=g)
+    w = torch.randn(channels, kernel, generator=g)
+    pool = torch.randn(batch + 2, channels, kernel - 1, generator=g)
+    slots = torch.tensor([batch + 1 - i if i != 0 else -1 for i in range(batch)])
+    valid = slots >= 0
+    init = pool[slots.clamp(min=0)] * valid[:, None, None]
+    ro, rstates = conv_ref.causal_conv1d_windows_ref(x.view(batch, steps, channels), init, w)
+    dpool = pool.clone().to(dev)
+    if steps == 1:
+        out = conv_steps(x.to(dev), w.to(dev), dpool, slots.to(dev))
+        for i, s in enumerate(slots.tolist()):
+            if s >= 0:
+                assert torch.allclose(dpool[s].cpu(), rstates[i, 0], atol=1e-5)
+        untouched = [j for j in range(batch + 2) if j not in slots.tolist()]
+        assert torch.equal(dpool[untouched].cpu(), pool[untouched])
+    else:
+        verify = torch.full((batch, steps, channels, kernel - 1), float("nan"), device=dev)
+        out = conv_steps(x.to(dev), w.to(dev), dpool, slots.to(dev), steps, verify)
+        assert torch.equal(dpool.cpu(), pool)
+        assert torch.allclose(verify.cpu(), rstates, atol=1e-5)
+    assert torch.allclose(out.cpu().view(batch, steps, channels), ro, atol=1e-5)
