@@ -236,6 +236,8 @@ class EngineConfig:
     # Benchmarks on random weights only: force this mean accept length (tokens per verify step). NOT lossless.
     simulate_accept_length: float | None = None
     verbose: bool = True  # print the memory plan at start-up
+    cuda_graphs: bool = True  # on CUDA: capture decode / verify / draft passes (off: everything eager)
+    max_graph_batch_size: int = 256  # largest captured batch size (larger batches run eagerly)
 
     def __post_init__(self):
         if self.max_num_seqs < 1:

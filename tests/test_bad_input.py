@@ -11,7 +11,7 @@ from hylo.config import EngineConfig
 from hylo.engine.engine import Engine
 from hylo.layers.weights import CheckpointError
 
-from conftest import random_prompts, vocab_of
+from helpers import random_prompts, vocab_of
 
 BAD_PARAMS = [
     (dict(max_tokens=0), "max_tokens"),

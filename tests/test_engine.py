@@ -6,7 +6,7 @@ from hylo import LLM, SamplingParams
 from hylo.config import EngineConfig
 from hylo.engine.engine import Engine
 
-from conftest import random_prompts, vocab_of
+from helpers import random_prompts, vocab_of
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0)
 

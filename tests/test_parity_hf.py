@@ -6,7 +6,7 @@ from hylo import LLM, SamplingParams
 from hylo.config import EngineConfig
 from hylo.engine.engine import Engine
 
-from conftest import hf_greedy, load_hf, make_hf_checkpoint, random_prompts, vocab_of
+from helpers import hf_greedy, load_hf, make_hf_checkpoint, random_prompts, vocab_of
 
 
 def test_prefill_logits_match_hf(ckpt):

@@ -9,7 +9,7 @@ from hylo.config import EngineConfig, ModelConfig
 from hylo.engine.engine import Engine
 from hylo.spec.setup import SpecSetup
 
-from conftest import load_hf, random_prompts, vocab_of
+from helpers import load_hf, random_prompts, vocab_of
 
 LENGTHS = [5, 33, 1, 12, 60]
 

@@ -8,6 +8,7 @@ from ..cache.kv_pool import KVPool
 from ..cache.req_slots import ReqSlots
 from ..core import ForwardBatch
 from ..ops import attention as ops
+from ..ops.triton_utils import use_triton
 from .base import Backend
 
 
@@ -18,15 +19,33 @@ class AttentionBackend(Backend):
     def __init__(self, kv_pool: KVPool, req_slots: ReqSlots):
         self.kv_pool = kv_pool
         self.req_slots = req_slots
+        self.fast = use_triton(kv_pool.k)
+
+    def init_forward_metadata_replay(self, batch: ForwardBatch) -> None:
+        """Mark the padded tail from ``num_padding`` (host-known): request slot 0 (its req_to_token row is all the
+        dummy location 0), a fill length of one row's queries, KV writes to the dummy location."""
+        pad = batch.num_padding
+        if pad:
+            raw = batch.batch_size - pad
+            batch.req_slots[raw:] = 0
+            batch.seq_lens[raw:] = batch.tokens_per_row
+            batch.out_cache_loc[raw * batch.tokens_per_row:] = 0
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,
                 scaling: float) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, KVH, D] for the new tokens. ``layer`` indexes the attention layers only."""
         k_cache, v_cache = self.kv_pool.k[layer], self.kv_pool.v[layer]
         ops.store_kv(k_cache, v_cache, batch.out_cache_loc, k, v)
+        r2t = self.req_slots.req_to_token
         if batch.extend_lens_cpu is not None:  # variable-length rows (prefill chunks)
-            return ops.extend_attention_ref(q, k_cache, v_cache, self.req_slots.req_to_token, batch.req_slots_cpu,
-                                            batch.prefix_lens_cpu, batch.extend_lens_cpu, scaling)
+            extend = ops.extend_attention_sdpa if self.fast else ops.extend_attention_ref
+            return extend(q, k_cache, v_cache, r2t, batch.req_slots_cpu, batch.prefix_lens_cpu,
+                          batch.extend_lens_cpu, scaling)
         # fixed shape: tokens_per_row queries per row (decode, verify, draft steps)
+        if self.fast:
+            from ..ops.attention_triton import paged_attention
+
+            return paged_attention(q, k_cache, v_cache, r2t, batch.req_slots, batch.seq_lens, scaling,
+                                   batch.tokens_per_row)
         return ops.decode_attention_ref(q, k_cache, v_cache, self.req_slots.req_to_token, batch.req_slots,
                                         batch.seq_lens, batch.max_seq_len, scaling, batch.tokens_per_row)

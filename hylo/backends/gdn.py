@@ -18,7 +18,19 @@ from ..cache.state_pool import StatePool
 from ..core import ForwardBatch, ForwardMode
 from ..ops import conv1d as conv_ops
 from ..ops import gdn as gdn_ops
+from ..ops.triton_utils import INTERPRET, use_triton
 from .base import Backend
+
+
+def _load_fla_chunk():
+    """flash-linear-attention's chunked gated delta rule (the ``fla-core`` package), if installed and on a GPU."""
+    if INTERPRET:  # fla's kernels need a real device
+        return None
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except Exception:
+        return None
+    return chunk_gated_delta_rule
 
 
 @dataclass(frozen=True)
@@ -55,6 +67,13 @@ class GDNBackend(Backend):
 
     def __init__(self, state_pool: StatePool):
         self.state_pool = state_pool
+        self.fast = use_triton(state_pool.recurrent)
+        self.fla_chunk = _load_fla_chunk() if self.fast else None
+
+    def init_forward_metadata_replay(self, batch: ForwardBatch) -> None:
+        """Padded rows get state slot -1: every GDN kernel skips them (they write only their own verify rows)."""
+        if batch.num_padding:
+            batch.state_slots[batch.batch_size - batch.num_padding:] = -1
 
     def forward(self, layer: int, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, params: GDNParams,
                 shape: GDNShape, batch: ForwardBatch) -> torch.Tensor:
@@ -62,8 +81,12 @@ class GDNBackend(Backend):
         Returns the core output [T, Hv, Dv] in float32."""
         conv_pool = self.state_pool.conv[layer]
         rec_pool = self.state_pool.recurrent[layer]
+        if self.fast and not batch.mode.is_extend:
+            return self._steps_triton(layer, conv_pool, rec_pool, mixed_qkv, a, b, params, shape, batch)
         g, beta = gdn_ops.gdn_gating(params.A_log, a, params.dt_bias, b)
         if batch.mode.is_extend:
+            if self.fla_chunk is not None:
+                return self._extend_fla(conv_pool, rec_pool, mixed_qkv, g, beta, params, shape, batch)
             return self._extend(conv_pool, rec_pool, mixed_qkv, g, beta, params, shape, batch)
         if batch.mode.is_decode:
             x = conv_ops.causal_conv1d_update_ref(mixed_qkv, conv_pool, params.conv_weight, batch.state_slots)
@@ -89,6 +112,46 @@ class GDNBackend(Backend):
                 rec_pool[slot] = new_rec.to(rec_pool.dtype)
             start = end
         return out
+
+    def _steps_triton(self, layer, conv_pool, rec_pool, mixed_qkv, a, b, params, shape, batch):
+        """Decode (S = 1, slot in place) or verify (S = k + 1, every step to the verify buffers), fused kernels."""
+        from ..ops.conv1d_triton import conv_steps
+        from ..ops.gdn_triton import gdn_steps
+
+        pool = self.state_pool
+        verify = batch.mode is ForwardMode.TARGET_VERIFY
+        steps = batch.tokens_per_row
+        x = conv_steps(mixed_qkv, params.conv_weight, conv_pool, batch.state_slots, steps,
+                       pool.verify_conv[layer] if verify else None)
+        return gdn_steps(x, a, b, params.A_log, params.dt_bias, rec_pool, batch.state_slots, shape.num_k_heads,
+                         shape.head_k_dim, shape.head_v_dim, steps, pool.verify_recurrent[layer] if verify else None)
+
+    def _extend_fla(self, conv_pool, rec_pool, mixed_qkv, g, beta, params, shape, batch):
+        """Prefill on CUDA: per-request conv (torch), then one varlen chunked delta rule (fla) for all requests,
+        starting from and ending in their slots."""
+        xs, start = [], 0
+        slots = batch.state_slots_cpu
+        for slot, length in zip(slots, batch.extend_lens_cpu):
+            x, new_conv = conv_ops.causal_conv1d_ref(mixed_qkv[start:start + length],
+                                                     conv_pool[slot] if slot >= 0 else None, params.conv_weight)
+            if slot >= 0:
+                conv_pool[slot] = new_conv.to(conv_pool.dtype)
+            xs.append(x)
+            start += length
+        q, k, v = shape.split(torch.cat(xs))
+        rep = shape.num_v_heads // shape.num_k_heads
+        if rep > 1:
+            q, k = q.repeat_interleave(rep, dim=1), k.repeat_interleave(rep, dim=1)
+        idx = torch.tensor([max(s, 0) for s in slots], device=rec_pool.device)
+        valid = torch.tensor([s >= 0 for s in slots], device=rec_pool.device)
+        init = rec_pool[idx].float() * valid[:, None, None, None]
+        cu = torch.tensor([0] + list(batch.extend_lens_cpu), device=rec_pool.device).cumsum(0)
+        o, final = self.fla_chunk(q[None], k[None], v[None], g=g[None], beta=beta[None], initial_state=init,
+                                  output_final_state=True, cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
+        keep = [i for i, s in enumerate(slots) if s >= 0]
+        if keep:
+            rec_pool[idx[keep]] = final[keep].to(rec_pool.dtype)
+        return o[0].float()
 
     def _verify(self, layer, conv_pool, rec_pool, mixed_qkv, g, beta, params, shape, batch):
         """k + 1 steps per row from the slot's state; every step's state goes to the verify buffers."""

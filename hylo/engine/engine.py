@@ -25,6 +25,8 @@ from ..models.qwen3_next import Qwen3NextForCausalLM
 from ..models.random_init import random_checkpoint
 from ..tokenizer import ByteTokenizer, load_tokenizer
 from .detok import detokenize_step, find_stop_string
+from ..ops.triton_utils import use_triton
+from .graphs import default_capture_sizes
 from .scheduler import Scheduler
 from .worker import ModelWorker
 
@@ -108,6 +110,9 @@ class Engine:
         self.model_worker = ModelWorker(self.model, self.caches, self.device, extra_kv)
         # the worker interface: run(ScheduledBatch) -> StepResult; a speculative worker wraps the plain one
         self.worker = (spec_setup.wrap(self.model_worker, self.ec) if spec_setup is not None else self.model_worker)
+        if self.device.type == "cuda" and self.ec.cuda_graphs and use_triton(self.caches.kv_pool.k):
+            sizes = default_capture_sizes(min(self.ec.max_num_seqs, self.ec.max_graph_batch_size))
+            self.worker.capture_graphs(sizes, self.ec.verbose)
         self._rng = random.Random(self.ec.seed)
         self._ids = itertools.count()
         self._reqs: dict[str, Req] = {}

@@ -13,6 +13,7 @@ from ..cache.memory import Caches
 from ..core import ForwardBatch, ForwardMode, SamplingBatch
 from ..models.qwen3_next import Qwen3NextForCausalLM
 from ..ops.sampling import sample
+from .graphs import GraphRunner
 from .scheduler import ScheduledBatch
 
 
@@ -37,6 +38,7 @@ class ModelWorker:
         self.vocab_size = model.config.vocab_size
         self.backend = HybridBackend(AttentionBackend(caches.kv_pool, caches.req_slots),
                                      GDNBackend(caches.state_pool), model.config.layer_types, extra_attn_layers)
+        self.graphs: GraphRunner | None = None
 
     def build_batch(self, sched: ScheduledBatch, input_ids: torch.Tensor | None = None) -> ForwardBatch:
         """Host plan -> device batch. Records the step's newly reserved KV locations in ``req_to_token`` and reads
@@ -79,6 +81,14 @@ class ModelWorker:
             batch.seq_lens_cpu = torch.tensor(seq_lens, dtype=torch.int64)
         return batch
 
+    def capture_graphs(self, capture_sizes: list[int], verbose: bool = True) -> None:
+        """Capture the DECODE pass (model forward and LM head) at these batch sizes."""
+        self.graphs = GraphRunner(self.backend, self.device, capture_sizes, self.caches.req_slots.max_context,
+                                  verbose)
+        model, backend = self.model, self.backend
+        self.graphs.capture("decode", ForwardMode.DECODE, 1,
+                            lambda b, ex: {"logits": model.compute_logits(model(b, backend))})
+
     def forward_hidden(self, batch: ForwardBatch) -> torch.Tensor:
         self.backend.init_forward_metadata(batch)
         return self.model(batch, self.backend)
@@ -87,6 +97,11 @@ class ModelWorker:
     def run(self, sched: ScheduledBatch) -> StepResult:
         """Runs one step; returns the sampled token of every sampling row."""
         batch = self.build_batch(sched)
+        if batch.mode is ForwardMode.DECODE and self.graphs is not None and self.graphs.can_run("decode",
+                                                                                                 batch.batch_size):
+            logits = self.graphs.run("decode", batch)["logits"]
+            sb = SamplingBatch.from_reqs(sched.reqs, self.vocab_size, self.device)
+            return StepResult(sample(logits, sb)[:, None])
         hidden = self.forward_hidden(batch)
         if batch.mode is ForwardMode.DECODE:
             last = hidden

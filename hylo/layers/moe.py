@@ -12,7 +12,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from .weights import TensorReader, copy_into
-from ..ops.moe import fused_moe_ref, route_topk
+from ..ops.moe import fused_moe, route_topk
 
 
 def _load_gate_up(r: TensorReader, prefix: str, inter: int, hidden: int) -> torch.Tensor:
@@ -53,7 +53,7 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route_topk(F.linear(x, self.router), self.top_k, self.norm_topk)
-        out = fused_moe_ref(x, self.w13, self.w2, weights, ids)
+        out = fused_moe(x, self.w13, self.w2, weights, ids)
         if self.shared is not None:
             out = out + torch.sigmoid(F.linear(x, self.shared_gate)) * self.shared(x)
         return out

@@ -14,6 +14,7 @@ from ..layers.linear_attn import GatedDeltaNet
 from ..layers.moe import MLP, SparseMoE
 from ..layers.norm import RMSNorm
 from ..layers.weights import TensorReader, copy_into
+from ..ops.norm import add_rms_norm
 
 
 class DecoderLayer(nn.Module):
@@ -29,9 +30,16 @@ class DecoderLayer(nn.Module):
         self.mlp = (SparseMoE(mc, dtype, device) if use_moe
                     else MLP(mc.hidden_size, mc.intermediate_size, dtype, device))
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, backend) -> torch.Tensor:
-        x = x + self.mixer(self.input_norm(x), batch, backend)
-        return x + self.mlp(self.post_norm(x))
+    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch, backend):
+        """h: the previous layer's output (or the embeddings, with residual None). Returns (output, residual):
+        the residual stream is added lazily, fused with the next norm."""
+        if residual is None:
+            residual, h = h, self.input_norm(h)
+        else:
+            residual, h = add_rms_norm(residual, h, self.input_norm.weight, self.input_norm.eps)
+        h = self.mixer(h, batch, backend)
+        residual, h = add_rms_norm(residual, h, self.post_norm.weight, self.post_norm.eps)
+        return self.mlp(h), residual
 
     def load(self, r: TensorReader, prefix: str) -> None:
         copy_into(self.input_norm.weight, r.get(f"{prefix}.input_layernorm.weight", self.input_norm.weight.shape))
@@ -55,10 +63,10 @@ class Qwen3NextForCausalLM(nn.Module):
 
     def forward(self, batch: ForwardBatch, backend) -> torch.Tensor:
         """Returns the final hidden states (after the final norm), [T, hidden]."""
-        x = F.embedding(batch.input_ids, self.embed)
+        h, residual = F.embedding(batch.input_ids, self.embed), None
         for layer in self.layers:
-            x = layer(x, batch, backend)
-        return self.norm(x)
+            h, residual = layer(h, residual, batch, backend)
+        return add_rms_norm(residual, h, self.norm.weight, self.norm.eps)[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.lm_head).float()

@@ -16,6 +16,7 @@ from ..config import ModelConfig
 from ..core import ForwardBatch
 from ..layers.norm import RMSNorm
 from ..layers.weights import CheckpointError, TensorReader, copy_into
+from ..ops.norm import add_rms_norm
 from .qwen3_next import DecoderLayer, Qwen3NextForCausalLM
 
 
@@ -50,10 +51,10 @@ class Qwen3NextMTP(nn.Module):
         """
         target = self.target[0]
         e = self.norm_embedding(F.embedding(input_ids, target.embed))
-        x = F.linear(torch.cat([e, self.norm_hidden(hidden)], dim=-1), self.fc)
+        h, residual = F.linear(torch.cat([e, self.norm_hidden(hidden)], dim=-1), self.fc), None
         for layer in self.layers:
-            x = layer(x, batch, backend)
-        return self.norm(x)
+            h, residual = layer(h, residual, batch, backend)
+        return add_rms_norm(residual, h, self.norm.weight, self.norm.eps)[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.target[0].compute_logits(hidden)

@@ -65,3 +65,29 @@ def decode_attention_ref(q, k_cache, v_cache, req_to_token, req_slots, seq_lens,
     mask = key_pos[None, None, :] <= q_pos[:, :, None]  # [B, s, Lk]
     out = _attend(qb, k, v, mask[:, None], scaling)  # [B, H, s, D]
     return out.transpose(1, 2).reshape(q.shape).to(q.dtype)
+
+
+def extend_attention_sdpa(q, k_cache, v_cache, req_to_token, req_slots_cpu, prefix_lens_cpu, extend_lens_cpu,
+                          scaling):
+    """The same as :func:`extend_attention_ref` through torch's fused scaled-dot-product attention (flash kernels on
+    CUDA): the prefill path of the GPU backend."""
+    import torch.nn.functional as F
+
+    out = torch.empty_like(q)
+    heads, kv_heads = q.shape[1], k_cache.shape[1]
+    start = 0
+    for slot, prefix, length in zip(req_slots_cpu, prefix_lens_cpu, extend_lens_cpu):
+        total = prefix + length
+        locs = req_to_token[slot, :total]
+        k = k_cache[locs].transpose(0, 1).repeat_interleave(heads // kv_heads, 0)[None]  # [1, H, total, D]
+        v = v_cache[locs].transpose(0, 1).repeat_interleave(heads // kv_heads, 0)[None]
+        qi = q[start:start + length].transpose(0, 1)[None]
+        if prefix == 0:
+            o = F.scaled_dot_product_attention(qi, k, v, is_causal=True, scale=scaling)
+        else:
+            q_pos = torch.arange(prefix, total, device=q.device)
+            mask = q_pos[:, None] >= torch.arange(total, device=q.device)[None, :]
+            o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scaling)
+        out[start:start + length] = o[0].transpose(0, 1)
+        start += length
+    return out

@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .triton_utils import use_triton
+
 
 def route_topk(router_logits: torch.Tensor, top_k: int, normalize: bool):
     """Softmax over experts in float32, top-k, optional renormalisation. Returns (weights in the logits' dtype,
@@ -17,6 +19,15 @@ def route_topk(router_logits: torch.Tensor, top_k: int, normalize: bool):
     if normalize:
         weights = weights / weights.sum(-1, keepdim=True)
     return weights.to(router_logits.dtype), ids
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+    if use_triton(x):
+        from .moe_triton import fused_moe as fused_moe_triton
+
+        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids)
+    return fused_moe_ref(x, w13, w2, topk_weights, topk_ids)
 
 
 def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,

@@ -5,9 +5,29 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .triton_utils import use_triton
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Zero-centred RMSNorm: ``x / rms(x) * (1 + w)``, computed in float32, returned in ``x``'s dtype."""
+    if use_triton(x):
+        from .norm_triton import rms_norm_triton
+
+        return rms_norm_triton(x, weight, eps)
+    return rms_norm_ref(x, weight, eps)
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float):
+    """The residual stream step: ``(x + delta, rms_norm(x + delta))`` (one kernel on CUDA)."""
+    if use_triton(x):
+        from .norm_triton import add_rms_norm as add_rms_norm_triton
+
+        return add_rms_norm_triton(x, delta, weight, eps)
+    res = x + delta
+    return res, rms_norm_ref(res, weight, eps)
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return (xf * (1.0 + weight.float())).to(x.dtype)
@@ -19,6 +39,10 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     The order of casts follows the reference model: normalise in float32, scale by ``w`` in the input dtype, gate
     in float32.
     """
+    if use_triton(x):
+        from .norm_triton import gated_rms_norm_triton
+
+        return gated_rms_norm_triton(x, gate, weight, eps)
     dtype = x.dtype
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)

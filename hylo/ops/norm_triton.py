@@ -18,8 +18,9 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, res_out_ptr, y_ptr, gate_ptr, N: tl.co
     m = offs < N
     x = tl.load(x_ptr + row * N + offs, mask=m, other=0.0).to(tl.float32)
     if ADD:
-        x = x + tl.load(r_ptr + row * N + offs, mask=m, other=0.0).to(tl.float32)
-        tl.store(res_out_ptr + row * N + offs, x.to(res_out_ptr.dtype.element_ty), mask=m)
+        x = (x + tl.load(r_ptr + row * N + offs, mask=m, other=0.0).to(tl.float32)).to(res_out_ptr.dtype.element_ty)
+        tl.store(res_out_ptr + row * N + offs, x, mask=m)
+        x = x.to(tl.float32)  # normalise the rounded sum, as the reference does
     inv = tl.rsqrt(tl.sum(x * x, 0) / N + eps)
     w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
     if GATED:

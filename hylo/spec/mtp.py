@@ -27,10 +27,26 @@ class MTPDrafter:
         # q of each draft, for rejection sampling of sampled requests (greedy rows never read it)
         self.draft_probs = torch.zeros(max_num_seqs + 1, k, vocab, dtype=torch.float32, device=device)
 
-    def _pick(self, hidden: torch.Tensor, req_slots: torch.Tensor, sb: SamplingBatch, base_steps: torch.Tensor,
+    def forward(self, worker, batch: ForwardBatch, hidden: torch.Tensor, graph: str | None = None):
+        """The head over ``batch`` (its input_ids are the tokens) and the given hidden states: (MTP hidden, logits),
+        through the captured graph ``graph`` when there is one for this batch size."""
+        graphs = worker.graphs
+        if graph is not None and graphs is not None and graphs.can_run(graph, batch.batch_size):
+            out = graphs.run(graph, batch, {"hidden": hidden})
+            return out["hidden"], out["logits"]
+        m = self.mtp(batch.input_ids, hidden, batch, worker.backend)
+        return m, self.mtp.compute_logits(m)
+
+    def graph_fn(self, backend):
+        """What the captured DRAFT_EXTEND / DRAFT_DECODE graphs run."""
+        def fn(batch, extras):
+            m = self.mtp(batch.input_ids, extras["hidden"], batch, backend)
+            return {"hidden": m, "logits": self.mtp.compute_logits(m)}
+        return fn
+
+    def _pick(self, logits: torch.Tensor, req_slots: torch.Tensor, sb: SamplingBatch, base_steps: torch.Tensor,
               i: int) -> torch.Tensor:
-        """Draft i from MTP hidden states: argmax for greedy rows, a draw from q for the others."""
-        logits = self.mtp.compute_logits(hidden)
+        """Draft i from MTP logits: argmax for greedy rows, a draw from q for the others."""
         token = logits.argmax(-1)
         if not sb.all_greedy:
             q = sampling_probs(logits, sb)
@@ -50,8 +66,8 @@ class MTPDrafter:
                 mode=ForwardMode.DRAFT_DECODE, input_ids=token, positions=pos, req_slots=req_slots,
                 state_slots=state_slots, seq_lens=pos + 1, query_start_loc=torch.cat([rows, rows[-1:] + 1]),
                 out_cache_loc=req_to_token[req_slots, pos], max_seq_len=max_seq_len + i)
-            hidden = self.mtp(token, hidden, batch, worker.backend)
-            token = self._pick(hidden, req_slots, sb, base_steps, i)
+            hidden, logits = self.forward(worker, batch, hidden, "draft_decode")
+            token = self._pick(logits, req_slots, sb, base_steps, i)
 
     def after_prefill(self, worker, batch: ForwardBatch, hidden: torch.Tensor, next_ids: torch.Tensor,
                       tok_idx: torch.Tensor, row_idx: torch.Tensor, sb: SamplingBatch, max_seq_len: int) -> None:
@@ -65,7 +81,7 @@ class MTPDrafter:
         req_slots, state_slots = batch.req_slots[row_idx], batch.state_slots[row_idx]
         last = out[tok_idx]
         base = sb.steps + 1
-        first = self._pick(last, req_slots, sb, base, 0)
+        first = self._pick(self.mtp.compute_logits(last), req_slots, sb, base, 0)
         self._chain(worker, last, first, batch.positions[tok_idx] + 1, req_slots, state_slots, max_seq_len, sb, base)
 
     def after_verify(self, worker, batch: ForwardBatch, hidden: torch.Tensor, emitted: torch.Tensor,
@@ -74,10 +90,12 @@ class MTPDrafter:
         k1 = self.k + 1
         mtp_batch = ForwardBatch(**{**batch.__dict__, "mode": ForwardMode.DRAFT_EXTEND,
                                     "input_ids": emitted.reshape(-1)})
-        out = self.mtp(emitted.reshape(-1), hidden, mtp_batch, worker.backend).view(-1, k1, hidden.shape[-1])
-        rows = torch.arange(out.shape[0], device=out.device)
-        last = out[rows, accepted]  # [B, H]: the pair (target hidden, token) at the newest committed position
+        out, logits = self.forward(worker, mtp_batch, hidden, "draft_extend")
+        bs = emitted.shape[0]
+        rows = torch.arange(bs, device=out.device)
+        # the pair (target hidden, token) at the newest committed position gives draft 1
+        last = out.view(bs, k1, -1)[rows, accepted]
         base = sb.steps + accepted + 1
-        first = self._pick(last, batch.req_slots, sb, base, 0)
+        first = self._pick(logits.view(bs, k1, -1)[rows, accepted], batch.req_slots, sb, base, 0)
         positions0 = batch.seq_lens - k1 + accepted + 1
         self._chain(worker, last, first, positions0, batch.req_slots, batch.state_slots, batch.max_seq_len, sb, base)

@@ -11,6 +11,7 @@ import torch
 
 from ..core import ForwardMode, SamplingBatch
 from ..engine.scheduler import ScheduledBatch
+from ..engine.graphs import GraphRunner
 from ..engine.worker import ModelWorker, StepResult, _dev
 from ..ops.sampling import sample, sampling_probs
 from .verify import commit_states, greedy_accept, rejection_accept
@@ -26,6 +27,26 @@ class SpecWorker:
         self._sim_gen = torch.Generator(device=target.device).manual_seed(seed)
         # test hook: fn(reqs, drafts [B, k] device) -> drafts, to force acceptance or rejection
         self.draft_hook = None
+
+    def capture_graphs(self, capture_sizes: list[int], verbose: bool = True) -> None:
+        """Capture TARGET_VERIFY (k + 1 tokens per row) and, for the MTP drafter, its DRAFT_EXTEND (k + 1 per row)
+        and DRAFT_DECODE (1 per row) passes, at these batch sizes."""
+        tw = self.target
+        graphs = GraphRunner(tw.backend, tw.device, capture_sizes, tw.caches.req_slots.max_context, verbose)
+        tw.graphs = graphs
+        model, backend = tw.model, tw.backend
+
+        def verify(batch, extras):
+            hidden = model(batch, backend)
+            return {"hidden": hidden, "logits": model.compute_logits(hidden)}
+
+        graphs.capture("verify", ForwardMode.TARGET_VERIFY, self.k + 1, verify)
+        if hasattr(self.drafter, "graph_fn"):
+            hidden = ((model.config.hidden_size,), model.dtype)
+            fn = self.drafter.graph_fn(backend)
+            graphs.capture("draft_extend", ForwardMode.DRAFT_EXTEND, self.k + 1, fn, {"hidden": hidden})
+            if self.k > 1:
+                graphs.capture("draft_decode", ForwardMode.DRAFT_DECODE, 1, fn, {"hidden": hidden})
 
     @property
     def backend(self):
@@ -80,9 +101,14 @@ class SpecWorker:
         last = _dev([r.output_ids[-1] for r in sched.reqs], dev)
         input_ids = torch.cat([last[:, None], drafts], dim=1).reshape(-1)
         batch = tw.build_batch(sched, input_ids=input_ids)
-        hidden = tw.forward_hidden(batch)
         bs = len(sched.reqs)
-        logits = tw.model.compute_logits(hidden).view(bs, k + 1, -1)
+        if tw.graphs is not None and tw.graphs.can_run("verify", bs):
+            out = tw.graphs.run("verify", batch)
+            hidden, logits = out["hidden"], out["logits"]
+        else:
+            hidden = tw.forward_hidden(batch)
+            logits = tw.model.compute_logits(hidden)
+        logits = logits.view(bs, k + 1, -1)
         sb = SamplingBatch.from_reqs(sched.reqs, tw.vocab_size, dev)
         emitted, accepted = greedy_accept(drafts, logits)
         if not sb.all_greedy:

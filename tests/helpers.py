@@ -1,0 +1,102 @@
+"""Test helpers: tiny Qwen3-Next checkpoints written by transformers' own ``save_pretrained``, HF references."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+# Two shapes that differ in everything the loader and the layers must get right: layer pattern, key/value head
+# ratios, head sizes that are not powers of two, partial rotary factor, dense layers among MoE layers, biases,
+# tied embeddings, conv kernel size, top-k normalisation.
+CONFIGS = {
+    "a": dict(vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=24, linear_conv_kernel_dim=4, linear_key_head_dim=16,
+              linear_value_head_dim=20, linear_num_key_heads=2, linear_num_value_heads=4, moe_intermediate_size=32,
+              shared_expert_intermediate_size=40, num_experts=8, num_experts_per_tok=2, mlp_only_layers=[1],
+              initializer_range=0.05),
+    "b": dict(vocab_size=96, hidden_size=48, intermediate_size=72, num_hidden_layers=5, num_attention_heads=6,
+              num_key_value_heads=3, head_dim=20, linear_conv_kernel_dim=3, linear_key_head_dim=12,
+              linear_value_head_dim=10, linear_num_key_heads=1, linear_num_value_heads=3, moe_intermediate_size=24,
+              shared_expert_intermediate_size=16, num_experts=4, num_experts_per_tok=3, norm_topk_prob=False,
+              decoder_sparse_step=2, attention_bias=True, tie_word_embeddings=True,
+              layer_types=["full_attention", "linear_attention", "linear_attention", "full_attention",
+                           "linear_attention"],
+              rope_parameters={"rope_type": "default", "rope_theta": 5000.0, "partial_rotary_factor": 0.5},
+              initializer_range=0.05),
+}
+
+
+def _perturb_norms(model):
+    """transformers initialises norms to exactly 1 (or 0, zero-centred) and A_log/dt_bias to fixed values; give
+    them random values so that a wrong formula cannot hide behind a neutral weight."""
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or "dt_bias" in name or "A_log" in name:
+                p.add_(torch.randn(p.shape, generator=g) * 0.1)
+            if "bias" in name and "dt_bias" not in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+
+
+def make_hf_checkpoint(path: str, name: str, **save_kwargs) -> str:
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen3NextConfig(**CONFIGS[name])
+    model = Qwen3NextForCausalLM(cfg).eval()
+    _perturb_norms(model)
+    model.save_pretrained(path, **save_kwargs)
+    return path
+
+
+def load_hf(path: str):
+    from transformers import Qwen3NextForCausalLM
+
+    return Qwen3NextForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def vocab_of(path: str) -> int:
+    with open(os.path.join(path, "config.json")) as f:
+        return json.load(f)["vocab_size"]
+
+
+def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
+    """HF transformers greedy continuation: a cached prefill, then single-token cached decode steps.
+
+    NOTE: written as an explicit loop over the model's forward rather than ``generate``: on these checkpoints
+    transformers 5.24's ``generate`` drifts from its own cached and uncached forwards (seen: a 0.012 logit
+    difference after 93 tokens), while this loop agrees with the uncached full-sequence forward to 1e-6.
+    """
+    out_tokens = []
+    with torch.no_grad():
+        out = hf(torch.tensor([prompt]), use_cache=True)
+        for _ in range(n):
+            tok = int(out.logits[0, -1].argmax())
+            out_tokens.append(tok)
+            if len(out_tokens) == n:
+                break
+            out = hf(torch.tensor([[tok]]), cache=out.cache, use_cache=True)
+    return out_tokens
+
+
+def random_prompts(vocab: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def append_mtp(src: str, dst: str, seed: int = 0) -> str:
+    """Copy a checkpoint and append random ``mtp.*`` tensors (transformers does not write them)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from hylo.config import ModelConfig
+    from hylo.models.random_init import random_mtp_tensors
+
+    shutil.copytree(src, dst)
+    tensors = load_file(os.path.join(dst, "model.safetensors"))
+    tensors.update(random_mtp_tensors(ModelConfig.from_pretrained(dst), seed=seed, std=0.05))
+    save_file(tensors, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+    return dst
