@@ -70,6 +70,13 @@ def _generate(args) -> int:
     return 0
 
 
+def _bench(args) -> int:
+    from .bench import run_bench
+
+    run_bench(args.model_name, vs_hf=args.vs_hf, quick=args.quick, out_dir=args.out)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hylo", description="Inference engine for hybrid linear-attention models")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -86,6 +93,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ignore-eos", action="store_true")
     _add_engine_args(g)
     g.set_defaults(func=_generate)
+    b = sub.add_parser("bench", help="benchmark on the GPU (random-weight benchmark model, no checkpoint)")
+    b.add_argument("--model-name", default="bench-6b", help="benchmark model (bench-6b)")
+    b.add_argument("--vs-hf", action="store_true", help="also time HF transformers generate on the same weights")
+    b.add_argument("--quick", action="store_true", help="fewer sizes and steps")
+    b.add_argument("--out", default="bench/results", help="folder for the JSON results")
+    b.set_defaults(func=_bench)
     return parser
 
 

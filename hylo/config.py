@@ -238,6 +238,7 @@ class EngineConfig:
     verbose: bool = True  # print the memory plan at start-up
     cuda_graphs: bool = True  # on CUDA: capture decode / verify / draft passes (off: everything eager)
     max_graph_batch_size: int = 256  # largest captured batch size (larger batches run eagerly)
+    cuda_graph_sizes: tuple[int, ...] | None = None  # explicit captured batch sizes (default: 1, 2, 4, 8, 16, ...)
 
     def __post_init__(self):
         if self.max_num_seqs < 1:

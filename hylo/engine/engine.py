@@ -86,7 +86,7 @@ def load_model(path: str | None, dtype: torch.dtype, device: torch.device) -> Lo
 class Engine:
     """One model, its caches, a scheduler and a worker. Not thread-safe: one caller drives ``step``."""
 
-    def __init__(self, model: str | None = None, device: str = "auto", dtype: str = "auto",
+    def __init__(self, model: "str | LoadedModel | None" = None, device: str = "auto", dtype: str = "auto",
                  engine_config: EngineConfig | None = None, spec_setup=None):
         """``spec_setup`` (from ``hylo.spec``) adds speculative decoding: ``prepare(loaded_model, dtype, device)``
         loads what the drafter needs and returns how many extra KV layers it wants; ``wrap(worker, config)``
@@ -95,7 +95,7 @@ class Engine:
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         t0 = time.perf_counter()
-        lm = load_model(model, self.dtype, self.device)
+        lm = model if isinstance(model, LoadedModel) else load_model(model, self.dtype, self.device)
         self.model_name, self.model_config, self.model = lm.name, lm.config, lm.model
         self.tokenizer, self.is_random = lm.tokenizer, lm.is_random
         self.reader = lm.reader
@@ -111,7 +111,9 @@ class Engine:
         # the worker interface: run(ScheduledBatch) -> StepResult; a speculative worker wraps the plain one
         self.worker = (spec_setup.wrap(self.model_worker, self.ec) if spec_setup is not None else self.model_worker)
         if self.device.type == "cuda" and self.ec.cuda_graphs and use_triton(self.caches.kv_pool.k):
-            sizes = default_capture_sizes(min(self.ec.max_num_seqs, self.ec.max_graph_batch_size))
+            sizes = (sorted(s for s in self.ec.cuda_graph_sizes if s <= self.ec.max_num_seqs)
+                     if self.ec.cuda_graph_sizes else
+                     default_capture_sizes(min(self.ec.max_num_seqs, self.ec.max_graph_batch_size)))
             self.worker.capture_graphs(sizes, self.ec.verbose)
         self._rng = random.Random(self.ec.seed)
         self._ids = itertools.count()

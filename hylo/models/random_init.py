@@ -7,10 +7,12 @@ that transformers wrote (transformers does not write the MTP head).
 from __future__ import annotations
 
 import math
+import zlib
 
 import torch
 
 from ..config import ModelConfig
+from ..layers.weights import TensorReader
 
 
 def _decoder_layer(mc: ModelConfig, prefix: str, kind: str, moe: bool, g: torch.Generator, std: float,
@@ -98,3 +100,42 @@ def random_checkpoint(mc: ModelConfig, seed: int = 0, std: float = 0.02, with_mt
     if with_mtp:
         t.update(random_mtp_tensors(mc, seed, std, dtype))
     return t
+
+
+class RandomReader(TensorReader):
+    """Random weights generated on demand, on ``device``, for whatever tensor a layer asks for by name and shape.
+
+    Builds benchmark models directly on the GPU without a checkpoint; the rules follow ``random_checkpoint``. Each
+    tensor's values depend only on (seed, name), so two readers with the same seed build the same model.
+    """
+
+    def __init__(self, seed: int, device: torch.device, std: float = 0.02, with_mtp: bool = True):
+        super().__init__()
+        self.seed, self.device, self.std, self.with_mtp = seed, torch.device(device), std, with_mtp
+
+    def keys(self):
+        return self.used
+
+    def has(self, name: str) -> bool:
+        return self.with_mtp or not name.startswith("mtp.")
+
+    def _load(self, name: str):
+        raise NotImplementedError("RandomReader needs the shape: use get(name, shape)")
+
+    def get(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        if shape is None or not self.has(name):
+            return super().get(name, shape)
+        self.used.add(name)
+        g = torch.Generator(device=self.device).manual_seed((self.seed * 1000003 + zlib.crc32(name.encode())) % 2**63)
+        kw = dict(generator=g, device=self.device, dtype=torch.float32)
+        if name.endswith("linear_attn.norm.weight"):
+            return 1 + torch.randn(shape, **kw) * 0.1
+        if "norm" in name:  # zero-centred norms
+            return torch.randn(shape, **kw) * 0.1
+        if name.endswith("A_log"):
+            return (torch.rand(shape, **kw) * 15 + 1).log()
+        if name.endswith("dt_bias"):
+            return torch.ones(shape, device=self.device)
+        if name.endswith("conv1d.weight"):
+            return (torch.rand(shape, **kw) * 2 - 1) / math.sqrt(shape[-1])
+        return torch.randn(shape, **kw) * self.std

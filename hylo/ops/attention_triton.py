@@ -21,14 +21,14 @@ NUM_SPLITS = 16
 
 @triton.jit
 def _attend_block(q, k_ptr, v_ptr, req_to_token_ptr, slot, stride_r2t, stride_kt, stride_kh, kvh, n0, end, q_pos,
-                  offs_d, md, m_i, l_i, acc, scale, BN: tl.constexpr):
+                  offs_d, md, m_i, l_i, acc, scale, BN: tl.constexpr, PREC: tl.constexpr):
     """One block of BN keys with online softmax: returns the updated (max, sum, accumulator)."""
     offs_n = n0 + tl.arange(0, BN)
     mn = offs_n < end
     loc = tl.load(req_to_token_ptr + slot * stride_r2t + offs_n, mask=mn, other=0)
     kv_off = loc[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :]
     k = tl.load(k_ptr + kv_off, mask=mn[:, None] & md[None, :], other=0.0)
-    scores = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
+    scores = tl.dot(q, tl.trans(k), input_precision=PREC).to(tl.float32) * scale
     keep = mn[None, :] & (offs_n[None, :] <= q_pos[:, None])
     scores = tl.where(keep, scores, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(scores, 1))
@@ -37,7 +37,7 @@ def _attend_block(q, k_ptr, v_ptr, req_to_token_ptr, slot, stride_r2t, stride_kt
     alpha = tl.exp(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
     v = tl.load(v_ptr + kv_off, mask=mn[:, None] & md[None, :], other=0.0)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC).to(tl.float32)
     return m_new, l_i, acc
 
 
@@ -46,7 +46,7 @@ def _paged_attn_split_kernel(
     q_ptr, k_ptr, v_ptr, req_to_token_ptr, req_slots_ptr, seq_lens_ptr, part_o_ptr, part_lse_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_r2t, scale,
     S: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-    SPLITS: tl.constexpr, USE_WHILE: tl.constexpr,
+    SPLITS: tl.constexpr, USE_WHILE: tl.constexpr, PREC: tl.constexpr,
 ):
     row = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -73,12 +73,12 @@ def _paged_attn_split_kernel(
         n0 = start
         while n0 < end:
             m_i, l_i, acc = _attend_block(q, k_ptr, v_ptr, req_to_token_ptr, slot, stride_r2t, stride_kt, stride_kh,
-                                          kvh, n0, end, q_pos, offs_d, md, m_i, l_i, acc, scale, BN)
+                                          kvh, n0, end, q_pos, offs_d, md, m_i, l_i, acc, scale, BN, PREC)
             n0 += BN
     else:
         for n0 in range(start, end, BN):
             m_i, l_i, acc = _attend_block(q, k_ptr, v_ptr, req_to_token_ptr, slot, stride_r2t, stride_kt, stride_kh,
-                                          kvh, n0, end, q_pos, offs_d, md, m_i, l_i, acc, scale, BN)
+                                          kvh, n0, end, q_pos, offs_d, md, m_i, l_i, acc, scale, BN, PREC)
     lse = tl.where(l_i > 0, m_i + tl.log(l_i), float("-inf"))
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     # partials: [B * S, H, SPLITS, D] and [B * S, H, SPLITS]
@@ -129,7 +129,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     _paged_attn_split_kernel[(batch, kv_heads, NUM_SPLITS)](
         q, k_cache, v_cache, req_to_token, req_slots, seq_lens, part_o, part_lse,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), req_to_token.stride(0), scaling,
-        S=tokens_per_row, G=group, D=dim, BD=bd, BM=bm, BN=bn, SPLITS=NUM_SPLITS, USE_WHILE=INTERPRET, num_warps=4,
+        S=tokens_per_row, G=group, D=dim, BD=bd, BM=bm, BN=bn, SPLITS=NUM_SPLITS, USE_WHILE=INTERPRET,
+        PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4,
     )
     _merge_splits_kernel[(num_tokens, heads)](part_o, part_lse, out, out.stride(0), out.stride(1), heads,
                                               D=dim, BD=bd, SPLITS=NUM_SPLITS, num_warps=4)

@@ -68,7 +68,8 @@ def _pair_down_kernel(act_ptr, w2_ptr, ids_ptr, wts_ptr, out_ptr, H: tl.constexp
 @triton.jit
 def _grouped_gate_up_kernel(x_ptr, w13_ptr, sorted_ptr, block_expert_ptr, act_ptr, H: tl.constexpr,
                             I: tl.constexpr, P,
-                            TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                            TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                            PREC: tl.constexpr):
     blk = tl.program_id(0)
     e = tl.load(block_expert_ptr + blk).to(tl.int64)
     if e < 0:
@@ -88,8 +89,8 @@ def _grouped_gate_up_kernel(x_ptr, w13_ptr, sorted_ptr, block_expert_ptr, act_pt
         m2 = mk[:, None] & mn[None, :]
         wg = tl.load(w_base + offs_n[None, :] * H + offs_k[:, None], mask=m2, other=0.0)
         wu = tl.load(w_base + (I + offs_n)[None, :] * H + offs_k[:, None], mask=m2, other=0.0)
-        acc_g += tl.dot(x, wg)
-        acc_u += tl.dot(x, wu)
+        acc_g += tl.dot(x, wg, input_precision=PREC)
+        acc_u += tl.dot(x, wu, input_precision=PREC)
     act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
     tl.store(act_ptr + pairs[:, None] * I + offs_n[None, :], act.to(act_ptr.dtype.element_ty),
              mask=mp[:, None] & mn[None, :])
@@ -98,7 +99,7 @@ def _grouped_gate_up_kernel(x_ptr, w13_ptr, sorted_ptr, block_expert_ptr, act_pt
 @triton.jit
 def _grouped_down_kernel(act_ptr, w2_ptr, sorted_ptr, block_expert_ptr, wts_ptr, out_ptr, H: tl.constexpr,
                          I: tl.constexpr, P,
-                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
     blk = tl.program_id(0)
     e = tl.load(block_expert_ptr + blk).to(tl.int64)
     if e < 0:
@@ -114,7 +115,7 @@ def _grouped_down_kernel(act_ptr, w2_ptr, sorted_ptr, block_expert_ptr, wts_ptr,
         mk = offs_k < I
         a = tl.load(act_ptr + pairs[:, None] * I + offs_k[None, :], mask=mp[:, None] & mk[None, :], other=0.0)
         w = tl.load(w_base + offs_n[None, :] * I + offs_k[:, None], mask=mk[:, None] & mn[None, :], other=0.0)
-        acc += tl.dot(a, w)
+        acc += tl.dot(a, w, input_precision=PREC)
     wts = tl.load(wts_ptr + pairs, mask=mp, other=0.0).to(tl.float32)
     acc = acc * wts[:, None]
     tl.store(out_ptr + pairs[:, None] * H + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
@@ -170,13 +171,14 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
                                                                 num_warps=4)
     else:
         bm = 64 if num_pairs >= 64 * num_experts else 16
+        prec = "ieee" if x.dtype == torch.float32 else "tf32"
         bn, bk = 64, 64
         sorted_pairs, block_expert = align_pairs(ids, num_experts, bm)
         grid_blocks = block_expert.shape[0]
         _grouped_gate_up_kernel[(grid_blocks, triton.cdiv(inter, bn))](
             x, w13, sorted_pairs, block_expert, act, hidden, inter, num_pairs, TOP_K=top_k, BM=bm, BN=bn, BK=bk,
-            num_warps=4)
+            PREC=prec, num_warps=4)
         _grouped_down_kernel[(grid_blocks, triton.cdiv(hidden, bn))](
             act, w2, sorted_pairs, block_expert, wts, out, hidden, inter, num_pairs, BM=bm, BN=bn, BK=bk,
-            num_warps=4)
+            PREC=prec, num_warps=4)
     return out.view(num_tokens, top_k, hidden).sum(1)

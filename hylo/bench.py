@@ -1,0 +1,405 @@
+"""``hylo bench``: speed on the GPU against the hardware's floors and against HF transformers, in one run.
+
+Every figure is a ratio measured in the same process: the device-to-device copy rate and the bf16 matmul rate are
+measured first and give each record its floor (bytes that must move over the copy rate, or FLOPs over the matmul
+rate). Decode states are set up without running the prefill (random prompts, KV locations reserved, recurrent
+states zero): the decode step's work does not depend on what the cache holds.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .config import EngineConfig, ModelConfig
+from .core import ReqStatus, SamplingParams
+from .engine.engine import Engine, LoadedModel
+from .layers.weights import TensorReader
+from .models.qwen3_next import Qwen3NextForCausalLM
+from .models.random_init import RandomReader
+from .spec.setup import SpecSetup
+
+GB = 1e9
+
+
+def bench_config(name: str) -> ModelConfig:
+    if name != "bench-6b":
+        raise ValueError(f"unknown benchmark model {name!r} (known: bench-6b)")
+    n = 24
+    return ModelConfig(
+        vocab_size=151936, hidden_size=2048, num_hidden_layers=n,
+        layer_types=tuple("full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(n)),
+        num_attention_heads=16, num_key_value_heads=2, head_dim=256, rope_theta=10000000.0,
+        partial_rotary_factor=0.25, attention_bias=False, linear_num_key_heads=16, linear_num_value_heads=32,
+        linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4, intermediate_size=5120,
+        num_experts=64, num_experts_per_tok=10, moe_intermediate_size=512, shared_expert_intermediate_size=512,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=(), rms_norm_eps=1e-6,
+        max_position_embeddings=65536, tie_word_embeddings=False, eos_token_ids=(), num_nextn_predict_layers=1)
+
+
+# ---- the hardware's two numbers ---------------------------------------------------------------------------------
+def measure_copy_rate(device) -> float:
+    """Bytes per second of a large device-to-device copy (read + write counted)."""
+    a = torch.empty(2 * 1024 ** 3 // 2, dtype=torch.bfloat16, device=device).normal_()
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    ms = _time_cuda(lambda: b.copy_(a), iters=20)
+    return 2 * a.numel() * a.element_size() / (ms / 1e3)
+
+
+def measure_matmul_rate(device) -> float:
+    n = 8192
+    a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    for _ in range(3):
+        a @ b
+    ms = _time_cuda(lambda: a @ b, iters=10)
+    return 2 * n ** 3 / (ms / 1e3)
+
+
+def _time_cuda(fn, iters: int) -> float:
+    """Mean milliseconds per call, timed with CUDA events."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+# ---- what a step must read ---------------------------------------------------------------------------------------
+@dataclass
+class Footprint:
+    """Bytes of the model's parts (bf16 weights), for the floors."""
+
+    non_expert: int  # every weight read at any batch size, except experts, lm_head, embedding
+    expert: int  # one routed expert (gate, up, down)
+    lm_head: int
+    embed_row: int
+    mtp_non_expert: int
+    kv_per_token: int  # all the target's attention layers, K and V
+    kv_per_token_layer: int  # one attention layer (the MTP head has one)
+    state_per_req: int  # GDN conv + recurrent states of one request
+    num_experts: int
+    top_k: int
+    moe_layers: int
+    matmul_params: int  # parameters multiplied per token in the target (experts: top-k of them), lm_head excluded
+
+    @classmethod
+    def of(cls, model: Qwen3NextForCausalLM, mtp, caches) -> "Footprint":
+        mc = model.config
+        esz = 2
+        expert = 3 * mc.moe_intermediate_size * mc.hidden_size * esz
+        moe_layers = sum(mc.is_moe_layer(i) for i in range(mc.num_hidden_layers))
+        total = sum(p.numel() for p in model.parameters()) * esz
+        embed = mc.vocab_size * mc.hidden_size * esz
+        experts_all = moe_layers * mc.num_experts * expert
+        non_expert = total - experts_all - 2 * embed
+        mtp_ne = 0
+        if mtp is not None:
+            mtp_total = sum(p.numel() for p in mtp.parameters()) * esz
+            mtp_ne = mtp_total - mc.num_experts * expert
+        sp = caches.state_pool
+        state = (sp.conv[:, 0].numel() * sp.conv.element_size() + sp.recurrent[:, 0].numel()
+                 * sp.recurrent.element_size())
+        kv = caches.kv_pool
+        n_attn = len(mc.attn_layer_ids)
+        kv_tok = 2 * n_attn * kv.k.shape[2] * kv.k.shape[3] * kv.k.element_size()
+        matmul = non_expert // esz + moe_layers * mc.num_experts_per_tok * expert // esz
+        return cls(non_expert, expert, embed, mc.hidden_size * esz, mtp_ne, kv_tok, kv_tok // n_attn, state,
+                   mc.num_experts, mc.num_experts_per_tok, moe_layers, matmul)
+
+    def experts_touched(self, tokens: int) -> float:
+        """Expected distinct experts per layer for ``tokens`` tokens with uniform random routing."""
+        return self.num_experts * (1 - (1 - self.top_k / self.num_experts) ** tokens)
+
+    def decode_bytes(self, bs: int, ctx: int) -> float:
+        weights = self.non_expert + self.lm_head + bs * self.embed_row
+        weights += self.moe_layers * self.experts_touched(bs) * self.expert
+        return weights + bs * ctx * self.kv_per_token + 2 * bs * self.state_per_req
+
+    def spec_step_bytes(self, bs: int, ctx: int, k: int) -> float:
+        """One speculative step: verify (k + 1 tokens per request, k + 1 state checkpoints written, one committed),
+        the MTP head's extend over the k + 1 positions and its k - 1 chained steps (each re-reads the lm_head)."""
+        t = bs * (k + 1)
+        verify = self.non_expert + self.lm_head + t * self.embed_row
+        verify += self.moe_layers * self.experts_touched(t) * self.expert
+        verify += bs * (ctx + k + 1) * self.kv_per_token
+        verify += bs * self.state_per_req * (1 + (k + 1) + 2)  # read slot, write k+1 checkpoints, commit copy
+        # the head has one MoE layer: its extend pass touches the experts of t tokens, each chained step those of bs
+        drafts = k * (self.mtp_non_expert + self.lm_head) + self.experts_touched(t) * self.expert
+        drafts += (k - 1) * self.experts_touched(bs) * self.expert + k * bs * ctx * self.kv_per_token_layer
+        return verify + drafts
+
+
+# ---- set-up --------------------------------------------------------------------------------------------------
+class HFReader(TensorReader):
+    """An HF transformers model's weights under their on-disk names (fused experts split per expert); names the
+    HF model lacks (the MTP head) come from a RandomReader."""
+
+    def __init__(self, hf_model, fallback: TensorReader):
+        super().__init__()
+        self.sd = dict(hf_model.state_dict())
+        self.fallback = fallback
+
+    def keys(self):
+        return self.used
+
+    def has(self, name):
+        return True
+
+    def get(self, name, shape=None):
+        self.used.add(name)
+        if name.startswith("mtp."):
+            return self.fallback.get(name, shape)
+        if ".experts." in name:
+            prefix, rest = name.split(".experts.")
+            e, proj = rest.split(".")[0], rest.split(".")[1]
+            e = int(e)
+            if proj == "down_proj":
+                return self.sd[f"{prefix}.experts.down_proj"][e]
+            gate_up = self.sd[f"{prefix}.experts.gate_up_proj"][e]
+            half = gate_up.shape[0] // 2
+            return gate_up[:half] if proj == "gate_proj" else gate_up[half:]
+        return self.sd[name]
+
+
+def build_model(mc: ModelConfig, device, seed: int = 0, hf_model=None) -> LoadedModel:
+    dtype = torch.bfloat16
+    reader = RandomReader(seed, device)
+    if hf_model is not None:
+        reader = HFReader(hf_model, reader)
+    with torch.device(device):
+        model = Qwen3NextForCausalLM(mc, dtype, device)
+    model.load(reader)
+    return LoadedModel("bench-6b", mc, model, reader, None, True)
+
+
+def fake_prefill(engine: Engine, bs: int, ctx: int) -> list[str]:
+    """Put ``bs`` requests straight into the decoding state at context ``ctx`` (no prefill is run)."""
+    sched, caches = engine.scheduler, engine.caches
+    gen = torch.Generator().manual_seed(ctx * 7 + bs)
+    vocab = engine.model_config.vocab_size
+    rids = []
+    for _ in range(bs):
+        prompt = torch.randint(0, vocab, (ctx - 1,), generator=gen).tolist()
+        rid = engine.add_request(prompt, SamplingParams(max_tokens=10 ** 6, temperature=0, ignore_eos=True))
+        req = sched.waiting.pop()
+        req.req_slot = caches.req_slots.alloc()
+        req.state_slot = caches.state_pool.alloc()
+        req.status = ReqStatus.RUNNING
+        req.output_ids = [int(torch.randint(0, vocab, (1,), generator=gen))]
+        req.num_computed = ctx - 1
+        n = ctx + sched.kv_lookahead + 64
+        locs = caches.kv_pool.alloc(n)
+        if locs is None:
+            raise RuntimeError(f"KV pool too small for batch {bs} at context {ctx}")
+        caches.req_slots.write_locations([req.req_slot] * n, list(range(n)), locs)
+        req.kv_locs, req.num_kv = [locs], n
+        sched.running.append(req)
+        rids.append(rid)
+    return rids
+
+
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def time_steps(engine: Engine, steps: int, warmup: int = 3) -> float:
+    """Wall milliseconds per engine step (scheduling, launch, the step's one device read) in the steady state."""
+    for _ in range(warmup):
+        engine.step()
+    _sync()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    _sync()
+    return (time.perf_counter() - t0) * 1e3 / steps
+
+
+def clear(engine: Engine, rids: list[str]) -> None:
+    for rid in rids:
+        engine.abort(rid)
+        engine._reqs.pop(rid, None)
+
+
+# ---- the runs ------------------------------------------------------------------------------------------------
+def run_bench(model_name: str = "bench-6b", vs_hf: bool = False, quick: bool = False, out_dir: str = "bench/results",
+              seed: int = 0) -> list[dict]:
+    if not torch.cuda.is_available():
+        raise ValueError("hylo bench needs a CUDA GPU")
+    device = torch.device("cuda")
+    records: list[dict] = []
+    copy_rate, mm_rate = measure_copy_rate(device), measure_matmul_rate(device)
+    print(f"[bench] copy {copy_rate / 1e12:.2f} TB/s, bf16 matmul {mm_rate / 1e12:.0f} TFLOP/s", flush=True)
+    mc = bench_config(model_name)
+
+    hf_steps = {}
+    hf_model = None
+    if vs_hf:
+        hf_model = _build_hf(mc, device)
+    lm = build_model(mc, device, seed, hf_model)
+    if vs_hf:
+        hf_steps = _time_hf(hf_model, mc, [1, 8], quick)
+        del hf_model
+        torch.cuda.empty_cache()
+
+    batches = [1, 8] if quick else [1, 8, 64, 256]
+    contexts = [1024] if quick else [1024, 32768]
+    kv_tokens = max(max(b * 1024 for b in batches), 64 * 32768 if not quick else 0) + 300 * 256
+    ec = EngineConfig(max_num_seqs=max(batches), kv_cache_tokens=kv_tokens, chunk_size=8192, verbose=True,
+                      cuda_graph_sizes=tuple(batches), max_model_len=40000)
+    eng = Engine(lm, device="cuda", dtype="bfloat16", engine_config=ec)
+    fp = Footprint.of(lm.model, None, eng.caches)
+    steps = 10 if quick else 30
+
+    # prefill 1 x 8192
+    prompt = torch.randint(0, mc.vocab_size, (8192,), generator=torch.Generator().manual_seed(1)).tolist()
+    best = math.inf
+    for _ in range(3):
+        rid = eng.add_request(prompt, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        eng.step()
+        torch.cuda.synchronize()
+        best = min(best, (time.perf_counter() - t0) * 1e3)
+        clear(eng, [rid])
+    attn_flops = len(mc.attn_layer_ids) * 2 * mc.num_attention_heads * mc.head_dim * 8192 ** 2  # causal QK + PV
+    flops = 2 * fp.matmul_params * 8192 + attn_flops
+    floor = flops / mm_rate * 1e3
+    records.append(dict(phase="prefill", batch_size=1, context=8192, cuda_graph=False, spec=None,
+                        ms_per_step=best, ms_per_token=best / 8192, floor_ms=floor, floor_kind="compute",
+                        ratio_to_floor=best / floor))
+    print(f"[bench] prefill 8192: {best:.1f} ms, floor {floor:.1f} ms ({best / floor:.2f}x)", flush=True)
+
+    # plain decode
+    for ctx in contexts:
+        for bs in batches:
+            if ctx == 32768 and bs > 64:
+                continue
+            rids = fake_prefill(eng, bs, ctx)
+            floor = fp.decode_bytes(bs, ctx) / copy_rate * 1e3
+            for graphs in (True, False):
+                saved = eng.model_worker.graphs
+                if not graphs:
+                    eng.model_worker.graphs = None
+                ms = time_steps(eng, steps if graphs else max(3, steps // 3))
+                eng.model_worker.graphs = saved
+                rec = dict(phase="decode", batch_size=bs, context=ctx, cuda_graph=graphs, spec=None, ms_per_step=ms,
+                           ms_per_token=ms / bs, floor_ms=floor, ratio_to_floor=ms / floor)
+                if graphs and ctx == 1024 and bs in hf_steps:
+                    rec["hf_ms_per_step"] = hf_steps[bs]
+                    rec["speedup_vs_hf"] = hf_steps[bs] / ms
+                records.append(rec)
+                print(f"[bench] decode bs={bs} ctx={ctx} graphs={graphs}: {ms:.2f} ms/step, floor {floor:.2f} ms "
+                      f"({ms / floor:.2f}x)" + (f", HF {hf_steps[bs]:.1f} ms" if "hf_ms_per_step" in rec else ""),
+                      flush=True)
+            if ctx == 1024 and not quick:
+                records.append(_device_decode_record(eng, bs, ctx, floor))
+            clear(eng, rids)
+    plain_ms = {r["batch_size"]: r["ms_per_token"] for r in records
+                if r["phase"] == "decode" and r["cuda_graph"] and r["context"] == 1024 and r["spec"] is None}
+    del eng
+    torch.cuda.empty_cache()
+
+    # speculative decoding, MTP k = 3, simulated acceptance
+    k = 3
+    spec_batches = [1, 8] if quick else [1, 8, 64]
+    ec = EngineConfig(max_num_seqs=max(spec_batches), kv_cache_tokens=max(spec_batches) * 1400, chunk_size=8192,
+                      speculative="mtp", num_speculative_tokens=k, simulate_accept_length=3.0,
+                      cuda_graph_sizes=tuple(spec_batches), max_model_len=1300)
+    setup = SpecSetup("mtp")
+    eng = Engine(lm, device="cuda", dtype="bfloat16", engine_config=ec, spec_setup=setup)
+    fp = Footprint.of(lm.model, setup.mtp, eng.caches)
+    for bs in spec_batches:
+        for accept in (2.0, 3.0, 4.0):
+            eng.worker.simulate_accept_length = accept
+            rids = fake_prefill(eng, bs, 1024)
+            ms = time_steps(eng, steps)
+            reqs = [eng._reqs[r] for r in rids]
+            emitted = sum(r.spec.emitted_tokens for r in reqs)
+            verify_steps = sum(r.spec.verify_steps for r in reqs) / bs
+            measured_len = emitted / max(sum(r.spec.verify_steps for r in reqs), 1)
+            per_token = ms / (bs * measured_len)
+            floor = fp.spec_step_bytes(bs, 1024, k) / copy_rate * 1e3
+            rec = dict(phase="decode", batch_size=bs, context=1024, cuda_graph=True, spec="mtp",
+                       num_speculative_tokens=k, accept_length=measured_len, target_accept_length=accept,
+                       ms_per_step=ms, ms_per_token=per_token, floor_ms=floor, floor_ms_per_token=floor / (bs * accept),
+                       ratio_to_floor=ms / floor, vs_plain_decode=per_token / plain_ms.get(bs, math.nan),
+                       verify_steps=verify_steps)
+            records.append(rec)
+            print(f"[bench] spec mtp k={k} bs={bs} accept={measured_len:.2f}: {ms:.2f} ms/step, {per_token:.3f} "
+                  f"ms/token ({rec['vs_plain_decode']:.2f}x plain), floor {floor:.2f} ms/step", flush=True)
+            clear(eng, rids)
+
+    meta = dict(model=model_name, gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+                copy_rate_tb_s=copy_rate / 1e12, matmul_tflops=mm_rate / 1e12, host=platform.node(),
+                hf_note=("HF transformers cannot do speculative decoding on this model: generate() refuses assisted "
+                         "generation for stateful models"))
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"{model_name}-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    with open(path, "w") as f:
+        json.dump({"meta": meta, "records": records}, f, indent=1)
+    print(f"[bench] wrote {path}", flush=True)
+    return records
+
+
+def _device_decode_record(eng: Engine, bs: int, ctx: int, floor: float) -> dict:
+    """GPU time of the captured decode pass alone (no host work): the graph replay, timed with CUDA events."""
+    sched = eng.scheduler.schedule()
+    batch = eng.model_worker.build_batch(sched)
+    ms = _time_cuda(lambda: eng.model_worker.graphs.run("decode", batch), iters=30)
+    return dict(phase="decode", batch_size=bs, context=ctx, cuda_graph=True, spec=None, ms_per_step=ms,
+                ms_per_token=ms / bs, floor_ms=floor, ratio_to_floor=ms / floor, gpu_only=True)
+
+
+def _hf_config(mc: ModelConfig):
+    from transformers import Qwen3NextConfig
+
+    d = mc.to_hf_dict()
+    d.pop("architectures"), d.pop("model_type"), d.pop("num_nextn_predict_layers")
+    return Qwen3NextConfig(**d)
+
+
+def _build_hf(mc: ModelConfig, device):
+    from transformers import Qwen3NextForCausalLM as HF
+
+    cfg = _hf_config(mc)
+    with torch.device(device):
+        model = HF._from_config(cfg, dtype=torch.bfloat16)
+    return model.eval()
+
+
+def _time_hf(model, mc: ModelConfig, batches: list[int], quick: bool) -> dict[int, float]:
+    """HF generate's ms per decode step: (time of 1 + n new tokens - time of 1) / n, best of a few (it is noisy)."""
+    out = {}
+    n = 8 if quick else 16
+    for bs in batches:
+        ids = torch.randint(0, mc.vocab_size, (bs, 32), device=model.device)
+        kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
+
+        def gen(new):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                model.generate(ids, max_new_tokens=new, min_new_tokens=new, **kw)
+            torch.cuda.synchronize()
+            return time.perf_counter() - t0
+
+        gen(2)
+        best = math.inf
+        for _ in range(2 if quick else 3):
+            best = min(best, (gen(1 + n) - gen(1)) * 1e3 / n)
+        out[bs] = best
+        print(f"[bench] HF transformers generate bs={bs}: {best:.1f} ms/step", flush=True)
+    return out

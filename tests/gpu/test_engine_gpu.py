@@ -1,0 +1,175 @@
+"""The GPU path end to end: CUDA graphs equal eager at captured and padded batch sizes, padded rows touch nothing
+but their dummies, and the GPU engine agrees with the CPU reference engine. CUDA only (graphs need a GPU)."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from hylo.config import EngineConfig, ModelConfig
+from hylo.core import ForwardMode
+from hylo.engine.engine import Engine
+from hylo.models.default import default_model_config
+from hylo.models.random_init import random_checkpoint
+from hylo.spec.setup import SpecSetup
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+
+
+@pytest.fixture(scope="module")
+def gpu_ckpt(tmp_path_factory):
+    """A small model with bench-6b's proportions (3 GDN : 1 attention, GQA 8:1... scaled down) and an MTP head."""
+    cfg = default_model_config().to_hf_dict()
+    cfg.update(vocab_size=1000, hidden_size=256, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
+               head_dim=64, linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=32,
+               linear_value_head_dim=32, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=64,
+               shared_expert_intermediate_size=64, intermediate_size=256, eos_token_id=None,
+               layer_types=["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3
+               + ["full_attention"])
+    path = tmp_path_factory.mktemp("gpu_ckpt")
+    with open(path / "config.json", "w") as f:
+        json.dump(cfg, f)
+    save_file(random_checkpoint(ModelConfig.from_dict(cfg), seed=5, std=0.05), str(path / "model.safetensors"))
+    return str(path)
+
+
+def _engine(path, device="cuda", dtype="float32", spec=None, **kw):
+    ec = EngineConfig(verbose=False, max_num_seqs=16, cuda_graph_sizes=(1, 2, 4, 8, 16), **kw,
+                      **({"speculative": spec, "num_speculative_tokens": 3} if spec else {}))
+    return Engine(path, device=device, dtype=dtype, engine_config=ec, spec_setup=SpecSetup(spec) if spec else None)
+
+
+def _prompts(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 1000, (int(torch.randint(3, 40, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+def _to_decoding(eng, n):
+    from hylo import SamplingParams
+
+    rids = [eng.add_request(p, SamplingParams(max_tokens=1000, temperature=0, ignore_eos=True)) for p in _prompts(n)]
+    while not all(eng.scheduler.is_decoding(r) for r in eng.scheduler.running) or eng.scheduler.waiting:
+        eng.step()
+    return rids
+
+
+def _snapshot(eng):
+    c = eng.caches
+    return [t.clone() for t in (c.kv_pool.k, c.kv_pool.v, c.state_pool.conv, c.state_pool.recurrent)]
+
+
+def _restore(eng, snap):
+    c = eng.caches
+    for dst, src in zip((c.kv_pool.k, c.kv_pool.v, c.state_pool.conv, c.state_pool.recurrent), snap):
+        dst.copy_(src)
+
+
+@pytest.mark.parametrize("n", [3, 4, 5, 13])
+def test_decode_graph_equals_eager_and_padding_touches_only_dummies(gpu_ckpt, n):
+    eng = _engine(gpu_ckpt)
+    rids = _to_decoding(eng, n)
+    sched = eng.scheduler.schedule()
+    assert sched.mode is ForwardMode.DECODE
+    w = eng.model_worker
+    batch = w.build_batch(sched)
+    snap = _snapshot(eng)
+    with torch.inference_mode():
+        eager = w.model.compute_logits(w.forward_hidden(batch))
+    after_eager = _snapshot(eng)
+    _restore(eng, snap)
+    # poison every state slot and KV location no real row owns: a padded row reading them would show NaN
+    c = eng.caches
+    used_slots = set(r.state_slot for r in sched.reqs)
+    free_slots = [s for s in range(1, c.state_pool.num_slots + 1) if s not in used_slots]
+    c.state_pool.recurrent[:, free_slots] = float("nan")
+    c.state_pool.conv[:, free_slots] = float("nan")
+    owned = torch.cat([loc for r in eng.scheduler.running for loc in r.kv_locs]).to(c.kv_pool.k.device)
+    mask = torch.ones(c.kv_pool.k.shape[1], dtype=torch.bool, device=owned.device)
+    mask[owned] = False
+    mask[0] = False
+    c.kv_pool.k[:, mask] = float("nan")
+    c.kv_pool.v[:, mask] = float("nan")
+    before = _snapshot(eng)
+    graph = w.graphs.run("decode", batch)["logits"]
+    torch.cuda.synchronize()
+    assert torch.isfinite(graph).all()
+    assert torch.allclose(graph, eager, atol=1e-4, rtol=1e-4)
+    after = _snapshot(eng)
+    # real rows' states equal eager's; nothing else changed (NaN stays NaN), except the dummy KV location 0
+    for name, a, b, e in zip(("k", "v", "conv", "recurrent"), after, before, after_eager):
+        if name in ("conv", "recurrent"):
+            real = sorted(used_slots)
+            assert torch.allclose(a[:, real], e[:, real], atol=1e-4), name
+            others = [s for s in range(a.shape[1]) if s not in used_slots]
+            assert torch.equal(a[:, others].isnan(), b[:, others].isnan()), name
+            assert torch.equal(torch.nan_to_num(a[:, others]), torch.nan_to_num(b[:, others])), name
+        else:
+            untouched = mask.clone()
+            assert torch.equal(a[:, untouched].isnan(), b[:, untouched].isnan()), name
+    for rid in rids:
+        eng.abort(rid)
+
+
+@pytest.mark.parametrize("n", [3, 8])
+def test_verify_graph_equals_eager(gpu_ckpt, n):
+    eng = _engine(gpu_ckpt, spec="mtp")
+    rids = _to_decoding(eng, n)
+    sched = eng.scheduler.schedule()
+    assert sched.mode is ForwardMode.TARGET_VERIFY
+    w = eng.model_worker
+    k = 3
+    ids = torch.randint(0, 1000, (n * (k + 1),), device="cuda")
+    batch = w.build_batch(sched, input_ids=ids)
+    pool = eng.caches.state_pool
+    snap = _snapshot(eng)
+    with torch.inference_mode():
+        eager = w.model.compute_logits(w.forward_hidden(batch))
+    ver_eager = pool.verify_recurrent[:, :n].clone()
+    _restore(eng, snap)
+    graph = w.graphs.run("verify", batch)["logits"]
+    assert torch.allclose(graph, eager, atol=1e-4, rtol=1e-4)
+    assert torch.allclose(pool.verify_recurrent[:, :n], ver_eager, atol=1e-4)
+    assert torch.equal(pool.recurrent, snap[3])  # verify never writes the slots
+    for rid in rids:
+        eng.abort(rid)
+
+
+def test_gpu_engine_matches_cpu_reference(gpu_ckpt):
+    from hylo import LLM, SamplingParams
+
+    prompts = _prompts(5, seed=1)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    cpu = LLM(gpu_ckpt, device="cpu", verbose=False).generate(prompts, params, use_tqdm=False)
+    gpu = LLM(gpu_ckpt, device="cuda", dtype="float32", verbose=False, max_num_seqs=8).generate(
+        prompts, params, use_tqdm=False)
+    agree = sum(a == b for c, g in zip(cpu, gpu) for a, b in zip(c.token_ids, g.token_ids))
+    assert agree >= 0.95 * 5 * 16, agree
+    eng_c = Engine(gpu_ckpt, device="cpu", engine_config=EngineConfig(verbose=False))
+    eng_g = Engine(gpu_ckpt, device="cuda", dtype="float32", engine_config=EngineConfig(verbose=False))
+    a, b = eng_c.prompt_logits(prompts[0]), eng_g.prompt_logits(prompts[0]).cpu()
+    assert (a - b).abs().max() < 1e-3
+    bf = Engine(gpu_ckpt, device="cuda", dtype="bfloat16", engine_config=EngineConfig(verbose=False))
+    c = bf.prompt_logits(prompts[0]).cpu()
+    assert (a - c).norm() / a.norm() < 5e-2
+
+
+@pytest.mark.parametrize("spec", ["mtp", "ngram"])
+def test_gpu_speculative_is_lossless(gpu_ckpt, spec):
+    from hylo import SamplingParams
+
+    prompts = _prompts(6, seed=2)
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    plain = _engine(gpu_ckpt)
+    ref = [plain.add_request(p, params) for p in prompts]
+    while plain.has_unfinished():
+        plain.step()
+    ref = [plain.pop_finished(r).token_ids for r in ref]
+    eng = _engine(gpu_ckpt, spec=spec)
+    rids = [eng.add_request(p, params) for p in prompts]
+    while eng.has_unfinished():
+        eng.step()
+    outs = [eng.pop_finished(r).token_ids for r in rids]
+    agree = sum(a == b for o, r in zip(outs, ref) for a, b in zip(o, r))
+    assert agree >= 0.95 * 6 * 20, agree  # fp32 with different kernel shapes: near-ties may flip

@@ -1,0 +1,55 @@
+"""The benchmark's harness on CPU: fake-prefilled requests decode like real ones, and the floors add up."""
+
+import torch
+
+from hylo.bench import Footprint, bench_config, fake_prefill, time_steps
+from hylo.config import EngineConfig
+from hylo.engine.engine import Engine
+from hylo.spec.setup import SpecSetup
+
+
+def test_fake_prefill_decodes_and_frees():
+    eng = Engine(None, device="cpu", engine_config=EngineConfig(verbose=False, max_num_seqs=4))
+    rids = fake_prefill(eng, 3, 40)
+    ms = time_steps(eng, 2, warmup=1)
+    assert ms > 0
+    for rid in rids:
+        req = eng._reqs[rid]
+        assert req.num_computed == 40 + 2 and len(req.output_ids) == 4
+        eng.abort(rid)
+    c = eng.caches
+    assert c.kv_pool.num_free == c.kv_pool.num_tokens and c.req_slots.num_free == 4
+
+
+def test_fake_prefill_with_simulated_speculation():
+    ec = EngineConfig(verbose=False, max_num_seqs=2, speculative="mtp", num_speculative_tokens=3,
+                      simulate_accept_length=3.0)
+    eng = Engine(None, device="cpu", engine_config=ec, spec_setup=SpecSetup("mtp"))
+    rids = fake_prefill(eng, 2, 30)
+    time_steps(eng, 20, warmup=0)
+    stats = [eng._reqs[r].spec for r in rids]
+    assert abs(sum(s.emitted_tokens for s in stats) / sum(s.verify_steps for s in stats) - 3.0) < 0.3
+
+
+def test_bench_6b_footprint_matches_the_issue():
+    """bench-6b: 6.3 B parameters, about 3.8 GB read per token at batch 1 (the issue's figures)."""
+    from hylo.models.qwen3_next import Qwen3NextForCausalLM
+
+    mc = bench_config("bench-6b")
+    with torch.device("meta"):
+        model = Qwen3NextForCausalLM(mc, torch.bfloat16, "meta")
+    params = sum(p.numel() for p in model.parameters())
+    assert 6.2e9 < params < 6.4e9
+
+    class FakeCaches:  # shapes only
+        class state_pool:
+            conv = torch.empty(18, 2, 8192, 3, dtype=torch.bfloat16, device="meta")
+            recurrent = torch.empty(18, 2, 32, 128, 128, dtype=torch.float32, device="meta")
+
+        class kv_pool:
+            k = torch.empty(6, 2, 2, 256, dtype=torch.bfloat16, device="meta")
+
+    fp = Footprint.of(model, None, FakeCaches)
+    per_token = fp.decode_bytes(1, 1) - 2 * fp.state_per_req - fp.kv_per_token
+    assert 3.6e9 < per_token < 4.0e9
+    assert 36e6 < fp.state_per_req < 40e6  # about 38 MB of float32 GDN state per request
