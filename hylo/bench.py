@@ -240,8 +240,19 @@ def run_bench(model_name: str = "bench-6b", vs_hf: bool = False, quick: bool = F
         raise ValueError("hylo bench needs a CUDA GPU")
     device = torch.device("cuda")
     records: list[dict] = []
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"{model_name}-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    meta = dict(model=model_name, gpu=torch.cuda.get_device_name(), torch=torch.__version__, host=platform.node(),
+                quick=quick, hf_note=("HF transformers cannot do speculative decoding on this model: generate() "
+                                      "refuses assisted generation for stateful models"))
+
+    def save():  # after every record, so a run cut short still leaves its numbers
+        with open(path, "w") as f:
+            json.dump({"meta": meta, "records": records}, f, indent=1)
+
     copy_rate, mm_rate = measure_copy_rate(device), measure_matmul_rate(device)
     print(f"[bench] copy {copy_rate / 1e12:.2f} TB/s, bf16 matmul {mm_rate / 1e12:.0f} TFLOP/s", flush=True)
+    meta.update(copy_rate_tb_s=copy_rate / 1e12, matmul_tflops=mm_rate / 1e12)
     mc = bench_config(model_name)
 
     hf_steps = {}
@@ -251,6 +262,7 @@ def run_bench(model_name: str = "bench-6b", vs_hf: bool = False, quick: bool = F
     lm = build_model(mc, device, seed, hf_model)
     if vs_hf:
         hf_steps = _time_hf(hf_model, mc, [1, 8], quick)
+        meta["hf_ms_per_step"] = hf_steps
         del hf_model
         torch.cuda.empty_cache()
 
@@ -301,6 +313,7 @@ def run_bench(model_name: str = "bench-6b", vs_hf: bool = False, quick: bool = F
                     rec["hf_ms_per_step"] = hf_steps[bs]
                     rec["speedup_vs_hf"] = hf_steps[bs] / ms
                 records.append(rec)
+                save()
                 print(f"[bench] decode bs={bs} ctx={ctx} graphs={graphs}: {ms:.2f} ms/step, floor {floor:.2f} ms "
                       f"({ms / floor:.2f}x)" + (f", HF {hf_steps[bs]:.1f} ms" if "hf_ms_per_step" in rec else ""),
                       flush=True)
@@ -338,18 +351,12 @@ def run_bench(model_name: str = "bench-6b", vs_hf: bool = False, quick: bool = F
                        ratio_to_floor=ms / floor, vs_plain_decode=per_token / plain_ms.get(bs, math.nan),
                        verify_steps=verify_steps)
             records.append(rec)
+            save()
             print(f"[bench] spec mtp k={k} bs={bs} accept={measured_len:.2f}: {ms:.2f} ms/step, {per_token:.3f} "
                   f"ms/token ({rec['vs_plain_decode']:.2f}x plain), floor {floor:.2f} ms/step", flush=True)
             clear(eng, rids)
 
-    meta = dict(model=model_name, gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-                copy_rate_tb_s=copy_rate / 1e12, matmul_tflops=mm_rate / 1e12, host=platform.node(),
-                hf_note=("HF transformers cannot do speculative decoding on this model: generate() refuses assisted "
-                         "generation for stateful models"))
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, f"{model_name}-{time.strftime('%Y%m%d-%H%M%S')}.json")
-    with open(path, "w") as f:
-        json.dump({"meta": meta, "records": records}, f, indent=1)
+    save()
     print(f"[bench] wrote {path}", flush=True)
     return records
 

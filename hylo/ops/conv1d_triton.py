@@ -39,23 +39,24 @@ def _conv_steps_kernel(
         tl.store(out_ptr + (row * S + s) * stride_out + offs, out.to(out_ptr.dtype.element_ty), mask=mc)
         if VERIFY:
             for j in tl.static_range(K - 1):
-                idx = j + s + 1
-                if idx < K - 1:
-                    val = tl.load(state_base + idx, mask=mc & valid, other=0.0)
+                vidx = j + s + 1
+                if vidx < K - 1:
+                    wv = tl.load(state_base + vidx, mask=mc & valid, other=0.0).to(tl.float32)
                 else:
-                    val = tl.load(x_ptr + (row * S + idx - (K - 1)) * stride_x + offs, mask=mc, other=0.0)
+                    wv = tl.load(x_ptr + (row * S + vidx - (K - 1)) * stride_x + offs, mask=mc,
+                                 other=0.0).to(tl.float32)
                 tl.store(verify_ptr + row * stride_vrow + s * stride_vstep + offs * (K - 1) + j,
-                         val.to(verify_ptr.dtype.element_ty), mask=mc)
+                         wv.to(verify_ptr.dtype.element_ty), mask=mc)
     if not VERIFY:
         # the new window is the last K-1 of [state | x]. In increasing j, element j reads index j + S > j, which
         # no earlier iteration has overwritten, so the shift can be done in place.
         for j in tl.static_range(K - 1):
-            idx = j + S
-            if idx < K - 1:
-                val = tl.load(state_base + idx, mask=mc & valid, other=0.0)
+            sidx = j + S
+            if sidx < K - 1:
+                sv = tl.load(state_base + sidx, mask=mc & valid, other=0.0).to(tl.float32)
             else:
-                val = tl.load(x_ptr + (row * S + idx - (K - 1)) * stride_x + offs, mask=mc, other=0.0)
-            tl.store(state_base + j, val.to(pool_ptr.dtype.element_ty), mask=mc & valid)
+                sv = tl.load(x_ptr + (row * S + sidx - (K - 1)) * stride_x + offs, mask=mc, other=0.0).to(tl.float32)
+            tl.store(state_base + j, sv.to(pool_ptr.dtype.element_ty), mask=mc & valid)
 
 
 def conv_steps(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, steps: int = 1,

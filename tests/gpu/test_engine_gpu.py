@@ -141,15 +141,22 @@ def test_gpu_engine_matches_cpu_reference(gpu_ckpt):
 
     prompts = _prompts(5, seed=1)
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-    cpu = LLM(gpu_ckpt, device="cpu", verbose=False).generate(prompts, params, use_tqdm=False)
-    gpu = LLM(gpu_ckpt, device="cuda", dtype="float32", verbose=False, max_num_seqs=8).generate(
-        prompts, params, use_tqdm=False)
-    agree = sum(a == b for c, g in zip(cpu, gpu) for a, b in zip(c.token_ids, g.token_ids))
-    assert agree >= 0.95 * 5 * 16, agree
     eng_c = Engine(gpu_ckpt, device="cpu", engine_config=EngineConfig(verbose=False))
     eng_g = Engine(gpu_ckpt, device="cuda", dtype="float32", engine_config=EngineConfig(verbose=False))
     a, b = eng_c.prompt_logits(prompts[0]), eng_g.prompt_logits(prompts[0]).cpu()
     assert (a - b).abs().max() < 1e-3
+    # greedy tokens from the GPU engine (decode graphs, Triton kernels): wherever the CPU reference is not at a
+    # near-tie, the CPU's argmax on the GPU's own sequence is the GPU's token
+    gpu = LLM(gpu_ckpt, device="cuda", dtype="float32", verbose=False, max_num_seqs=8).generate(
+        prompts, params, use_tqdm=False)
+    checked = 0
+    for p, out in zip(prompts, gpu):
+        ref = eng_c.prompt_logits(p + out.token_ids[:-1])[len(p) - 1:]
+        top2 = ref.topk(2, -1).values
+        clear = (top2[:, 0] - top2[:, 1]) > 1e-3
+        assert torch.equal(ref.argmax(-1)[clear], torch.tensor(out.token_ids)[clear])
+        checked += int(clear.sum())
+    assert checked >= 0.9 * 5 * 16
     bf = Engine(gpu_ckpt, device="cuda", dtype="bfloat16", engine_config=EngineConfig(verbose=False))
     c = bf.prompt_logits(prompts[0]).cpu()
     assert (a - c).norm() / a.norm() < 5e-2
