@@ -1,0 +1,61 @@
+"""Where a decode / verify step's GPU time goes: eager steps of bench-6b under the torch profiler, kernel time
+summed by kernel name. Usage: python tools/profile_step.py [--bs 1] [--spec] [--out DIR]"""
+
+import argparse
+import json
+import os
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from hylo.bench import bench_config, build_model, fake_prefill
+from hylo.config import EngineConfig
+from hylo.engine.engine import Engine
+from hylo.spec.setup import SpecSetup
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--bs", type=int, nargs="+", default=[1, 64])
+    ap.add_argument("--out", default=".")
+    args = ap.parse_args()
+    lm = build_model(bench_config("bench-6b"), torch.device("cuda"))
+    report = {}
+    for spec in (False, True):
+        kw = dict(speculative="mtp", num_speculative_tokens=3, simulate_accept_length=3.0) if spec else {}
+        ec = EngineConfig(max_num_seqs=max(args.bs), kv_cache_tokens=max(args.bs) * 1200, cuda_graphs=False,
+                          max_model_len=1100, verbose=False, **kw)
+        eng = Engine(lm, device="cuda", dtype="bfloat16", engine_config=ec,
+                     spec_setup=SpecSetup("mtp") if spec else None)
+        for bs in args.bs:
+            rids = fake_prefill(eng, bs, 1024)
+            for _ in range(3):
+                eng.step()
+            torch.cuda.synchronize()
+            steps = 5
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(steps):
+                    eng.step()
+                torch.cuda.synchronize()
+            rows = []
+            for e in prof.key_averages():
+                if e.device_time_total > 0:
+                    rows.append((e.key, e.device_time_total / steps / 1e3, e.count / steps))
+            rows.sort(key=lambda r: -r[1])
+            total = sum(r[1] for r in rows)
+            name = f"{'spec' if spec else 'decode'}_bs{bs}"
+            report[name] = {"total_gpu_ms": total, "kernels": rows[:40],
+                            "launches": sum(r[2] for r in rows)}
+            print(f"== {name}: {total:.2f} ms GPU per step, {sum(r[2] for r in rows):.0f} kernels per step")
+            for k, ms, n in rows[:22]:
+                print(f"  {ms:8.3f} ms  {n:6.0f}x  {k[:90]}")
+            for rid in rids:
+                eng.abort(rid)
+        del eng
+        torch.cuda.empty_cache()
+    with open(os.path.join(args.out, "profile_step.json"), "w") as f:
+        json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
