@@ -9,12 +9,13 @@ import torch
 
 # Two shapes that differ in everything the loader and the layers must get right: layer pattern, key/value head
 # ratios, head sizes that are not powers of two, partial rotary factor, dense layers among MoE layers, biases,
-# tied embeddings, conv kernel size, top-k normalisation.
+# tied embeddings, conv kernel size, top-k normalisation, a shared expert of the routed size (folded in as one
+# more expert) and one of another size.
 CONFIGS = {
     "a": dict(vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
               num_key_value_heads=2, head_dim=24, linear_conv_kernel_dim=4, linear_key_head_dim=16,
               linear_value_head_dim=20, linear_num_key_heads=2, linear_num_value_heads=4, moe_intermediate_size=32,
-              shared_expert_intermediate_size=40, num_experts=8, num_experts_per_tok=2, mlp_only_layers=[1],
+              shared_expert_intermediate_size=32, num_experts=8, num_experts_per_tok=2, mlp_only_layers=[1],
               initializer_range=0.05),
     "b": dict(vocab_size=96, hidden_size=48, intermediate_size=72, num_hidden_layers=5, num_attention_heads=6,
               num_key_value_heads=3, head_dim=20, linear_conv_kernel_dim=3, linear_key_head_dim=12,

@@ -45,10 +45,15 @@ def test_sharded_checkpoint_loads_the_same(tmp_path, ckpt_a):
     assert torch.equal(e1.prompt_logits(prompt), e2.prompt_logits(prompt))
 
 
-def test_bfloat16_runs_close_to_float32(ckpt_a):
+def test_bfloat16_error_is_no_worse_than_hf(ckpt_a):
+    """bfloat16 rounding changes the logits; ours should change them about as much as transformers' own does."""
     prompt = random_prompts(vocab_of(ckpt_a), [30], seed=4)[0]
     f32 = Engine(ckpt_a, device="cpu", dtype="float32", engine_config=EngineConfig(verbose=False))
     bf16 = Engine(ckpt_a, device="cpu", dtype="bfloat16", engine_config=EngineConfig(verbose=False))
     a, b = f32.prompt_logits(prompt), bf16.prompt_logits(prompt)
-    rel = (a - b).norm() / a.norm()
-    assert rel < 5e-2
+    ours = ((a - b).norm() / a.norm()).item()
+    with torch.no_grad():
+        hf32 = load_hf(ckpt_a)(torch.tensor([prompt])).logits[0]
+        hf16 = load_hf(ckpt_a).to(torch.bfloat16)(torch.tensor([prompt])).logits[0].float()
+    theirs = ((hf32 - hf16).norm() / hf32.norm()).item()
+    assert ours < 2 * theirs + 1e-2, (ours, theirs)

@@ -14,6 +14,7 @@ from ..config import ModelConfig
 from ..core import ForwardBatch
 from .weights import TensorReader, copy_into
 from ..ops.norm import rms_norm
+from ..ops.triton_utils import use_triton
 from .rotary import RotaryEmbedding
 
 
@@ -41,10 +42,17 @@ class GatedAttention(nn.Module):
         num_tokens = x.shape[0]
         proj = F.linear(x, self.qkv_proj, self.qkv_bias)
         q, gate, k, v = proj.split([self.q_size, self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = rms_norm(q.reshape(num_tokens, self.num_heads, self.head_dim), self.q_norm, self.eps)
-        k = rms_norm(k.reshape(num_tokens, self.num_kv_heads, self.head_dim), self.k_norm, self.eps)
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(batch.positions, q, k)
+        if use_triton(proj):  # norms and rotary in one kernel, straight from the projection
+            from ..ops.norm_triton import qk_norm_rope
+
+            q, k = qk_norm_rope(proj, batch.positions, self.q_norm, self.k_norm, self.num_heads, self.num_kv_heads,
+                                self.head_dim, self.rotary.rotary_dim, self.rotary.inv_freq, self.eps,
+                                2 * self.q_size)
+        else:
+            q = rms_norm(q.reshape(num_tokens, self.num_heads, self.head_dim), self.q_norm, self.eps)
+            k = rms_norm(k.reshape(num_tokens, self.num_kv_heads, self.head_dim), self.k_norm, self.eps)
+            q, k = self.rotary(batch.positions, q, k)
         out = backend.attention(self.layer_id, q, k, v, batch, self.scaling)  # [T, H, D]
         out = out.reshape(num_tokens, self.q_size) * torch.sigmoid(gate)
         return F.linear(out, self.o_proj, self.o_bias)

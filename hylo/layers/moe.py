@@ -12,7 +12,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from .weights import TensorReader, copy_into
-from ..ops.moe import fused_moe, route_topk
+from ..ops.moe import fused_moe, route
 
 
 def _load_gate_up(r: TensorReader, prefix: str, inter: int, hidden: int) -> torch.Tensor:
@@ -38,32 +38,50 @@ class MLP(nn.Module):
 
 
 class SparseMoE(nn.Module):
+    """Routed experts plus a sigmoid-gated shared expert.
+
+    When the shared expert has the routed experts' size (Qwen3-Next's does), it is folded in as expert ``E``: its
+    weights are the last rows of ``w13``/``w2``, its gate is the last row of ``router``, and every token routes to
+    it as one more pair with weight sigmoid(gate). The whole block is then one router matmul, one routing kernel and
+    the two expert kernels.
+    """
+
     def __init__(self, mc: ModelConfig, dtype: torch.dtype, device=None):
         super().__init__()
         self.hidden, self.inter = mc.hidden_size, mc.moe_intermediate_size
         self.num_experts, self.top_k, self.norm_topk = mc.num_experts, mc.num_experts_per_tok, mc.norm_topk_prob
+        shared_inter = mc.shared_expert_intermediate_size
+        self.fold_shared = shared_inter == self.inter
         kw = dict(dtype=dtype, device=device)
-        self.router = nn.Parameter(torch.empty(self.num_experts, self.hidden, **kw), requires_grad=False)
-        self.w13 = nn.Parameter(torch.empty(self.num_experts, 2 * self.inter, self.hidden, **kw), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(self.num_experts, self.hidden, self.inter, **kw), requires_grad=False)
-        self.shared = (MLP(self.hidden, mc.shared_expert_intermediate_size, dtype, device)
-                       if mc.shared_expert_intermediate_size > 0 else None)
+        n = self.num_experts + int(self.fold_shared)
+        self.router = nn.Parameter(torch.empty(n, self.hidden, **kw), requires_grad=False)
+        self.w13 = nn.Parameter(torch.empty(n, 2 * self.inter, self.hidden, **kw), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(n, self.hidden, self.inter, **kw), requires_grad=False)
+        self.shared = (MLP(self.hidden, shared_inter, dtype, device)
+                       if shared_inter > 0 and not self.fold_shared else None)
         self.shared_gate = (nn.Parameter(torch.empty(1, self.hidden, **kw), requires_grad=False)
                             if self.shared is not None else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = route_topk(F.linear(x, self.router), self.top_k, self.norm_topk)
+        weights, ids = route(F.linear(x, self.router), self.num_experts, self.top_k, self.norm_topk,
+                             self.fold_shared)
         out = fused_moe(x, self.w13, self.w2, weights, ids)
         if self.shared is not None:
             out = out + torch.sigmoid(F.linear(x, self.shared_gate)) * self.shared(x)
         return out
 
     def load(self, r: TensorReader, prefix: str) -> None:
-        copy_into(self.router, r.get(f"{prefix}.gate.weight", (self.num_experts, self.hidden)))
-        for e in range(self.num_experts):
+        E, H = self.num_experts, self.hidden
+        copy_into(self.router[:E], r.get(f"{prefix}.gate.weight", (E, H)))
+        for e in range(E):
             ep = f"{prefix}.experts.{e}"
-            copy_into(self.w13[e], _load_gate_up(r, ep, self.inter, self.hidden))
-            copy_into(self.w2[e], r.get(f"{ep}.down_proj.weight", (self.hidden, self.inter)))
-        if self.shared is not None:
-            self.shared.load(r, f"{prefix}.shared_expert")
-            copy_into(self.shared_gate, r.get(f"{prefix}.shared_expert_gate.weight", (1, self.hidden)))
+            copy_into(self.w13[e], _load_gate_up(r, ep, self.inter, H))
+            copy_into(self.w2[e], r.get(f"{ep}.down_proj.weight", (H, self.inter)))
+        sp = f"{prefix}.shared_expert"
+        if self.fold_shared:
+            copy_into(self.w13[E], _load_gate_up(r, sp, self.inter, H))
+            copy_into(self.w2[E], r.get(f"{sp}.down_proj.weight", (H, self.inter)))
+            copy_into(self.router[E:], r.get(f"{prefix}.shared_expert_gate.weight", (1, H)))
+        elif self.shared is not None:
+            self.shared.load(r, sp)
+            copy_into(self.shared_gate, r.get(f"{prefix}.shared_expert_gate.weight", (1, H)))

@@ -55,7 +55,7 @@ def _gdn_steps_kernel(
         delta = (v - kv) * beta
         state = state + k[:, None] * delta[None, :]
         o = tl.sum(state * q[:, None], axis=0)
-        tl.store(out_ptr + tok * (HV * DV) + h * DV + offs_v, o, mask=mv)
+        tl.store(out_ptr + tok * (HV * DV) + h * DV + offs_v, o.to(out_ptr.dtype.element_ty), mask=mv)
         if VERIFY:
             tl.store(verify_ptr + row * stride_vrow + s * stride_vstep + state_off,
                      state.to(verify_ptr.dtype.element_ty), mask=m2)
@@ -68,12 +68,13 @@ def gdn_steps(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Te
               pool: torch.Tensor, slots: torch.Tensor, num_k_heads: int, head_k_dim: int, head_v_dim: int,
               steps: int = 1, verify: torch.Tensor | None = None) -> torch.Tensor:
     """x: [B * steps, conv_dim] (conv output: q | k | v); a, b: [B * steps, Hv]; pool: [slots, Hv, Dk, Dv] (one
-    layer); verify: [max_B, steps, Hv, Dk, Dv] (one layer) or None for decode. Returns o [B * steps, Hv, Dv] fp32.
+    layer); verify: [max_B, steps, Hv, Dk, Dv] (one layer) or None for decode. Returns o [B * steps, Hv, Dv] in x's
+    dtype (the layer casts to it next anyway).
     """
     num_tokens = x.shape[0]
     hv = a.shape[-1]
     batch = num_tokens // steps
-    out = torch.empty(num_tokens, hv, head_v_dim, dtype=torch.float32, device=x.device)
+    out = torch.empty(num_tokens, hv, head_v_dim, dtype=x.dtype, device=x.device)
     if batch == 0:
         return out
     bk, bv = next_pow2(head_k_dim), min(next_pow2(head_v_dim), 32)
@@ -88,3 +89,31 @@ def gdn_steps(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Te
         num_warps=4,
     )
     return out
+
+
+@triton.jit
+def _commit_kernel(src_ptr, dst_ptr, slots_ptr, acc_ptr, s_layer, s_row, s_step, d_layer, d_slot, N,
+                   BLOCK: tl.constexpr):
+    layer = tl.program_id(0)
+    row = tl.program_id(1)
+    slot = tl.load(slots_ptr + row)
+    a = tl.load(acc_ptr + row)
+    offs = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
+    m = (offs < N) & (slot >= 0)
+    safe = tl.where(slot >= 0, slot, 0)
+    v = tl.load(src_ptr + layer * s_layer + row * s_row + a * s_step + offs, mask=m)
+    tl.store(dst_ptr + layer * d_layer + safe * d_slot + offs, v.to(dst_ptr.dtype.element_ty), mask=m)
+
+
+def commit_checkpoints(src: torch.Tensor, dst: torch.Tensor, slots: torch.Tensor, accepted: torch.Tensor) -> None:
+    """dst[:, slots[b]] = src[:, b, accepted[b]] for every row b with slot >= 0, one pass over the bytes.
+
+    src: [L, max_B, S, ...] verify checkpoints; dst: [L, num_slots, ...] the pool (same trailing shape)."""
+    layers, batch = src.shape[0], slots.shape[0]
+    n = src[0, 0, 0].numel()
+    if batch == 0:
+        return
+    block = 4096
+    _commit_kernel[(layers, batch, triton.cdiv(n, block))](
+        src, dst, slots, accepted, src.stride(0), src.stride(1), src.stride(2), dst.stride(0), dst.stride(1), n,
+        BLOCK=block, num_warps=4)

@@ -11,6 +11,22 @@ import torch.nn.functional as F
 from .triton_utils import use_triton
 
 
+def route(router_logits: torch.Tensor, num_experts: int, top_k: int, normalize: bool, shared: bool):
+    """Routing of every token: its top-k experts and their weights; with ``shared``, the logits carry one more
+    column, the shared expert's gate, and the shared expert (id ``num_experts``) is appended as one more pair with
+    weight sigmoid(gate). Returns (weights [T, k (+1)], ids [T, k (+1)])."""
+    if use_triton(router_logits):
+        from .moe_triton import route as route_triton
+
+        return route_triton(router_logits, num_experts, top_k, normalize, shared)
+    weights, ids = route_topk(router_logits[:, :num_experts], top_k, normalize)
+    if shared:
+        gate = torch.sigmoid(router_logits[:, num_experts:])
+        weights = torch.cat([weights, gate], dim=1)
+        ids = torch.cat([ids, torch.full_like(ids[:, :1], num_experts)], dim=1)
+    return weights, ids
+
+
 def route_topk(router_logits: torch.Tensor, top_k: int, normalize: bool):
     """Softmax over experts in float32, top-k, optional renormalisation. Returns (weights in the logits' dtype,
     expert ids [T, k])."""

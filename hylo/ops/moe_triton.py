@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_utils import next_pow2
+
 PAIR_GEMV_MAX_PAIRS = 64
 
 
@@ -31,7 +33,7 @@ def _pair_gate_up_kernel(x_ptr, w13_ptr, ids_ptr, act_ptr, H: tl.constexpr, I: t
     w_base = w13_ptr + e * (2 * I * H)
     acc_g = tl.zeros([BN], dtype=tl.float32)
     acc_u = tl.zeros([BN], dtype=tl.float32)
-    for k0 in range(0, H, BK):
+    for k0 in tl.static_range(0, H, BK):
         offs_k = k0 + tl.arange(0, BK)
         mk = offs_k < H
         x = tl.load(x_ptr + tok * H + offs_k, mask=mk, other=0.0).to(tl.float32)
@@ -46,22 +48,26 @@ def _pair_gate_up_kernel(x_ptr, w13_ptr, ids_ptr, act_ptr, H: tl.constexpr, I: t
 
 @triton.jit
 def _pair_down_kernel(act_ptr, w2_ptr, ids_ptr, wts_ptr, out_ptr, H: tl.constexpr, I: tl.constexpr,
-                      BN: tl.constexpr, BK: tl.constexpr):
-    pair = tl.program_id(0)
+                      TOP_K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """One program per (token, block of outputs): the weighted sum over the token's pairs, written once."""
+    tok = tl.program_id(0)
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
     mn = offs_n < H
-    e = tl.load(ids_ptr + pair).to(tl.int64)
-    w_base = w2_ptr + e * (H * I)
     acc = tl.zeros([BN], dtype=tl.float32)
-    for k0 in range(0, I, BK):
-        offs_k = k0 + tl.arange(0, BK)
-        mk = offs_k < I
-        a = tl.load(act_ptr + pair * I + offs_k, mask=mk, other=0.0).to(tl.float32)
-        w = tl.load(w_base + offs_n[:, None] * I + offs_k[None, :], mask=mn[:, None] & mk[None, :],
-                    other=0.0).to(tl.float32)
-        acc += tl.sum(w * a[None, :], 1)
-    acc = acc * tl.load(wts_ptr + pair).to(tl.float32)
-    tl.store(out_ptr + pair * H + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mn)
+    for j in tl.static_range(TOP_K):
+        pair = tok * TOP_K + j
+        e = tl.load(ids_ptr + pair).to(tl.int64)
+        w_base = w2_ptr + e * (H * I)
+        part = tl.zeros([BN], dtype=tl.float32)
+        for k0 in tl.static_range(0, I, BK):
+            offs_k = k0 + tl.arange(0, BK)
+            mk = offs_k < I
+            a = tl.load(act_ptr + pair * I + offs_k, mask=mk, other=0.0).to(tl.float32)
+            w = tl.load(w_base + offs_n[:, None] * I + offs_k[None, :], mask=mn[:, None] & mk[None, :],
+                        other=0.0).to(tl.float32)
+            part += tl.sum(w * a[None, :], 1)
+        acc += part * tl.load(wts_ptr + pair).to(tl.float32)
+    tl.store(out_ptr + tok * H + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mn)
 
 
 # ---- many pairs: grouped GEMM over expert-sorted blocks --------------------------------------------------------
@@ -136,13 +142,13 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     padded = (counts + block_m - 1) // block_m * block_m
     ends = padded.cumsum(0)
     starts = ends - padded
-    order = flat.argsort(stable=True)
-    sorted_e = flat[order]
-    first = counts.cumsum(0) - counts
-    rank = torch.arange(num_pairs, device=dev) - first[sorted_e]
+    # rank of each pair among the pairs of its expert, by a running count (no sort: one small cumsum)
+    onehot = torch.zeros(num_pairs, num_experts, dtype=torch.int32, device=dev).scatter_(
+        1, flat[:, None], 1)
+    rank = onehot.cumsum(0, dtype=torch.int32).gather(1, flat[:, None])[:, 0].long() - 1
     num_blocks = triton.cdiv(num_pairs + num_experts * (block_m - 1), block_m)
     sorted_pairs = torch.full((num_blocks * block_m,), num_pairs, dtype=torch.int64, device=dev)
-    sorted_pairs[starts[sorted_e] + rank] = order
+    sorted_pairs[starts[flat] + rank] = torch.arange(num_pairs, device=dev)
     block_start = torch.arange(num_blocks, device=dev) * block_m
     block_expert = torch.searchsorted(ends, block_start, right=True)
     block_expert = torch.where(block_start < ends[-1], block_expert, torch.full_like(block_expert, -1))
@@ -160,25 +166,72 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     ids = topk_ids.reshape(-1).contiguous()
     wts = topk_weights.reshape(-1).contiguous()
     act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
-    out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     if num_pairs == 0:
         return torch.zeros_like(x)
     if num_pairs <= PAIR_GEMV_MAX_PAIRS:
-        bn, bk = 32, 128
+        # small row blocks: enough programs in flight to keep the memory system busy at batch 1
+        bn, bk = 8, 256
         _pair_gate_up_kernel[(num_pairs, triton.cdiv(inter, bn))](x, w13, ids, act, hidden, inter, TOP_K=top_k,
-                                                                  BN=bn, BK=bk, num_warps=4)
-        _pair_down_kernel[(num_pairs, triton.cdiv(hidden, bn))](act, w2, ids, wts, out, hidden, inter, BN=bn, BK=bk,
-                                                                num_warps=4)
+                                                                  BN=bn, BK=bk, num_warps=2)
+        out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
+        _pair_down_kernel[(num_tokens, triton.cdiv(hidden, bn))](act, w2, ids, wts, out, hidden, inter,
+                                                                 TOP_K=top_k, BN=bn, BK=min(bk, next_pow2(inter)),
+                                                                 num_warps=2)
+        return out
     else:
-        bm = 64 if num_pairs >= 64 * num_experts else 16
+        big = num_pairs >= 64 * num_experts  # prefill-sized: tensor-core tiles; else decode-sized blocks
+        bm, bn, bk, warps, stages = (64, 128, 64, 8, 3) if big else (16, 64, 64, 4, 3)
         prec = "ieee" if x.dtype == torch.float32 else "tf32"
-        bn, bk = 64, 64
         sorted_pairs, block_expert = align_pairs(ids, num_experts, bm)
+        out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
         grid_blocks = block_expert.shape[0]
         _grouped_gate_up_kernel[(grid_blocks, triton.cdiv(inter, bn))](
             x, w13, sorted_pairs, block_expert, act, hidden, inter, num_pairs, TOP_K=top_k, BM=bm, BN=bn, BK=bk,
-            PREC=prec, num_warps=4)
+            PREC=prec, num_warps=warps, num_stages=stages)
         _grouped_down_kernel[(grid_blocks, triton.cdiv(hidden, bn))](
             act, w2, sorted_pairs, block_expert, wts, out, hidden, inter, num_pairs, BM=bm, BN=bn, BK=bk,
-            PREC=prec, num_warps=4)
+            PREC=prec, num_warps=warps, num_stages=stages)
     return out.view(num_tokens, top_k, hidden).sum(1)
+
+
+# ---- routing ---------------------------------------------------------------------------------------------------
+@triton.jit
+def _route_kernel(logits_ptr, w_ptr, ids_ptr, stride_l, E: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
+                  BE: tl.constexpr, NORM: tl.constexpr, SHARED: tl.constexpr):
+    """Softmax over E experts, top-K, optional renormalisation; with SHARED, the shared expert (id E) as pair K
+    with weight sigmoid(logit E). One program per token; two identical argmax passes (the first for the sum)."""
+    t = tl.program_id(0)
+    offs = tl.arange(0, BE)
+    m = offs < E
+    x = tl.load(logits_ptr + t * stride_l + offs, mask=m, other=float("-inf")).to(tl.float32)
+    p = tl.exp(x - tl.max(x, 0))
+    p = p / tl.sum(p, 0)
+    p = tl.where(m, p, -1.0)
+    total = 0.0
+    q = p
+    for j in tl.static_range(K):
+        total += tl.max(q, 0)
+        q = tl.where(offs == tl.argmax(q, 0), -1.0, q)
+    scale = 1.0 / total if NORM else 1.0
+    for j in tl.static_range(K):
+        idx = tl.argmax(p, 0)
+        tl.store(ids_ptr + t * KP + j, idx.to(tl.int64))
+        tl.store(w_ptr + t * KP + j, (tl.max(p, 0) * scale).to(w_ptr.dtype.element_ty))
+        p = tl.where(offs == idx, -1.0, p)
+    if SHARED:
+        g = tl.load(logits_ptr + t * stride_l + E).to(tl.float32)
+        tl.store(ids_ptr + t * KP + K, E)
+        tl.store(w_ptr + t * KP + K, (1.0 / (1.0 + tl.exp(-g))).to(w_ptr.dtype.element_ty))
+
+
+def route(logits: torch.Tensor, num_experts: int, top_k: int, normalize: bool, shared: bool):
+    """logits: [T, E (+1 shared-gate column)]. Returns (weights [T, k (+1)] in logits' dtype, ids int64)."""
+    tokens = logits.shape[0]
+    kp = top_k + int(shared)
+    w = torch.empty(tokens, kp, dtype=logits.dtype, device=logits.device)
+    ids = torch.empty(tokens, kp, dtype=torch.int64, device=logits.device)
+    if tokens:
+        _route_kernel[(tokens,)](logits, w, ids, logits.stride(0), E=num_experts, K=top_k, KP=kp,
+                                 BE=max(16, 1 << (num_experts - 1).bit_length()), NORM=normalize, SHARED=shared,
+                                 num_warps=1)
+    return w, ids

@@ -12,7 +12,8 @@ from .triton_utils import next_pow2
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, res_out_ptr, y_ptr, gate_ptr, N: tl.constexpr, eps,
-                     ADD: tl.constexpr, GATED: tl.constexpr, BN: tl.constexpr):
+                     ADD: tl.constexpr, GATED: tl.constexpr, BN: tl.constexpr, GATE_ROWS: tl.constexpr = 1,
+                     gate_stride=0):
     row = tl.program_id(0)
     offs = tl.arange(0, BN)
     m = offs < N
@@ -27,7 +28,9 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, res_out_ptr, y_ptr, gate_ptr, N: tl.co
         # reference order: normalise in float32, cast, scale by w in the input dtype, gate in float32
         y = (x * inv).to(y_ptr.dtype.element_ty).to(tl.float32) * w
         y = y.to(y_ptr.dtype.element_ty).to(tl.float32)
-        gate = tl.load(gate_ptr + row * N + offs, mask=m, other=0.0).to(tl.float32)
+        # the gate is a strided view: row r is head r % GATE_ROWS of token r // GATE_ROWS
+        g_off = (row // GATE_ROWS) * gate_stride + (row % GATE_ROWS) * N
+        gate = tl.load(gate_ptr + g_off + offs, mask=m, other=0.0).to(tl.float32)
         y = y * (gate / (1.0 + tl.exp(-gate)))
     else:
         y = x * inv * (1.0 + w)
@@ -60,10 +63,65 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
 
 
 def gated_rms_norm_triton(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x, gate: [..., rows_per_token, N]; the gate may be a view into a wider projection (read in place)."""
     x2, n = _rows(x.contiguous())
-    g2, _ = _rows(gate.contiguous())
+    if gate.dim() == 3 and gate.stride(-1) == 1 and gate.stride(-2) == n:
+        g2, per_token, g_stride = gate, gate.shape[-2], gate.stride(0)
+    else:
+        g2, per_token, g_stride = gate.reshape(-1, n).contiguous(), 1, n
     y = torch.empty_like(x2)
     if x2.shape[0]:
         _rms_norm_kernel[(x2.shape[0],)](x2, x2, weight, x2, y, g2, n, eps, ADD=False, GATED=True,
-                                         BN=next_pow2(n), num_warps=4)
+                                         BN=next_pow2(n), GATE_ROWS=per_token, gate_stride=g_stride, num_warps=4)
     return y.view(x.shape)
+
+
+@triton.jit
+def _qk_norm_rope_kernel(proj_ptr, pos_ptr, qw_ptr, kw_ptr, inv_freq_ptr, q_ptr, k_ptr, stride_p, eps,
+                         H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BD: tl.constexpr,
+                         K_OFF: tl.constexpr):
+    """Per (token, head): zero-centred RMSNorm of the head (q_norm or k_norm), then rotary on its first R channels
+    (rotate-half layout), reading q and k straight out of the fused projection."""
+    tok = tl.program_id(0)
+    head = tl.program_id(1)
+    is_q = head < H
+    col = tl.where(is_q, head * D, K_OFF + (head - H) * D)
+    offs = tl.arange(0, BD)
+    md = offs < D
+    half: tl.constexpr = R // 2
+    partner = tl.where(offs < half, offs + half, offs - half)
+    row = proj_ptr + tok * stride_p + col
+    x = tl.load(row + offs, mask=md, other=0.0).to(tl.float32)
+    xp = tl.load(row + partner, mask=md & (offs < R), other=0.0).to(tl.float32)
+    inv = tl.rsqrt(tl.sum(x * x, 0) / D + eps)
+    w = tl.where(is_q, tl.load(qw_ptr + offs, mask=md, other=0.0), tl.load(kw_ptr + offs, mask=md, other=0.0))
+    wp = tl.where(is_q, tl.load(qw_ptr + partner, mask=md & (offs < R), other=0.0),
+                  tl.load(kw_ptr + partner, mask=md & (offs < R), other=0.0))
+    # the normed values, rounded to the output dtype as the unfused path does before rotating
+    y = (x * inv * (1.0 + w.to(tl.float32))).to(q_ptr.dtype.element_ty).to(tl.float32)
+    yp = (xp * inv * (1.0 + wp.to(tl.float32))).to(q_ptr.dtype.element_ty).to(tl.float32)
+    pos = tl.load(pos_ptr + tok).to(tl.float32)
+    i = tl.where(offs < half, offs, offs - half)
+    freq = pos * tl.load(inv_freq_ptr + i, mask=offs < R, other=0.0)
+    c, s = tl.cos(freq), tl.sin(freq)
+    rot = tl.where(offs < half, y * c - yp * s, y * c + yp * s)
+    out = tl.where(offs < R, rot, y)
+    if is_q:
+        tl.store(q_ptr + (tok * H + head) * D + offs, out.to(q_ptr.dtype.element_ty), mask=md)
+    else:
+        tl.store(k_ptr + (tok * KVH + head - H) * D + offs, out.to(k_ptr.dtype.element_ty), mask=md)
+
+
+def qk_norm_rope(proj: torch.Tensor, positions: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor,
+                 heads: int, kv_heads: int, dim: int, rotary_dim: int, inv_freq: torch.Tensor, eps: float,
+                 k_offset: int):
+    """proj: [T, W] fused projection with q at column 0 and k at ``k_offset``; inv_freq: [rotary_dim / 2] float32.
+    Returns q [T, H, D], k [T, KVH, D]."""
+    tokens = proj.shape[0]
+    q = torch.empty(tokens, heads, dim, dtype=proj.dtype, device=proj.device)
+    k = torch.empty(tokens, kv_heads, dim, dtype=proj.dtype, device=proj.device)
+    if tokens:
+        _qk_norm_rope_kernel[(tokens, heads + kv_heads)](
+            proj, positions, q_norm, k_norm, inv_freq, q, k, proj.stride(0), eps, H=heads, KVH=kv_heads,
+            D=dim, R=rotary_dim, BD=next_pow2(dim), K_OFF=k_offset, num_warps=2)
+    return q, k

@@ -11,6 +11,7 @@ import torch
 
 from ..cache.state_pool import StatePool
 from ..ops.sampling import uniform_noise
+from ..ops.triton_utils import use_triton
 
 STREAM_ACCEPT = 1  # noise streams (see ops/sampling.uniform_noise): acceptance tests
 STREAM_RESAMPLE = 3  # the correction / bonus draw
@@ -63,6 +64,12 @@ def rejection_accept(drafts: torch.Tensor, draft_probs: torch.Tensor | None, tar
 def commit_states(pool: StatePool, state_slots: torch.Tensor, accepted: torch.Tensor) -> None:
     """Copy each row's verify checkpoint after its last accepted token (``verify[row, a]``) into its state slot.
     Rows with state slot -1 write nothing."""
+    if use_triton(state_slots):
+        from ..ops.gdn_triton import commit_checkpoints
+
+        commit_checkpoints(pool.verify_conv, pool.conv, state_slots, accepted)
+        commit_checkpoints(pool.verify_recurrent, pool.recurrent, state_slots, accepted)
+        return
     rows = torch.arange(state_slots.shape[0], device=state_slots.device)
     valid = state_slots >= 0
     idx = state_slots.clamp(min=0)

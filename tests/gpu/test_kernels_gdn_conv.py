@@ -77,3 +77,25 @@ def test_conv_steps_matches_reference(dev, channels, kernel, batch, steps, dtype
         assert torch.equal(dpool.cpu(), pool)
         assert torch.allclose(verify.cpu().float(), rstates, atol=tol)
     assert torch.allclose(out.cpu().float().view(batch, steps, channels), ro.float(), atol=tol * 10, rtol=tol * 10)
+
+
+def test_commit_copies_the_accepted_checkpoint(dev):
+    from hylo.cache.state_pool import StatePool
+    from hylo.spec import verify
+
+    pool = StatePool(3, 6, 10, 4, 2, 4, 5, torch.float32, torch.float32, torch.device("cpu"))
+    pool.alloc_verify_buffers(4, 3)
+    for t in (pool.conv, pool.recurrent, pool.verify_conv, pool.verify_recurrent):
+        t.copy_(torch.randn(t.shape))
+    slots, accepted = torch.tensor([5, -1, 2, 3]), torch.tensor([2, 1, 0, 1])
+    ref = StatePool(3, 6, 10, 4, 2, 4, 5, torch.float32, torch.float32, torch.device("cpu"))
+    ref.alloc_verify_buffers(4, 3)
+    for a, b in zip((ref.conv, ref.recurrent, ref.verify_conv, ref.verify_recurrent),
+                    (pool.conv, pool.recurrent, pool.verify_conv, pool.verify_recurrent)):
+        a.copy_(b)
+    verify.commit_states(ref, slots, accepted)  # torch path (CPU tensors)
+    for name in ("conv", "recurrent", "verify_conv", "verify_recurrent"):
+        setattr(pool, name, getattr(pool, name).to(dev))
+    verify.commit_states(pool, slots.to(dev), accepted.to(dev))  # Triton path
+    assert torch.equal(pool.conv.cpu(), ref.conv) and torch.equal(pool.recurrent.cpu(), ref.recurrent)
+    assert torch.equal(ref.recurrent[:, 5], ref.verify_recurrent[:, 0, 2])

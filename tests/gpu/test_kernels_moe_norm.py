@@ -57,3 +57,53 @@ def test_norm_kernels_match_reference(dev, rows, dim):
     assert torch.allclose(y.cpu(), rms_norm(ref_res, wv, 1e-6), atol=1e-5)
     assert torch.allclose(gated_rms_norm_triton(x.to(dev), z.to(dev), wv.to(dev), 1e-6).cpu(),
                           gated_rms_norm(x, z, wv, 1e-6), atol=1e-5)
+
+
+@pytest.mark.parametrize("tokens,experts,top_k,normalize,shared", [(1, 64, 10, True, True), (7, 8, 2, False, False),
+                                                                   (33, 16, 3, True, False)])
+def test_routing_kernel_matches_reference(dev, tokens, experts, top_k, normalize, shared):
+    from hylo.ops.moe import route_topk
+    from hylo.ops.moe_triton import route
+
+    g = torch.Generator().manual_seed(6)
+    logits = torch.randn(tokens, experts + int(shared), generator=g)
+    w, ids = route(logits.to(dev), experts, top_k, normalize, shared)
+    rw, rids = route_topk(logits[:, :experts], top_k, normalize)
+    assert torch.equal(ids[:, :top_k].cpu(), rids)
+    assert torch.allclose(w[:, :top_k].cpu(), rw, atol=1e-6)
+    if shared:
+        assert (ids[:, top_k] == experts).all()
+        assert torch.allclose(w[:, top_k].cpu(), torch.sigmoid(logits[:, experts]), atol=1e-6)
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim,rot", [(4, 2, 24, 6), (16, 2, 256, 64), (6, 3, 20, 10)])
+def test_qk_norm_rope_matches_reference(dev, heads, kv_heads, dim, rot):
+    from hylo.layers.rotary import RotaryEmbedding
+    from hylo.ops.norm_triton import qk_norm_rope
+
+    g = torch.Generator().manual_seed(7)
+    tokens = 5
+    width = 2 * heads * dim + 2 * kv_heads * dim
+    proj = torch.randn(tokens, width, generator=g)
+    qw, kw = torch.randn(dim, generator=g) * 0.1, torch.randn(dim, generator=g) * 0.1
+    pos = torch.tensor([0, 3, 17, 1000, 5])
+    q_ref = rms_norm(proj[:, :heads * dim].reshape(tokens, heads, dim), qw, 1e-6)
+    k_off = 2 * heads * dim
+    k_ref = rms_norm(proj[:, k_off:k_off + kv_heads * dim].reshape(tokens, kv_heads, dim), kw, 1e-6)
+    rope = RotaryEmbedding(rot, 10000.0)
+    q_ref, k_ref = rope(pos, q_ref, k_ref)
+    q, k = qk_norm_rope(proj.to(dev), pos.to(dev), qw.to(dev), kw.to(dev), heads, kv_heads, dim, rot,
+                        rope.inv_freq.to(dev), 1e-6, k_off)
+    assert torch.allclose(q.cpu(), q_ref, atol=1e-4) and torch.allclose(k.cpu(), k_ref, atol=1e-4)
+
+
+def test_gated_norm_reads_a_strided_gate(dev):
+    from hylo.ops.norm_triton import gated_rms_norm_triton
+
+    g = torch.Generator().manual_seed(8)
+    proj = torch.randn(3, 100, generator=g)
+    x = torch.randn(3, 4, 20, generator=g)
+    gate = proj[:, 10:90].reshape(3, 4, 20)  # a view with row stride 100
+    w = torch.randn(20, generator=g)
+    out = gated_rms_norm_triton(x.to(dev), proj.to(dev)[:, 10:90].reshape(3, 4, 20), w.to(dev), 1e-6)
+    assert torch.allclose(out.cpu(), gated_rms_norm(x, gate, w, 1e-6), atol=1e-5)
