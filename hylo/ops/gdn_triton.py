@@ -94,8 +94,8 @@ def gdn_steps(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Te
 @triton.jit
 def _commit_kernel(src_ptr, dst_ptr, slots_ptr, acc_ptr, s_layer, s_row, s_step, d_layer, d_slot, N,
                    BLOCK: tl.constexpr):
-    layer = tl.program_id(0)
-    row = tl.program_id(1)
+    layer = tl.program_id(0).to(tl.int64)  # layer * stride passes 2^31 on real pools
+    row = tl.program_id(1).to(tl.int64)
     slot = tl.load(slots_ptr + row)
     a = tl.load(acc_ptr + row)
     offs = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)

@@ -142,10 +142,11 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     padded = (counts + block_m - 1) // block_m * block_m
     ends = padded.cumsum(0)
     starts = ends - padded
-    # rank of each pair among the pairs of its expert, by a running count (no sort: one small cumsum)
-    onehot = torch.zeros(num_pairs, num_experts, dtype=torch.int32, device=dev).scatter_(
-        1, flat[:, None], 1)
-    rank = onehot.cumsum(0, dtype=torch.int32).gather(1, flat[:, None])[:, 0].long() - 1
+    # rank of each pair among the pairs of its expert, by a running count along the pairs (no sort). The scan runs
+    # over the last (contiguous) dimension: a scan over the first one is sequential per column, and made an
+    # 8192-token prefill 4x slower on the H200.
+    onehot = torch.zeros(num_experts, num_pairs, dtype=torch.int32, device=dev).scatter_(0, flat[None, :], 1)
+    rank = onehot.cumsum(1, dtype=torch.int32).gather(0, flat[None, :])[0].long() - 1
     num_blocks = triton.cdiv(num_pairs + num_experts * (block_m - 1), block_m)
     sorted_pairs = torch.full((num_blocks * block_m,), num_pairs, dtype=torch.int64, device=dev)
     sorted_pairs[starts[flat] + rank] = torch.arange(num_pairs, device=dev)
