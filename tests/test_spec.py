@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from hylo import LLM, SamplingParams
-from hylo.config import EngineConfig, ModelConfig
+from hylo.config import EngineConfig
 from hylo.engine.engine import Engine
 from hylo.spec.setup import SpecSetup
 
@@ -137,13 +137,12 @@ def _hf_mtp_reference(path, prompt, k):
                                                              tensors[f"{p}.{e}.up_proj.weight"]]) for e in range(E)])
     sd["mlp.experts.down_proj"] = torch.stack([tensors[f"{p}.{e}.down_proj.weight"] for e in range(E)])
     layer.load_state_dict(sd)
-    norm = lambda w, x: M.Qwen3NextRMSNorm(x.shape[-1], cfg.rms_norm_eps).requires_grad_(False).__setattr__(  # noqa
-        "weight", torch.nn.Parameter(w)) or None
+
     def rms(w, x):
         n = M.Qwen3NextRMSNorm(x.shape[-1], cfg.rms_norm_eps)
         n.weight = torch.nn.Parameter(w)
         return n(x)
-    del norm
+
     rotary = M.Qwen3NextRotaryEmbedding(cfg)
     with torch.no_grad():
         ids = torch.tensor([prompt])
