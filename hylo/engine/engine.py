@@ -64,7 +64,7 @@ class LoadedModel:
     is_random: bool
 
 
-def load_model(path: str | None, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+def load_model(path: str | None, dtype: torch.dtype, device: torch.device, progress: bool = False) -> LoadedModel:
     """A checkpoint directory, or the embedded default (random weights) when ``path`` is None."""
     if path is None:
         mc = default_model_config()
@@ -78,7 +78,7 @@ def load_model(path: str | None, dtype: torch.dtype, device: torch.device) -> Lo
         name, tokenizer, is_random = os.path.basename(os.path.normpath(path)), load_tokenizer(path), False
     with torch.device(device):
         model = Qwen3NextForCausalLM(mc, dtype, device)
-    model.load(reader)
+    model.load(reader, progress=progress and path is not None)
     model.eval()
     return LoadedModel(name, mc, model, reader, tokenizer, is_random)
 
@@ -95,7 +95,8 @@ class Engine:
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         t0 = time.perf_counter()
-        lm = model if isinstance(model, LoadedModel) else load_model(model, self.dtype, self.device)
+        lm = (model if isinstance(model, LoadedModel)
+              else load_model(model, self.dtype, self.device, progress=self.ec.verbose))
         self.model_name, self.model_config, self.model = lm.name, lm.config, lm.model
         self.tokenizer, self.is_random = lm.tokenizer, lm.is_random
         self.reader = lm.reader

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from tqdm.auto import tqdm
 
 from ..config import ModelConfig
 from ..core import ForwardBatch
@@ -71,12 +72,13 @@ class Qwen3NextForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.lm_head).float()
 
-    def load(self, r: TensorReader) -> None:
+    def load(self, r: TensorReader, progress: bool = False) -> None:
         mc = self.config
         shape = (mc.vocab_size, mc.hidden_size)
         copy_into(self.embed, r.get("model.embed_tokens.weight", shape))
         if not mc.tie_word_embeddings:
             copy_into(self.lm_head, r.get("lm_head.weight", shape))
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(tqdm(self.layers, desc="loading layers", unit="layer", leave=False,
+                                       disable=not progress)):
             layer.load(r, f"model.layers.{i}")
         copy_into(self.norm.weight, r.get("model.norm.weight", (mc.hidden_size,)))

@@ -1,0 +1,56 @@
+"""A checkpoint's own tokenizer.json and chat template: text in, text out, stop strings on real text."""
+
+import json
+import shutil
+
+import pytest
+
+from hylo import LLM, SamplingParams
+from hylo.tokenizer import ByteTokenizer, load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def ckpt_with_tokenizer(tmp_path_factory, ckpt_a):
+    """Checkpoint a with a word-level tokenizer.json over its 160-token vocabulary and a chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+
+    path = tmp_path_factory.mktemp("tok") / "m"
+    shutil.copytree(ckpt_a, path)
+    words = ["<unk>", "<|im_start|>", "<|im_end|>"] + [f"w{i}" for i in range(157)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    tok.save(str(path / "tokenizer.json"))
+    with open(path / "tokenizer_config.json", "w") as f:
+        json.dump({"chat_template": "{% for m in messages %}<|im_start|> {{ m['content'] }} <|im_end|> "
+                                    "{% endfor %}{% if add_generation_prompt %}<|im_start|>{% endif %}"}, f)
+    return str(path)
+
+
+def test_text_prompts_and_stop_strings_with_the_checkpoint_tokenizer(ckpt_with_tokenizer):
+    llm = LLM(ckpt_with_tokenizer, verbose=False)
+    tok = llm.tokenizer
+    assert tok.encode("w5 w7 w9") == [8, 10, 12]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    out = llm.generate("w1 w2 w3", params, use_tqdm=False)[0]
+    assert out.prompt_token_ids == [4, 5, 6]
+    assert out.text == tok.decode(out.token_ids)
+    words = out.text.split()
+    assert len(words) >= 3
+    stop = " " + words[2]
+    cut = llm.generate("w1 w2 w3", SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop=stop),
+                       use_tqdm=False)[0]
+    assert cut.finish_reason == "stop" and cut.text == out.text[:out.text.index(stop)]
+
+
+def test_chat_template_from_the_checkpoint_and_the_chatml_default(ckpt_with_tokenizer):
+    tok = load_tokenizer(ckpt_with_tokenizer)
+    text = tok.apply_chat_template([{"role": "user", "content": "w3 w4"}])
+    assert text == "<|im_start|> w3 w4 <|im_end|> <|im_start|>"
+    assert tok.encode(text)[:1] == [1] and tok.special_ids == {1, 2}
+    byte = ByteTokenizer()
+    chat = byte.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    ids = byte.encode(chat)
+    assert ids[0] == byte.token_id("<|im_start|>") and byte.decode(ids) == "user\nhi\nassistant\n"
