@@ -53,3 +53,21 @@ def test_bench_6b_footprint_matches_the_issue():
     per_token = fp.decode_bytes(1, 1) - 2 * fp.state_per_req - fp.kv_per_token
     assert 3.6e9 < per_token < 4.0e9
     assert 36e6 < fp.state_per_req < 40e6  # about 38 MB of float32 GDN state per request
+
+
+def test_hf_comparison_uses_the_same_weights():
+    """The bench's HF side: hylo loaded from an HF model's in-memory weights computes the same logits."""
+    from hylo.bench import build_model
+    from hylo.bench_hf import build_hf
+    from hylo.models.default import default_model_config
+
+    mc = default_model_config()
+    torch.manual_seed(0)
+    hf = build_hf(mc, torch.device("cpu")).float()
+    lm = build_model(mc, torch.device("cpu"), hf_model=hf)
+    lm.model.float()
+    eng = Engine(lm, device="cpu", dtype="float32", engine_config=EngineConfig(verbose=False))
+    prompt = [5, 77, 200, 3, 9, 41]
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0]
+    assert torch.allclose(eng.prompt_logits(prompt), ref, atol=1e-4)

@@ -18,9 +18,9 @@ class RotaryEmbedding(nn.Module):
         """positions: [T]; q: [T, H, D]; k: [T, KVH, D]. Rotates the first rotary_dim channels of each head."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, rot/2]
         cos, sin = freqs.cos()[:, None, :], freqs.sin()[:, None, :]
-        return self._apply(q, cos, sin), self._apply(k, cos, sin)
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 
-    def _apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         half = self.rotary_dim // 2
         x1 = x[..., :half].float()
         x2 = x[..., half:self.rotary_dim].float()
