@@ -199,3 +199,16 @@ def test_simulated_accept_length_is_reached(ckpt_a):
     steps = sum(o.spec.verify_steps for o in outs)
     emitted = sum(o.spec.emitted_tokens for o in outs)
     assert abs(emitted / steps - 3.0) < 0.05
+
+
+@pytest.mark.parametrize("method,k", [("mtp", 3), ("ngram", 5)])
+def test_speculation_up_to_the_context_limit(ckpt_a_mtp, method, k):
+    """Verify passes and drafts reserve positions past the last token; at the context limit that must neither
+    overflow the tables nor change the output."""
+    prompts = random_prompts(vocab_of(ckpt_a_mtp), [20, 7], seed=34)
+    params = SamplingParams(max_tokens=100, temperature=0)
+    plain = _run(Engine(ckpt_a_mtp, engine_config=EngineConfig(verbose=False, max_model_len=30)), prompts, params)
+    eng = _spec_engine(ckpt_a_mtp, method, k, max_model_len=30, kv_cache_tokens=2 * (30 + 2 * k))
+    outs = _run(eng, prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    assert all(o.finish_reason == "length" and len(o.prompt_token_ids) + len(o.token_ids) == 30 for o in outs)

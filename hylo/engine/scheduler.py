@@ -51,7 +51,7 @@ class Scheduler:
         self.caches = caches
         self.ec = ec
         self.k = num_spec_tokens
-        # positions reserved past the fed tokens: the verify pass and the drafts after it reach 2k - 1 beyond
+        # an upper bound of the positions reserved past the fed tokens (see _kv_end)
         self.kv_lookahead = 2 * num_spec_tokens
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []  # in admission order
@@ -126,7 +126,7 @@ class Scheduler:
             n = (self.k + 1 if self.k else 1) if is_decode else min(remaining, budget)
             if n == 0:
                 continue
-            if not self._reserve(req, n, pending, plan):
+            if not self._reserve(req, self._kv_end(req, n, is_decode), pending, plan):
                 continue
             if not is_decode:
                 budget -= n
@@ -135,7 +135,7 @@ class Scheduler:
         while prefill and self.waiting and budget > 0:
             req = self.waiting[0]
             n = min(req.num_tokens, budget)
-            need = n + (self.kv_lookahead if n == req.num_tokens else 0)
+            need = self._kv_end(req, n, False)  # a waiting request holds no KV (num_computed is 0)
             # keep room for one more step of every running request, so admissions do not force preemptions at once
             room = len(self.running) * (self.kv_lookahead + 1)
             if (self.caches.kv_pool.num_free < need + room or self.caches.req_slots.num_free == 0
@@ -149,7 +149,7 @@ class Scheduler:
             req.arrival = self._arrivals
             self._arrivals += 1
             self.running.append(req)
-            reserved = self._reserve(req, n, [], plan)
+            reserved = self._reserve(req, need, [], plan)
             assert reserved
             self._add_row(plan, req, n, False)
             budget -= n
@@ -170,12 +170,21 @@ class Scheduler:
         # a verify row feeds its last token plus k drafts; the drafts are not in req's tokens
         plan.sample.append(is_decode or req.num_computed + n == req.num_tokens)
 
-    def _reserve(self, req: Req, n: int, pending: list[Req], plan: ScheduledBatch) -> bool:
-        """Reserve KV up to the fed tokens plus the lookahead, preempting the newest pending requests if needed.
-        False if ``req`` itself had to be preempted."""
+    def _kv_end(self, req: Req, n: int, is_decode: bool) -> int:
+        """Positions (exclusive) that need KV locations before this step: the fed tokens and, with speculation, the
+        positions written ahead of them. A verify row feeds positions c..c+k (c = num_computed) and the k - 1
+        chained drafts after it reach c + 2k - 1; the last prefill chunk's chained drafts reach k - 1 past it."""
         end = req.num_computed + n
-        if end == req.num_tokens or self.k and self.is_decoding(req):
-            end += self.kv_lookahead
+        if self.k:
+            if is_decode:
+                end = req.num_computed + 2 * self.k
+            elif end == req.num_tokens:
+                end += self.k - 1
+        return end
+
+    def _reserve(self, req: Req, end: int, pending: list[Req], plan: ScheduledBatch) -> bool:
+        """Reserve KV locations for positions up to ``end``, preempting the newest pending requests if needed.
+        False if ``req`` itself had to be preempted."""
         need = max(0, end - req.num_kv)
         kv = self.caches.kv_pool
         locs = kv.alloc(need)
