@@ -102,6 +102,8 @@ class ModelConfig:
         if len(layer_types) != n_layers or any(t not in ("linear_attention", "full_attention") for t in layer_types):
             raise ValueError(f"config.json: layer_types must list {n_layers} entries of "
                              f"'linear_attention' or 'full_attention', got {list(layer_types)}")
+        if cfg.get("rope_scaling"):
+            raise ValueError(f"config.json: rope_scaling {cfg['rope_scaling']!r} is not supported (only plain RoPE)")
         rope = dict(cfg.get("rope_parameters") or {})
         if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
             raise ValueError(f"config.json: rope_type {rope.get('rope_type')!r} is not supported (only 'default')")

@@ -21,9 +21,14 @@ class _TemplateMixin:
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """Render chat messages to a prompt string with the tokenizer's template (ChatML if it has none)."""
         import jinja2
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-        env = jinja2.Environment(undefined=jinja2.StrictUndefined, trim_blocks=False, lstrip_blocks=False)
+        # the environment chat templates are written for: block trimming, loop controls, a plain tojson
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=["jinja2.ext.loopcontrols"], undefined=jinja2.Undefined)
         env.globals["raise_exception"] = _raise
+        env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: \
+            json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
         template = env.from_string(self.chat_template or CHATML_TEMPLATE)
         return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                bos_token="", eos_token="")
