@@ -212,3 +212,26 @@ def test_speculation_up_to_the_context_limit(ckpt_a_mtp, method, k):
     outs = _run(eng, prompts, params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
     assert all(o.finish_reason == "length" and len(o.prompt_token_ids) + len(o.token_ids) == 30 for o in outs)
+
+
+@pytest.mark.parametrize("method", ["mtp", "ngram"])
+def test_speculation_with_preemption_and_abort(ckpt_a_mtp, method):
+    """KV exhaustion preempts and re-runs requests mid-speculation; an abort frees a verifying request's slots; the
+    other outputs stay exactly the plain greedy ones and every slot comes back."""
+    prompts = random_prompts(vocab_of(ckpt_a_mtp), [20, 25, 18, 22, 9], seed=35)
+    params = SamplingParams(max_tokens=20, temperature=0)
+    plain = _run(Engine(ckpt_a_mtp, engine_config=EngineConfig(verbose=False)), prompts, params)
+    eng = _spec_engine(ckpt_a_mtp, method, 3, kv_cache_tokens=90, max_model_len=50, chunk_size=32)
+    rids = [eng.add_request(p, params) for p in prompts]
+    for _ in range(4):
+        eng.step()
+    assert eng.abort(rids[4])
+    while eng.has_unfinished():
+        eng.step()
+    outs = [eng.pop_finished(r) for r in rids]
+    assert [o.token_ids for o in outs[:4]] == [o.token_ids for o in plain[:4]]
+    assert outs[4].finish_reason == "abort"
+    assert sum(o.num_preemptions for o in outs) > 0
+    c = eng.caches
+    assert c.kv_pool.num_free == c.kv_pool.num_tokens and c.req_slots.num_free == c.req_slots.max_num_seqs
+    assert c.state_pool.num_free == c.state_pool.num_slots
