@@ -26,6 +26,17 @@ class StepResult:
     counts: torch.Tensor | None = None  # [S] int64
 
 
+def sampling_rows(sched: ScheduledBatch) -> tuple[list[int], list[int]]:
+    """For every row that samples in this step: the index of its last fed token, and the row itself."""
+    tok_idx, rows, total = [], [], 0
+    for row, (n, keep) in enumerate(zip(sched.extend_lens, sched.sample)):
+        total += n
+        if keep:
+            tok_idx.append(total - 1)
+            rows.append(row)
+    return tok_idx, rows
+
+
 def _dev(values, device, dtype=torch.int64) -> torch.Tensor:
     return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
@@ -106,12 +117,7 @@ class ModelWorker:
         if batch.mode is ForwardMode.DECODE:
             last = hidden
         else:
-            ends, total = [], 0
-            for n, keep in zip(sched.extend_lens, sched.sample):
-                total += n
-                if keep:
-                    ends.append(total - 1)
-            last = hidden[_dev(ends, self.device)]
+            last = hidden[_dev(sampling_rows(sched)[0], self.device)]
         sampled = [r for r, keep in zip(sched.reqs, sched.sample) if keep]
         if not sampled:
             return StepResult(torch.empty(0, 1, dtype=torch.int64, device=self.device))

@@ -12,7 +12,7 @@ import torch
 from ..core import ForwardMode, SamplingBatch
 from ..engine.scheduler import ScheduledBatch
 from ..engine.graphs import GraphRunner
-from ..engine.worker import ModelWorker, StepResult, _dev
+from ..engine.worker import ModelWorker, StepResult, _dev, sampling_rows
 from ..ops.sampling import sample, sampling_probs
 from .verify import commit_states, greedy_accept, rejection_accept
 
@@ -66,16 +66,11 @@ class SpecWorker:
         tw = self.target
         batch = tw.build_batch(sched)
         hidden = tw.forward_hidden(batch)
-        tok_idx_list, row_idx_list, ends, total = [], [], [], 0
-        next_host = []  # the token after each fed chunk, for the MTP pairs: known unless it is being sampled
-        for row, (req, n, prefix, keep) in enumerate(zip(sched.reqs, sched.extend_lens, sched.prefix_lens,
-                                                         sched.sample)):
-            total += n
-            ends.append(total - 1)
-            next_host.append(0 if keep else req.token_at(prefix + n))
-            if keep:
-                tok_idx_list.append(total - 1)
-                row_idx_list.append(row)
+        tok_idx_list, row_idx_list = sampling_rows(sched)
+        ends = (torch.tensor(sched.extend_lens).cumsum(0) - 1).tolist()  # host lists, no device read
+        # the token after each fed chunk, for the drafter's pairs: known unless it is being sampled now
+        next_host = [0 if keep else req.token_at(prefix + n)
+                     for req, n, prefix, keep in zip(sched.reqs, sched.extend_lens, sched.prefix_lens, sched.sample)]
         dev = tw.device
         tok_idx, row_idx = _dev(tok_idx_list, dev), _dev(row_idx_list, dev)
         sampled_reqs = [r for r, keep in zip(sched.reqs, sched.sample) if keep]
