@@ -27,6 +27,7 @@ from ..tokenizer import ByteTokenizer, load_tokenizer
 from .detok import detokenize_step, find_stop_string
 from ..ops.triton_utils import use_triton
 from .graphs import default_capture_sizes
+from .host_reads import HostReads
 from .scheduler import Scheduler
 from .worker import ModelWorker
 
@@ -119,6 +120,7 @@ class Engine:
         self._rng = random.Random(self.ec.seed)
         self._ids = itertools.count()
         self._reqs: dict[str, Req] = {}
+        self.host_reads = HostReads()
         self.eos_ids = set(self.model_config.eos_token_ids)
         self.load_seconds = time.perf_counter() - t0
         if self.ec.verbose:
@@ -201,8 +203,12 @@ class Engine:
         if sched is None:
             return []
         res = self.worker.run(sched)
-        tokens = res.tokens.tolist()  # the one device read of a step
-        counts = res.counts.tolist() if res.counts is not None else [1] * len(tokens)
+        rows = res.tokens.shape[0]
+        if res.counts is None:
+            tokens, counts = self.host_reads.read(res.tokens), [1] * rows
+        else:  # one read for both: the counts ride in an extra column
+            packed = self.host_reads.read(torch.cat([res.tokens, res.counts[:, None]], dim=1))
+            tokens, counts = [r[:-1] for r in packed], [r[-1] for r in packed]
         verify = sched.mode is ForwardMode.TARGET_VERIFY
         updated = []
         it = iter(zip(tokens, counts))
