@@ -78,7 +78,10 @@ def _bench(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
     parser = argparse.ArgumentParser(prog="hylo", description="Inference engine for hybrid linear-attention models")
+    parser.add_argument("--version", action="version", version=f"hylo {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate a completion for one prompt")
     g.add_argument("text", nargs="?", default=None, help="the prompt (or use --prompt / --prompt-file)")
