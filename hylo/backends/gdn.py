@@ -85,8 +85,6 @@ class GDNBackend(Backend):
             return self._steps_triton(layer, conv_pool, rec_pool, mixed_qkv, a, b, params, shape, batch)
         g, beta = gdn_ops.gdn_gating(params.A_log, a, params.dt_bias, b)
         if batch.mode.is_extend:
-            if self.fla_chunk is not None:
-                return self._extend_fla(conv_pool, rec_pool, mixed_qkv, g, beta, params, shape, batch)
             return self._extend(conv_pool, rec_pool, mixed_qkv, g, beta, params, shape, batch)
         if batch.mode.is_decode:
             x = conv_ops.causal_conv1d_update_ref(mixed_qkv, conv_pool, params.conv_weight, batch.state_slots)
@@ -96,19 +94,34 @@ class GDNBackend(Backend):
         return self._verify(layer, conv_pool, rec_pool, mixed_qkv, g, beta, params, shape, batch)
 
     def _extend(self, conv_pool, rec_pool, mixed_qkv, g, beta, params, shape, batch):
-        out = torch.empty(mixed_qkv.shape[0], shape.num_v_heads, shape.head_v_dim, dtype=torch.float32,
-                          device=mixed_qkv.device)
+        """Prefill: the causal conv from each row's conv state (one varlen Triton launch on CUDA, per row otherwise),
+        then the chunked delta rule from each row's recurrent state (fla's varlen kernel when installed)."""
+        if self.fast:
+            from ..ops.conv1d_triton import conv_prefill
+
+            x = conv_prefill(mixed_qkv, params.conv_weight, conv_pool, batch.state_slots, batch.query_start_loc,
+                             batch.extend_lens_cpu)
+        else:
+            xs, start = [], 0
+            for slot, length in zip(batch.state_slots_cpu, batch.extend_lens_cpu):
+                x, new_conv = conv_ops.causal_conv1d_ref(mixed_qkv[start:start + length],
+                                                         conv_pool[slot] if slot >= 0 else None, params.conv_weight)
+                if slot >= 0:
+                    conv_pool[slot] = new_conv.to(conv_pool.dtype)
+                xs.append(x)
+                start += length
+            x = torch.cat(xs)
+        if self.fla_chunk is not None:
+            return self._chunk_fla(rec_pool, x, g, beta, shape, batch)
+        out = torch.empty(x.shape[0], shape.num_v_heads, shape.head_v_dim, dtype=torch.float32, device=x.device)
         start = 0
         for slot, length in zip(batch.state_slots_cpu, batch.extend_lens_cpu):
             end = start + length
-            conv_state = conv_pool[slot] if slot >= 0 else None
-            rec_state = rec_pool[slot] if slot >= 0 else None
-            x, new_conv = conv_ops.causal_conv1d_ref(mixed_qkv[start:end], conv_state, params.conv_weight)
-            q, k, v = shape.split(x)
-            o, new_rec = gdn_ops.chunk_gated_delta_rule_ref(q, k, v, g[start:end], beta[start:end], rec_state)
+            q, k, v = shape.split(x[start:end])
+            o, new_rec = gdn_ops.chunk_gated_delta_rule_ref(q, k, v, g[start:end], beta[start:end],
+                                                            rec_pool[slot] if slot >= 0 else None)
             out[start:end] = o
             if slot >= 0:
-                conv_pool[slot] = new_conv.to(conv_pool.dtype)
                 rec_pool[slot] = new_rec.to(rec_pool.dtype)
             start = end
         return out
@@ -126,19 +139,10 @@ class GDNBackend(Backend):
         return gdn_steps(x, a, b, params.A_log, params.dt_bias, rec_pool, batch.state_slots, shape.num_k_heads,
                          shape.head_k_dim, shape.head_v_dim, steps, pool.verify_recurrent[layer] if verify else None)
 
-    def _extend_fla(self, conv_pool, rec_pool, mixed_qkv, g, beta, params, shape, batch):
-        """Prefill on CUDA: per-request conv (torch), then one varlen chunked delta rule (fla) for all requests,
-        starting from and ending in their slots."""
-        xs, start = [], 0
+    def _chunk_fla(self, rec_pool, x, g, beta, shape, batch):
+        """One varlen chunked delta rule (fla) for all rows, starting from and ending in their slots."""
         slots = batch.state_slots_cpu
-        for slot, length in zip(slots, batch.extend_lens_cpu):
-            x, new_conv = conv_ops.causal_conv1d_ref(mixed_qkv[start:start + length],
-                                                     conv_pool[slot] if slot >= 0 else None, params.conv_weight)
-            if slot >= 0:
-                conv_pool[slot] = new_conv.to(conv_pool.dtype)
-            xs.append(x)
-            start += length
-        q, k, v = shape.split(torch.cat(xs))
+        q, k, v = shape.split(x)
         rep = shape.num_v_heads // shape.num_k_heads
         if rep > 1:
             q, k = q.repeat_interleave(rep, dim=1), k.repeat_interleave(rep, dim=1)

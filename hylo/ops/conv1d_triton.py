@@ -78,3 +78,69 @@ def conv_steps(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor, slots:
         S=steps, K=k, BC=bc, VERIFY=verify is not None, num_warps=4,
     )
     return out
+
+
+@triton.jit
+def _conv_prefill_kernel(x_ptr, w_ptr, pool_ptr, slots_ptr, qsl_ptr, tok_row_ptr, out_ptr, stride_x, stride_out,
+                         stride_pool, C, K: tl.constexpr, BC: tl.constexpr):
+    """One program per (token, block of channels) of a varlen batch: the window of token i of its row is
+    [state[i:], x[row start .. i]] (positions before the row come from the row's conv state)."""
+    t = tl.program_id(0)
+    offs = tl.program_id(1) * BC + tl.arange(0, BC)
+    mc = offs < C
+    row = tl.load(tok_row_ptr + t)
+    start = tl.load(qsl_ptr + row)
+    slot = tl.load(slots_ptr + row)
+    valid = slot >= 0
+    state_base = pool_ptr + tl.where(valid, slot, 0) * stride_pool + offs * (K - 1)
+    i = t - start
+    acc = tl.zeros([BC], dtype=tl.float32)
+    for j in tl.static_range(K):
+        p = i + j - (K - 1)  # local position of window element j; negative: from the conv state
+        from_x = p >= 0
+        xv = tl.load(x_ptr + (start + p) * stride_x + offs, mask=mc & from_x, other=0.0).to(tl.float32)
+        sv = tl.load(state_base + (K - 1) + p, mask=mc & valid & (p < 0), other=0.0).to(tl.float32)
+        acc += tl.where(from_x, xv, sv) * tl.load(w_ptr + offs * K + j, mask=mc, other=0.0).to(tl.float32)
+    out = acc / (1.0 + tl.exp(-acc))
+    tl.store(out_ptr + t * stride_out + offs, out.to(out_ptr.dtype.element_ty), mask=mc)
+
+
+@triton.jit
+def _conv_prefill_state_kernel(x_ptr, pool_ptr, slots_ptr, qsl_ptr, stride_x, stride_pool, C,
+                               K: tl.constexpr, BC: tl.constexpr):
+    """The row's new conv state: its last K-1 inputs (older ones from the old state if the row is short). Runs
+    after the output kernel, which reads the old state."""
+    row = tl.program_id(0)
+    offs = tl.program_id(1) * BC + tl.arange(0, BC)
+    slot = tl.load(slots_ptr + row)
+    mc = (offs < C) & (slot >= 0)
+    start = tl.load(qsl_ptr + row)
+    length = tl.load(qsl_ptr + row + 1) - start
+    state_base = pool_ptr + tl.where(slot >= 0, slot, 0) * stride_pool + offs * (K - 1)
+    # in increasing m, new[m] reads old[length + m] with length >= 1: never an entry already rewritten
+    for m in tl.static_range(K - 1):
+        q = length - (K - 1) + m
+        xv = tl.load(x_ptr + (start + q) * stride_x + offs, mask=mc & (q >= 0), other=0.0).to(tl.float32)
+        sv = tl.load(state_base + length + m, mask=mc & (q < 0), other=0.0).to(tl.float32)
+        tl.store(state_base + m, tl.where(q >= 0, xv, sv).to(pool_ptr.dtype.element_ty), mask=mc)
+
+
+def conv_prefill(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor,
+                 query_start_loc: torch.Tensor, extend_lens: list[int]) -> torch.Tensor:
+    """Varlen prefill: x [T, C] packed by row; each row continues from its slot's conv state (-1: zeros, nothing
+    written) and leaves its last K-1 inputs there. Returns silu(conv) [T, C] in x's dtype."""
+    num_tokens, channels = x.shape
+    k = weight.shape[-1]
+    out = torch.empty(num_tokens, channels, dtype=x.dtype, device=x.device)
+    if num_tokens == 0:
+        return out
+    batch = len(extend_lens)
+    tok_row = torch.repeat_interleave(torch.arange(batch, device=x.device),
+                                      torch.tensor(extend_lens, device=x.device), output_size=num_tokens)
+    bc = 256
+    grid_c = triton.cdiv(channels, bc)
+    _conv_prefill_kernel[(num_tokens, grid_c)](x, weight, pool, slots, query_start_loc, tok_row, out, x.stride(0),
+                                               out.stride(0), pool.stride(0), channels, K=k, BC=bc, num_warps=4)
+    _conv_prefill_state_kernel[(batch, grid_c)](x, pool, slots, query_start_loc, x.stride(0), pool.stride(0),
+                                                channels, K=k, BC=bc, num_warps=4)
+    return out

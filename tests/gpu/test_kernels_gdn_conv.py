@@ -99,3 +99,30 @@ def test_commit_copies_the_accepted_checkpoint(dev):
     verify.commit_states(pool, slots.to(dev), accepted.to(dev))  # Triton path
     assert torch.equal(pool.conv.cpu(), ref.conv) and torch.equal(pool.recurrent.cpu(), ref.recurrent)
     assert torch.equal(ref.recurrent[:, 5], ref.verify_recurrent[:, 0, 2])
+
+
+@pytest.mark.parametrize("lens,kernel", [([5, 1, 9], 4), ([2, 3], 4), ([1, 1, 1, 7], 3), ([40], 4)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_conv_prefill_matches_reference(dev, lens, kernel, dtype):
+    from hylo.ops.conv1d_triton import conv_prefill
+
+    if dtype == torch.bfloat16 and dev.type != "cuda":
+        pytest.skip("bfloat16 kernels are checked on the GPU")
+    g = torch.Generator().manual_seed(9)
+    channels = 300
+    x = torch.randn(sum(lens), channels, generator=g).to(dtype)
+    w = torch.randn(channels, kernel, generator=g).to(dtype)
+    pool = torch.randn(len(lens) + 2, channels, kernel - 1, generator=g).to(dtype)
+    slots = torch.tensor([len(lens) + 1 - i if i != 1 else -1 for i in range(len(lens))])
+    qsl = torch.tensor([0] + lens).cumsum(0)
+    dpool = pool.clone().to(dev)
+    out = conv_prefill(x.to(dev), w.to(dev), dpool, slots.to(dev), qsl.to(dev), lens)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for b, (s, n) in enumerate(zip(slots.tolist(), lens)):
+        xs = x[qsl[b]:qsl[b] + n]
+        ro, rs = conv_ref.causal_conv1d_ref(xs, pool[s] if s >= 0 else None, w)
+        assert torch.allclose(out[qsl[b]:qsl[b] + n].cpu().float(), ro.float(), atol=tol * 10, rtol=tol * 10)
+        if s >= 0:
+            assert torch.allclose(dpool[s].cpu().float(), rs, atol=tol)
+    untouched = [j for j in range(len(lens) + 2) if j not in slots.tolist()]
+    assert torch.equal(dpool[untouched].cpu(), pool[untouched])
