@@ -33,6 +33,11 @@ def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, width: int, stream: 
     return (x.float() + 0.5) * (1.0 / 16777216.0)
 
 
+def draw(probs: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor, stream: int = 0) -> torch.Tensor:
+    """One token per row from ``probs`` ([B, V]) by the exponential race, with noise keyed by (seed, step, stream)."""
+    return (probs / -torch.log(uniform_noise(seeds, steps, probs.shape[-1], stream))).argmax(-1)
+
+
 def filter_probs(probs: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
     """Zero the probabilities outside each row's top-k / top-p set and renormalise. probs: [B, V] float32."""
     if top_k is None and top_p is None:
@@ -64,9 +69,7 @@ def sample(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     greedy = logits.argmax(-1)
     if sb.all_greedy:
         return greedy
-    probs = sampling_probs(logits, sb)
-    noise = uniform_noise(sb.seeds, sb.steps, probs.shape[-1])
-    drawn = (probs / -torch.log(noise)).argmax(-1)
+    drawn = draw(sampling_probs(logits, sb), sb.seeds, sb.steps)
     if not sb.any_greedy:
         return drawn
     return torch.where(sb.temperatures > 0, drawn, greedy)

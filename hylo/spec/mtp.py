@@ -10,11 +10,13 @@ that the draft steps overwrite before anything reads them.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from ..core import ForwardBatch, ForwardMode, SamplingBatch
 from ..models.qwen3_next_mtp import Qwen3NextMTP
-from ..ops.sampling import sampling_probs, uniform_noise
+from ..ops.sampling import draw, sampling_probs
 
 STREAM_DRAFT = 2
 
@@ -34,11 +36,11 @@ class MTPDrafter:
         if graph is not None and graphs is not None and graphs.can_run(graph, batch.batch_size):
             out = graphs.run(graph, batch, {"hidden": hidden})
             return out["hidden"], out["logits"]
-        m = self.mtp(batch.input_ids, hidden, batch, worker.backend)
-        return m, self.mtp.compute_logits(m)
+        out = self.graph_fn(worker.backend)(batch, {"hidden": hidden})
+        return out["hidden"], out["logits"]
 
     def graph_fn(self, backend):
-        """What the captured DRAFT_EXTEND / DRAFT_DECODE graphs run."""
+        """The head and its logits: what the captured DRAFT_EXTEND / DRAFT_DECODE graphs run (and the eager path)."""
         def fn(batch, extras):
             m = self.mtp(batch.input_ids, extras["hidden"], batch, backend)
             return {"hidden": m, "logits": self.mtp.compute_logits(m)}
@@ -50,8 +52,7 @@ class MTPDrafter:
         token = logits.argmax(-1)
         if not sb.all_greedy:
             q = sampling_probs(logits, sb)
-            drawn = (q / -torch.log(uniform_noise(sb.seeds, base_steps + i, q.shape[-1], STREAM_DRAFT))).argmax(-1)
-            token = torch.where(sb.temperatures > 0, drawn, token)
+            token = torch.where(sb.temperatures > 0, draw(q, sb.seeds, base_steps + i, STREAM_DRAFT), token)
             self.draft_probs[req_slots, i] = q
         self.drafts[req_slots, i] = token
         return token
@@ -74,8 +75,8 @@ class MTPDrafter:
         """batch: the target's EXTEND batch; next_ids: [T] the token after each fed token (the sampled one at the
         end of a finished prompt); tok_idx / row_idx: token index and batch row of each sampling row's last token;
         max_seq_len: host bound of those rows' lengths."""
-        mtp_batch = ForwardBatch(**{**batch.__dict__, "mode": ForwardMode.DRAFT_EXTEND, "input_ids": next_ids})
-        out = self.mtp(next_ids, hidden, mtp_batch, worker.backend)
+        out = self.mtp(next_ids, hidden, replace(batch, mode=ForwardMode.DRAFT_EXTEND, input_ids=next_ids),
+                       worker.backend)
         if tok_idx.numel() == 0:
             return
         req_slots, state_slots = batch.req_slots[row_idx], batch.state_slots[row_idx]
@@ -88,8 +89,7 @@ class MTPDrafter:
                      accepted: torch.Tensor, sb: SamplingBatch) -> None:
         """batch: the TARGET_VERIFY batch ([B * (k+1)] tokens); emitted/accepted: the acceptance result."""
         k1 = self.k + 1
-        mtp_batch = ForwardBatch(**{**batch.__dict__, "mode": ForwardMode.DRAFT_EXTEND,
-                                    "input_ids": emitted.reshape(-1)})
+        mtp_batch = replace(batch, mode=ForwardMode.DRAFT_EXTEND, input_ids=emitted.reshape(-1))
         out, logits = self.forward(worker, mtp_batch, hidden, "draft_extend")
         bs = emitted.shape[0]
         rows = torch.arange(bs, device=out.device)

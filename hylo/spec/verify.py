@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..cache.state_pool import StatePool
-from ..ops.sampling import uniform_noise
+from ..ops.sampling import draw, uniform_noise
 from ..ops.triton_utils import use_triton
 
 STREAM_ACCEPT = 1  # noise streams (see ops/sampling.uniform_noise): acceptance tests
@@ -54,8 +54,7 @@ def rejection_accept(drafts: torch.Tensor, draft_probs: torch.Tensor | None, tar
     residual = (p_a - q_a).clamp(min=0)
     mass = residual.sum(-1, keepdim=True)
     residual = torch.where(mass > 0, residual / mass.clamp(min=1e-30), p_a)
-    noise = uniform_noise(seeds, steps + accepted, vocab, STREAM_RESAMPLE)
-    extra = (residual / -torch.log(noise)).argmax(-1)
+    extra = draw(residual, seeds, steps + accepted, STREAM_RESAMPLE)
     emitted = torch.cat([drafts, drafts[:, :1]], dim=1).clone()
     emitted[rows, accepted] = extra
     return emitted, accepted
