@@ -13,7 +13,7 @@ import math
 import os
 import platform
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -175,6 +175,9 @@ def fake_prefill(engine: Engine, bs: int, ctx: int) -> list[str]:
             raise RuntimeError(f"KV pool too small for batch {bs} at context {ctx}")
         caches.req_slots.write_locations([req.req_slot] * n, list(range(n)), locs)
         req.kv_locs, req.num_kv = [locs], n
+        req.decoding = True
+        caches.req_slots.seq_len[req.req_slot] = req.num_computed
+        caches.req_slots.last_token[req.req_slot] = req.output_ids[-1]
         sched.running.append(req)
         rids.append(rid)
     return rids
@@ -194,10 +197,47 @@ def time_steps(engine: Engine, steps: int, warmup: int = 3) -> float:
     for _ in range(steps):
         engine.step()
     _sync()
-    return (time.perf_counter() - t0) * 1e3 / steps
+    ms = (time.perf_counter() - t0) * 1e3 / steps
+    engine.drain()
+    return ms
+
+
+def overlap_profile(engine: Engine, steps: int) -> dict:
+    """Steady-state steps under the torch profiler: wall ms per step, the fraction of the wall time the GPU was
+    busy (union of its kernel and copy intervals over the wall time) and the blocking host reads per step."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        engine.step()
+    _sync()
+    blocking = engine.host_reads.blocking
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        _sync()
+        wall_us = (time.perf_counter() - t0) * 1e6
+    syncs = (engine.host_reads.blocking - blocking) / steps
+    engine.drain()
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if getattr(e, "device_type", None) == DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    busy, cur_start, cur_end = 0.0, None, None
+    for a, b in spans:  # union of the intervals (one stream, but be safe)
+        if cur_end is None or a > cur_end:
+            if cur_end is not None:
+                busy += cur_end - cur_start
+            cur_start, cur_end = a, b
+        else:
+            cur_end = max(cur_end, b)
+    if cur_end is not None:
+        busy += cur_end - cur_start
+    return dict(ms_per_step=wall_us / 1e3 / steps, gpu_busy_fraction=min(busy / wall_us, 1.0),
+                blocking_syncs_per_step=syncs, device_events=len(spans))
 
 
 def clear(engine: Engine, rids: list[str]) -> None:
+    engine.drain()
     for rid in rids:
         engine.abort(rid)
         engine._reqs.pop(rid, None)
@@ -327,6 +367,25 @@ def run_bench(model_name: str = "bench-6b", vs_hf: bool = False, quick: bool = F
             save()
             print(f"[bench] spec mtp k={k} bs={bs} accept={measured_len:.2f}: {ms:.2f} ms/step, {per_token:.3f} "
                   f"ms/token ({rec['vs_plain_decode']:.2f}x plain), floor {floor:.2f} ms/step", flush=True)
+            clear(eng, rids)
+
+    # the overlap loop: speculative decoding with overlap on and off, GPU busy fraction and blocking reads
+    for bs in ([1] if quick else [1, 64]):
+        for overlap in (True, False):
+            eng.ec = replace(eng.ec, overlap=overlap)
+            eng.worker.simulate_accept_length = 3.0
+            rids = fake_prefill(eng, bs, 1024)
+            prof = overlap_profile(eng, steps)
+            reqs = [eng._reqs[r] for r in rids]
+            measured_len = sum(r.spec.emitted_tokens for r in reqs) / max(sum(r.spec.verify_steps for r in reqs), 1)
+            rec = dict(phase="decode", batch_size=bs, context=1024, cuda_graph=True, spec="mtp",
+                       num_speculative_tokens=k, accept_length=measured_len, overlap=overlap,
+                       ms_per_token=prof["ms_per_step"] / (bs * measured_len), **prof)
+            records.append(rec)
+            save()
+            print(f"[bench] overlap={overlap} spec mtp bs={bs}: {prof['ms_per_step']:.2f} ms/step, "
+                  f"{rec['ms_per_token']:.3f} ms/token, GPU busy {prof['gpu_busy_fraction']:.3f}, "
+                  f"{prof['blocking_syncs_per_step']:.2f} blocking reads/step", flush=True)
             clear(eng, rids)
 
     save()

@@ -25,6 +25,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="speculative decoding: the checkpoint's MTP head, or n-gram prompt lookup")
     g.add_argument("--num-speculative-tokens", type=int, default=d.num_speculative_tokens,
                    help="drafts per verify step (default 3)")
+    g.add_argument("--no-overlap", dest="overlap", action="store_false",
+                   help="read each step's results before launching the next (default: overlap them)")
     g.add_argument("--simulate-accept-length", type=float, default=None,
                    help="benchmarks only: force this mean accept length (breaks losslessness)")
 
@@ -34,7 +36,7 @@ def _engine_options(args) -> dict:
                 kv_cache_tokens=args.kv_cache_tokens, memory_budget_gb=args.memory_budget_gb,
                 state_dtype=args.state_dtype, speculative=args.speculative,
                 num_speculative_tokens=args.num_speculative_tokens,
-                simulate_accept_length=args.simulate_accept_length)
+                simulate_accept_length=args.simulate_accept_length, overlap=args.overlap)
 
 
 def _generate(args) -> int:

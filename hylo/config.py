@@ -238,6 +238,9 @@ class EngineConfig:
     # Benchmarks on random weights only: force this mean accept length (tokens per verify step). NOT lossless.
     simulate_accept_length: float | None = None
     verbose: bool = True  # print the memory plan at start-up
+    # launch step N+1 before reading step N's results (no host-device sync in the steady state); off: read each
+    # step's results before launching the next (for comparison and debugging)
+    overlap: bool = True
     cuda_graphs: bool = True  # on CUDA: capture decode / verify / draft passes (off: everything eager)
     max_graph_batch_size: int = 256  # largest captured batch size (larger batches run eagerly)
     cuda_graph_sizes: tuple[int, ...] | None = None  # explicit captured batch sizes (default: 1, 2, 4, 8, 16, ...)

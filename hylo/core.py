@@ -90,8 +90,13 @@ class Req:
     """One request as the scheduler tracks it.
 
     ``num_computed`` counts the tokens of ``prompt_ids + output_ids`` whose KV and recurrent state are in the
-    caches; the next step feeds the tokens after it. ``req_slot`` / ``state_slot`` are -1 while the request holds
-    no slot (waiting or preempted).
+    caches, as far as the host knows; the next step feeds the tokens after it. ``req_slot`` / ``state_slot`` are -1
+    while the request holds no slot (waiting or preempted).
+
+    The ``inflight*`` fields describe launched steps whose results the host has not read yet (the overlap loop runs
+    one step ahead): how many, how many tokens they commit at most (exactly, unless a verify is among them) and how
+    many output tokens they produce at least. ``decoding`` says the last launched row sampled, so the next row feeds
+    the newest token, which only the device tables know until the results arrive.
     """
 
     rid: str
@@ -110,6 +115,12 @@ class Req:
     num_preemptions: int = 0
     arrival: int = 0  # admission order; the newest running request is preempted first
     kv_locs: list[torch.Tensor] = field(default_factory=list)  # host copies of its KV locations, for freeing
+    decoding: bool = False
+    inflight: int = 0
+    inflight_advance: int = 0
+    inflight_verify: int = 0
+    inflight_new: int = 0
+    release_deferred: bool = False  # finished or preempted while in flight: free its slots when the step completes
     spec: "SpecStats | None" = None
     # incremental detokenisation state (see engine/detok.py)
     text: str = ""
@@ -135,6 +146,11 @@ class Req:
     @property
     def finished(self) -> bool:
         return self.status is ReqStatus.FINISHED
+
+    @property
+    def computed_bound(self) -> int:
+        """Tokens in the caches once the in-flight steps complete (an upper bound while a verify is in flight)."""
+        return self.num_computed + self.inflight_advance
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -206,19 +222,21 @@ class SamplingBatch:
     need_top_p: bool
 
     @classmethod
-    def from_reqs(cls, reqs: list[Req], vocab_size: int, device: torch.device) -> "SamplingBatch":
+    def from_reqs(cls, reqs: list[Req], vocab_size: int, device: torch.device,
+                  steps: torch.Tensor | None = None) -> "SamplingBatch":
+        """``steps`` (device) overrides the host's output counts, which lag one step behind in the overlap loop."""
         temps = [float(r.params.temperature) for r in reqs]
         top_ps = [float(r.params.top_p) for r in reqs]
         top_ks = [r.params.top_k if r.params.top_k > 0 else vocab_size for r in reqs]
         seeds = [r.seed for r in reqs]
-        steps = [len(r.output_ids) for r in reqs]
         greedy = [t == 0 for t in temps]
         return cls(
             temperatures=torch.tensor(temps, dtype=torch.float32).to(device, non_blocking=True),
             top_p=torch.tensor(top_ps, dtype=torch.float32).to(device, non_blocking=True),
             top_k=torch.tensor(top_ks, dtype=torch.int64).to(device, non_blocking=True),
             seeds=torch.tensor(seeds, dtype=torch.int64).to(device, non_blocking=True),
-            steps=torch.tensor(steps, dtype=torch.int64).to(device, non_blocking=True),
+            steps=(torch.tensor([len(r.output_ids) for r in reqs], dtype=torch.int64).to(device, non_blocking=True)
+                   if steps is None else steps),
             all_greedy=all(greedy),
             any_greedy=any(greedy),
             need_top_k=any(k < vocab_size for k, g in zip(top_ks, greedy) if not g),

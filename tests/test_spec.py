@@ -57,12 +57,13 @@ def test_lossless_greedy(ckpt_a_mtp, reference_a, method, k):
 
 
 def _oracle_hook(ref_by_prompt, vocab, correct: bool, correct_first_only: bool = False):
-    def hook(reqs, drafts):
+    def hook(reqs, drafts, first_out):
         out = drafts.clone()
+        first_out = first_out.tolist()  # the host's output count may lag (overlap loop): ask the device
         for b, req in enumerate(reqs):
             ref = ref_by_prompt[tuple(req.prompt_ids)]
             for i in range(drafts.shape[1]):
-                idx = len(req.output_ids) + i
+                idx = first_out[b] + i
                 tok = ref[idx] if idx < len(ref) else 0
                 good = correct and (not correct_first_only or i == 0)
                 out[b, i] = tok if good else (tok + 1) % vocab
@@ -96,7 +97,7 @@ def test_state_after_partial_rejection_equals_plain_decoding(ckpt_b_mtp):
     prompt = random_prompts(vocab, [11], seed=31)[0]
     ref = LLM(ckpt_b_mtp, verbose=False).generate(prompt, SamplingParams(max_tokens=12, temperature=0),
                                                    use_tqdm=False)[0].token_ids
-    spec = _spec_engine(ckpt_b_mtp, "mtp", 3)
+    spec = _spec_engine(ckpt_b_mtp, "mtp", 3, overlap=False)  # inspects the state after each step
     spec.worker.draft_hook = _oracle_hook({tuple(prompt): ref}, vocab, True, correct_first_only=True)
     rid = spec.add_request(prompt, SamplingParams(max_tokens=12, temperature=0))
     req = spec.scheduler.running[0] if spec.scheduler.running else spec.scheduler.waiting[0]
@@ -104,7 +105,7 @@ def test_state_after_partial_rejection_equals_plain_decoding(ckpt_b_mtp):
     spec.step()  # verify: draft 1 accepted, drafts 2 and 3 rejected
     # committed: the first output token (fed by the verify) and the accepted draft
     assert req.spec.accepted_tokens == 1 and req.num_computed == len(prompt) + 2
-    plain = Engine(ckpt_b_mtp, engine_config=EngineConfig(verbose=False))
+    plain = Engine(ckpt_b_mtp, engine_config=EngineConfig(verbose=False, overlap=False))
     plain.add_request(prompt, SamplingParams(max_tokens=12, temperature=0))
     preq = plain.scheduler.waiting[0]
     while preq.num_computed < req.num_computed:
@@ -173,7 +174,8 @@ def test_mtp_drafts_match_an_independent_reference(ckpt_a_mtp):
     prompt = random_prompts(vocab_of(ckpt_a_mtp), [9], seed=32)[0]
     k = 3
     expected = _hf_mtp_reference(ckpt_a_mtp, prompt, k)
-    eng = _spec_engine(ckpt_a_mtp, "mtp", k, chunk_size=4)  # prefill in 3 chunks: MTP KV built chunk by chunk
+    # prefill in 3 chunks: MTP KV built chunk by chunk; no overlap, so the drafts are read right after the prefill
+    eng = _spec_engine(ckpt_a_mtp, "mtp", k, chunk_size=4, overlap=False)
     eng.add_request(prompt, SamplingParams(max_tokens=5, temperature=0))
     req = eng.scheduler.waiting[0]
     while req.num_computed < len(prompt):

@@ -8,6 +8,11 @@ import torch
 class ReqSlots:
     """``req_to_token[slot, pos]`` is the KV pool location of position ``pos``; ``req_to_state[slot]`` the state slot.
 
+    ``last_token[slot]`` and ``seq_len[slot]`` are the device-resident request tables of the overlap loop: the newest
+    sampled token (not yet fed) and the tokens committed to the caches. Every step writes them on the device, and
+    the next step gathers a decoding row's inputs from them, so launching a step never waits for the previous
+    step's results.
+
     NOTE: slot 0 is reserved as the padding row. Padded batch rows point at it, its ``req_to_token`` row is all
     location 0 (the KV pool's dummy location) and its state slot is -1, so a padded row reads nothing real and its
     writes land on dummies.
@@ -18,6 +23,8 @@ class ReqSlots:
         self.max_context = max_context
         self.req_to_token = torch.zeros(max_num_seqs + 1, max_context, dtype=torch.int64, device=device)
         self.req_to_state = torch.full((max_num_seqs + 1,), -1, dtype=torch.int64, device=device)
+        self.last_token = torch.zeros(max_num_seqs + 1, dtype=torch.int64, device=device)
+        self.seq_len = torch.zeros(max_num_seqs + 1, dtype=torch.int64, device=device)
         self._free = list(range(max_num_seqs, 0, -1))  # pop() hands out 1, 2, ...
 
     @property
@@ -43,3 +50,10 @@ class ReqSlots:
         r = torch.tensor(rows, dtype=torch.int64).to(dev, non_blocking=True)
         c = torch.tensor(cols, dtype=torch.int64).to(dev, non_blocking=True)
         self.req_to_token[r, c] = locs.to(dev, non_blocking=True)
+
+    def record(self, slots: torch.Tensor, seq_lens: torch.Tensor, sampled_slots: torch.Tensor | None = None,
+               tokens: torch.Tensor | None = None) -> None:
+        """After a step, on the device: the committed lengths of its rows and the new tokens of its sampling rows."""
+        self.seq_len[slots] = seq_lens
+        if tokens is not None and tokens.numel():
+            self.last_token[sampled_slots] = tokens

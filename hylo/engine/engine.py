@@ -27,8 +27,8 @@ from ..tokenizer import ByteTokenizer, load_tokenizer
 from .detok import detokenize_step, find_stop_string
 from ..ops.triton_utils import use_triton
 from .graphs import default_capture_sizes
-from .host_reads import HostReads
-from .scheduler import Scheduler
+from .host_reads import HostReads, PendingRead
+from .scheduler import ScheduledBatch, Scheduler
 from .worker import ModelWorker
 
 
@@ -84,6 +84,12 @@ def load_model(path: str | None, dtype: torch.dtype, device: torch.device, progr
     return LoadedModel(name, mc, model, reader, tokenizer, is_random)
 
 
+@dataclass
+class _Launched:
+    plan: ScheduledBatch
+    read: PendingRead
+
+
 class Engine:
     """One model, its caches, a scheduler and a worker. Not thread-safe: one caller drives ``step``."""
 
@@ -121,6 +127,7 @@ class Engine:
         self._ids = itertools.count()
         self._reqs: dict[str, Req] = {}
         self.host_reads = HostReads()
+        self._inflight: _Launched | None = None  # the overlap loop's launched, unread step
         self.eos_ids = set(self.model_config.eos_token_ids)
         self.load_seconds = time.perf_counter() - t0
         if self.ec.verbose:
@@ -183,7 +190,8 @@ class Engine:
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.num_unfinished > 0
+        """Requests still queued or running, or a launched step not yet read."""
+        return self.scheduler.num_unfinished > 0 or self._inflight is not None
 
     def output_of(self, req: Req) -> RequestOutput:
         return RequestOutput(
@@ -198,39 +206,61 @@ class Engine:
 
     # ---- stepping ---------------------------------------------------------------------------------------------
     def step(self) -> list[Req]:
-        """Run one step. Returns the requests that produced a token or finished in it."""
+        """Advance the engine by one step. Returns the requests that produced a token or finished in it.
+
+        With overlap (the default) this launches step N+1 and only then reads step N's results, so the device never
+        waits for the host between steps; the returned requests are those of step N. Without overlap the step is
+        launched and its own results read at once."""
+        launched = self._launch()
+        if not self.ec.overlap:
+            return self._complete(launched) if launched is not None else []
+        previous, self._inflight = self._inflight, launched
+        return self._complete(previous) if previous is not None else []
+
+    def drain(self) -> list[Req]:
+        """Read the launched, unread step (overlap loop), launching nothing new."""
+        previous, self._inflight = self._inflight, None
+        return self._complete(previous) if previous is not None else []
+
+    def _launch(self) -> "_Launched | None":
         sched = self.scheduler.schedule()
         if sched is None:
-            return []
+            return None
         res = self.worker.run(sched)
-        rows = res.tokens.shape[0]
-        if res.counts is None:
-            tokens, counts = self.host_reads.read(res.tokens), [1] * rows
-        else:  # one read for both: the counts ride in an extra column
-            packed = self.host_reads.read(torch.cat([res.tokens, res.counts[:, None]], dim=1))
-            tokens, counts = [r[:-1] for r in packed], [r[-1] for r in packed]
+        # one copy for everything the host needs: the counts ride in an extra column
+        packed = res.tokens if res.counts is None else torch.cat([res.tokens, res.counts[:, None]], dim=1)
+        self.host_reads.note_launch()
+        read = self.host_reads.start(packed)
+        self.scheduler.step_launched(sched)
+        return _Launched(sched, read)
+
+    def _complete(self, launched: "_Launched") -> list[Req]:
+        """Read a launched step's results (waiting on its event) and apply them: tokens, stop rules, freeing."""
+        sched = launched.plan
+        rows = iter(launched.read.wait())
         verify = sched.mode is ForwardMode.TARGET_VERIFY
         updated = []
-        it = iter(zip(tokens, counts))
-        for req, n, keep in zip(sched.reqs, sched.extend_lens, sched.sample):
-            if not keep:
-                req.num_computed += n
-                continue
-            new, count = next(it)
-            # a verify row commits its last token and the accepted drafts: count - 1 of them
-            req.num_computed += count if verify else n
-            appended = 0
-            for tok in new[:count]:
-                appended += 1
-                if self._append_token(req, tok):
-                    break
-            if verify:
-                stats = req.spec
-                stats.verify_steps += 1
-                stats.draft_tokens += self.ec.spec_tokens
-                stats.accepted_tokens += count - 1
-                stats.emitted_tokens += appended
-            updated.append(req)
+        for i, (req, n, keep) in enumerate(zip(sched.reqs, sched.extend_lens, sched.sample)):
+            committed = n
+            if keep:
+                row = next(rows)
+                new, count = (row[:-1], row[-1]) if verify else (row, 1)
+                # a verify row commits its last token and the accepted drafts: count - 1 of them
+                committed = count if verify else n
+                if not req.finished:  # finished while this step was in flight: its results are dropped
+                    appended = 0
+                    for tok in new[:count]:
+                        appended += 1
+                        if self._append_token(req, tok):
+                            break
+                    if verify:
+                        stats = req.spec
+                        stats.verify_steps += 1
+                        stats.draft_tokens += self.ec.spec_tokens
+                        stats.accepted_tokens += count - 1
+                        stats.emitted_tokens += appended
+                    updated.append(req)
+            self.scheduler.step_done(sched, i, committed)
         return updated
 
     def _append_token(self, req: Req, token: int) -> bool:

@@ -1,9 +1,13 @@
 """The one gate for device-to-host reads in the engine loop (DESIGN section 7).
 
-Every read of a step's results goes through ``HostReads.read``, so the number of blocking reads per step is a
-counted fact, not a hope. The plain loop makes exactly one per step (the new tokens, with the accepted counts packed
-into the same tensor); the overlapped loop will replace it with a non-blocking copy into pinned memory plus an
-event.
+Every read of a step's results goes through ``HostReads``, so the number of blocking reads per step is a counted
+fact, not a hope. A step's results leave the device by a non-blocking copy into pinned host memory followed by an
+event (``start``); the host waits on that event later (``PendingRead.wait``).
+
+A wait is *blocking* when nothing was launched after the read started: the device then runs dry while the host
+waits (the plain loop: launch, then wait for the same step). In the overlap loop the host launches step N+1 before
+it waits for step N, so the wait overlaps with queued work and counts as *overlapped*. ``read`` is an immediate
+read of a device tensor and always blocking; the engine loop does not use it.
 """
 
 from __future__ import annotations
@@ -11,10 +15,48 @@ from __future__ import annotations
 import torch
 
 
+class PendingRead:
+    """A device tensor on its way to the host."""
+
+    def __init__(self, gate: "HostReads", host: torch.Tensor, event, launch_seq: int):
+        self._gate, self._host, self._event, self._seq = gate, host, event, launch_seq
+        self._value: list | None = None
+
+    def wait(self) -> list:
+        if self._value is None:
+            gate = self._gate
+            if gate.launches > self._seq:
+                gate.overlapped += 1
+            else:
+                gate.blocking += 1
+            if self._event is not None:
+                self._event.synchronize()
+            self._value = self._host.tolist()
+        return self._value
+
+
 class HostReads:
     def __init__(self):
-        self.blocking = 0  # reads that waited for the device (every read of a device tensor in the plain loop)
+        self.blocking = 0  # waits with no later work queued on the device (the device idles meanwhile)
+        self.overlapped = 0  # waits behind later queued work
+        self.launches = 0
+
+    def note_launch(self) -> None:
+        """A step was launched: reads started before this point now wait behind it."""
+        self.launches += 1
+
+    def start(self, t: torch.Tensor) -> PendingRead:
+        """Start copying ``t`` to the host without waiting for it."""
+        if t.device.type == "cuda":
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            host.copy_(t, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        else:  # CPU tensors are ready as soon as the call that made them returned
+            host, event = t.clone(), None
+        return PendingRead(self, host, event, self.launches)
 
     def read(self, t: torch.Tensor) -> list:
+        """An immediate (blocking) read."""
         self.blocking += 1
         return t.tolist()

@@ -12,6 +12,20 @@ Policy, in one place:
 KV is reserved ahead of what a step feeds (``kv_lookahead``): a verify pass and the draft steps after it write
 positions beyond the last committed token. Positions past the committed ones hold garbage that later steps
 overwrite. Nothing here touches the device except through the caches' host-side free lists.
+
+The overlap loop schedules step N+1 before it has read step N's results, so the plan is made from what the host
+knows for sure: a request's computed tokens are bounded by ``Req.computed_bound`` (exact unless a verify is in
+flight, then the bound assumes every draft is accepted), a decoding row's inputs come from the device tables, and a
+request already certain to finish (its in-flight step reaches ``max_tokens`` or the context limit) is not scheduled.
+
+Resource lifetime (the rules, in one place):
+- A request's slots and KV locations go back to the free lists only when no launched step that uses them is still
+  unread: ``finish`` and ``_preempt`` of a request in flight set ``release_deferred``, and ``step_done`` releases
+  it when its last in-flight step's results are processed (which happens after that step's completion event).
+  A request is therefore released exactly once, however it ended.
+- A preempted request is not re-admitted while a step of its old run is in flight (its outputs are still arriving).
+- KV reserved for the all-accepted case stays with the request until the host knows the real count; then
+  ``step_done`` returns the surplus beyond what the next step can need.
 """
 
 from __future__ import annotations
@@ -40,6 +54,8 @@ class ScheduledBatch:
     kv_cols: list[int] = field(default_factory=list)
     kv_locs: list[torch.Tensor] = field(default_factory=list)
     preempted: list[Req] = field(default_factory=list)
+    # rows whose inputs (newest token, and for verify rows the position) come from the device tables
+    from_device: list[bool] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -67,14 +83,20 @@ class Scheduler:
         return len(self.waiting) + len(self.running)
 
     def finish(self, req: Req, reason: str) -> None:
-        """End a request and return every resource it holds."""
+        """End a request and return every resource it holds (once its in-flight steps are done with them)."""
         req.finish_reason = req.finish_reason or reason
         if req.status is ReqStatus.RUNNING:
             self.running.remove(req)
-            self._release(req)
+            self._release_when_idle(req)
         elif req.status is ReqStatus.WAITING:
             self.waiting.remove(req)
         req.status = ReqStatus.FINISHED
+
+    def _release_when_idle(self, req: Req) -> None:
+        if req.inflight:
+            req.release_deferred = True
+        else:
+            self._release(req)
 
     def _release(self, req: Req) -> None:
         c = self.caches
@@ -86,24 +108,69 @@ class Scheduler:
         if req.state_slot > 0:
             c.state_pool.free(req.state_slot)
         req.req_slot = req.state_slot = -1
-        req.num_computed = req.num_kv = 0
+        req.num_kv = 0
+        req.release_deferred = False
 
     def _preempt(self, req: Req) -> None:
         self.running.remove(req)
-        self._release(req)
+        self._release_when_idle(req)
         req.status = ReqStatus.WAITING
+        req.num_computed = 0
+        req.decoding = False
         req.num_preemptions += 1
         self.waiting.appendleft(req)
 
     def is_decoding(self, req: Req) -> bool:
-        """Prefill done (a token was generated) and only the newest token is left to feed."""
-        return bool(req.output_ids) and req.num_tokens - req.num_computed == 1
+        """Prefill done: the last launched row sampled, so the next row feeds the newest token."""
+        return req.decoding
+
+    # ---- launch and completion bookkeeping --------------------------------------------------------------------
+    def step_launched(self, plan: ScheduledBatch) -> None:
+        """Record that ``plan`` runs on the device; its results arrive later through ``step_done``."""
+        verify = plan.mode is ForwardMode.TARGET_VERIFY
+        for req, n, keep in zip(plan.reqs, plan.extend_lens, plan.sample):
+            req.inflight += 1
+            req.inflight_advance += n  # a verify row commits k + 1 tokens at most
+            req.inflight_verify += verify
+            req.inflight_new += keep
+            req.decoding = req.decoding or keep
+
+    def step_done(self, plan: ScheduledBatch, row: int, committed: int) -> None:
+        """Row ``row`` of ``plan`` completed and committed ``committed`` tokens to the caches."""
+        req = plan.reqs[row]
+        req.inflight -= 1
+        req.inflight_advance -= plan.extend_lens[row]
+        req.inflight_verify -= plan.mode is ForwardMode.TARGET_VERIFY
+        req.inflight_new -= plan.sample[row]
+        if req.status is ReqStatus.RUNNING:
+            req.num_computed += committed
+            if not req.inflight_verify:
+                self._trim_kv(req)
+        if req.release_deferred and not req.inflight:
+            self._release(req)
+
+    def _trim_kv(self, req: Req) -> None:
+        """Return KV reserved past what the next step can need (the surplus of an all-accepted reservation)."""
+        if not req.decoding:
+            return
+        keep = self._kv_end(req, self.k + 1 if self.k else 1, True, req.computed_bound)
+        if req.num_kv <= keep or not req.kv_locs:
+            return
+        locs = torch.cat(req.kv_locs)
+        self.caches.kv_pool.free(locs[keep:])
+        req.kv_locs = [locs[:keep]]
+        req.num_kv = keep
+
+    def _surely_done(self, req: Req) -> bool:
+        """The in-flight steps' outputs alone finish the request (max_tokens or the context limit)."""
+        return req.inflight_new > 0 and (len(req.output_ids) + req.inflight_new >= req.params.max_tokens
+                                         or req.num_tokens + req.inflight_new >= self.caches.max_model_len)
 
     # ---- one step ---------------------------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch | None:
         if self.k == 0:
             return self._schedule(self.running, prefill=True, decode=True)
-        decoding = [r for r in self.running if self.is_decoding(r)]
+        decoding = [r for r in self.running if r.decoding]
         wants_prefill = len(decoding) < len(self.running) or bool(self.waiting)
         if wants_prefill and (not decoding or not self._last_was_prefill):
             batch = self._schedule(self.running, prefill=True, decode=False)
@@ -117,25 +184,36 @@ class Scheduler:
         budget = self.ec.chunk_size
         plan = ScheduledBatch([], [], [], [], ForwardMode.EXTEND)
         pending = list(candidates)  # oldest first; preemption victims are taken from the end
+        width = self.caches.req_slots.max_context
         while pending:
             req = pending.pop(0)
-            is_decode = self.is_decoding(req) if self.k else req.num_tokens - req.num_computed == 1
+            is_decode = req.decoding
             if (is_decode and not decode) or (not is_decode and not prefill):
                 continue
-            remaining = req.num_tokens - req.num_computed
-            n = (self.k + 1 if self.k else 1) if is_decode else min(remaining, budget)
-            if n == 0:
+            c = req.computed_bound
+            if is_decode:
+                if self._surely_done(req):
+                    continue
+                n = self.k + 1 if self.k else 1
+            else:  # a prefilling request has no verify in flight: c is exact and its tokens are on the host
+                n = min(req.num_tokens - c, budget)
+                if n <= 0:
+                    continue
+            end = self._kv_end(req, n, is_decode, c)
+            if end > width:  # only with a verify in flight near the context limit: wait for the real count
                 continue
-            if not self._reserve(req, self._kv_end(req, n, is_decode), pending, plan):
+            if not self._reserve(req, end, pending, plan):
                 continue
             if not is_decode:
                 budget -= n
-            self._add_row(plan, req, n, is_decode)
+            self._add_row(plan, req, n, is_decode, c)
 
         while prefill and self.waiting and budget > 0:
             req = self.waiting[0]
+            if req.inflight:  # preempted while in flight: its last outputs are still arriving
+                break
             n = min(req.num_tokens, budget)
-            need = self._kv_end(req, n, False)  # a waiting request holds no KV (num_computed is 0)
+            need = self._kv_end(req, n, False, 0)  # a waiting request holds no KV
             # keep room for one more step of every running request, so admissions do not force preemptions at once
             room = len(self.running) * (self.kv_lookahead + 1)
             if (self.caches.kv_pool.num_free < need + room or self.caches.req_slots.num_free == 0
@@ -146,38 +224,41 @@ class Scheduler:
             req.state_slot = self.caches.state_pool.alloc()
             req.status = ReqStatus.RUNNING
             req.num_computed = req.num_kv = 0
+            req.decoding = False
             req.arrival = self._arrivals
             self._arrivals += 1
             self.running.append(req)
             reserved = self._reserve(req, need, [], plan)
             assert reserved
-            self._add_row(plan, req, n, False)
+            self._add_row(plan, req, n, False, 0)
             budget -= n
 
         if not plan.reqs:
             return None
         if self.k:
-            if all(self.is_decoding(r) for r in plan.reqs):  # prefill rows never share a step with verify rows
+            if all(plan.from_device):  # prefill rows never share a step with verify rows
                 plan.mode = ForwardMode.TARGET_VERIFY
         elif all(n == 1 for n in plan.extend_lens) and all(plan.sample):
             plan.mode = ForwardMode.DECODE
         return plan
 
-    def _add_row(self, plan: ScheduledBatch, req: Req, n: int, is_decode: bool) -> None:
+    def _add_row(self, plan: ScheduledBatch, req: Req, n: int, is_decode: bool, c: int) -> None:
         plan.reqs.append(req)
         plan.extend_lens.append(n)
-        plan.prefix_lens.append(req.num_computed)
+        plan.prefix_lens.append(c)  # exact, except for a verify row behind a verify in flight (an upper bound)
         # a verify row feeds its last token plus k drafts; the drafts are not in req's tokens
-        plan.sample.append(is_decode or req.num_computed + n == req.num_tokens)
+        plan.sample.append(is_decode or c + n == req.num_tokens)
+        plan.from_device.append(is_decode)
 
-    def _kv_end(self, req: Req, n: int, is_decode: bool) -> int:
-        """Positions (exclusive) that need KV locations before this step: the fed tokens and, with speculation, the
-        positions written ahead of them. A verify row feeds positions c..c+k (c = num_computed) and the k - 1
-        chained drafts after it reach c + 2k - 1; the last prefill chunk's chained drafts reach k - 1 past it."""
-        end = req.num_computed + n
+    def _kv_end(self, req: Req, n: int, is_decode: bool, c: int) -> int:
+        """Positions (exclusive) that need KV locations before a step that feeds ``n`` tokens after ``c`` computed
+        ones: the fed tokens and, with speculation, the positions written ahead of them. A verify row feeds
+        positions c..c+k and the k - 1 chained drafts after it reach c + 2k - 1; the last prefill chunk's chained
+        drafts reach k - 1 past it."""
+        end = c + n
         if self.k:
             if is_decode:
-                end = req.num_computed + 2 * self.k
+                end = c + 2 * self.k
             elif end == req.num_tokens:
                 end += self.k - 1
         return end
@@ -192,6 +273,8 @@ class Scheduler:
             victim = pending.pop()  # the newest request not yet scheduled in this step
             self._preempt(victim)
             plan.preempted.append(victim)
+            if victim.release_deferred:  # its KV returns when its in-flight step completes: wait for that
+                return False
             locs = kv.alloc(need)
         if locs is None:
             self._preempt(req)

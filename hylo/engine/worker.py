@@ -53,44 +53,85 @@ class ModelWorker:
 
     def build_batch(self, sched: ScheduledBatch, input_ids: torch.Tensor | None = None) -> ForwardBatch:
         """Host plan -> device batch. Records the step's newly reserved KV locations in ``req_to_token`` and reads
-        the fed tokens' locations back from it on the device. ``input_ids`` overrides the fed tokens (verify rows
-        feed drafts that only the device knows)."""
+        the fed tokens' locations back from it on the device.
+
+        Rows the scheduler marked ``from_device`` (decoding rows) take their newest token, and when every row is
+        one, their positions too, from the device tables: the host may not know them yet (overlap loop).
+        ``input_ids`` overrides the fed tokens (verify rows feed drafts that only the device knows)."""
         slots = self.caches.req_slots
         if sched.kv_locs:
             slots.write_locations(sched.kv_rows, sched.kv_cols, torch.cat(sched.kv_locs))
-        ids, pos, tok_slots = [], [], []
+        dev = self.device
+        req_slots_cpu = [r.req_slot for r in sched.reqs]
+        state_slots_cpu = [r.state_slot for r in sched.reqs]
+        req_slots = _dev(req_slots_cpu, dev)
+        max_seq_len = max(p + n for p, n in zip(sched.prefix_lens, sched.extend_lens))
+        if all(sched.from_device):  # DECODE / TARGET_VERIFY: everything comes from the device tables
+            n = sched.extend_lens[0]
+            base = slots.seq_len[req_slots]
+            pos2d = base[:, None] + torch.arange(n, device=dev)[None, :]
+            return ForwardBatch(
+                mode=sched.mode,
+                input_ids=slots.last_token[req_slots] if input_ids is None else input_ids,
+                positions=pos2d.reshape(-1),
+                req_slots=req_slots,
+                state_slots=_dev(state_slots_cpu, dev),
+                seq_lens=base + n,
+                query_start_loc=torch.arange(len(sched.reqs) + 1, device=dev) * n,
+                out_cache_loc=slots.req_to_token[req_slots[:, None], pos2d].reshape(-1),
+                max_seq_len=max_seq_len,
+                tokens_per_row=n,
+            )
+        # EXTEND: prefill chunks, known to the host; decoding rows riding along (plain decoding only) feed one
+        # token at a position the host knows exactly, the token itself from the device table
+        ids, pos, tok_slots, dev_idx, dev_slots = [], [], [], [], []
         qsl = [0]
-        for req, n, prefix in zip(sched.reqs, sched.extend_lens, sched.prefix_lens):
-            if input_ids is None:
+        for req, n, prefix, from_dev in zip(sched.reqs, sched.extend_lens, sched.prefix_lens, sched.from_device):
+            if from_dev:
+                assert n == 1 and not req.inflight_verify
+                dev_idx.append(len(ids))
+                dev_slots.append(req.req_slot)
+                ids.append(0)
+            else:
                 ids.extend(req.tokens(prefix, prefix + n))
             pos.extend(range(prefix, prefix + n))
             tok_slots.extend([req.req_slot] * n)
             qsl.append(qsl[-1] + n)
         seq_lens = [p + n for p, n in zip(sched.prefix_lens, sched.extend_lens)]
-        req_slots = [r.req_slot for r in sched.reqs]
-        state_slots = [r.state_slot for r in sched.reqs]
-        dev = self.device
+        if input_ids is None:
+            input_ids = _dev(ids, dev)
+            if dev_idx:
+                input_ids[_dev(dev_idx, dev)] = slots.last_token[_dev(dev_slots, dev)]
         positions = _dev(pos, dev)
-        varlen = sched.mode.is_extend
         batch = ForwardBatch(
             mode=sched.mode,
-            input_ids=_dev(ids, dev) if input_ids is None else input_ids,
+            input_ids=input_ids,
             positions=positions,
-            req_slots=_dev(req_slots, dev),
-            state_slots=_dev(state_slots, dev),
+            req_slots=req_slots,
+            state_slots=_dev(state_slots_cpu, dev),
             seq_lens=_dev(seq_lens, dev),
             query_start_loc=_dev(qsl, dev),
             out_cache_loc=slots.req_to_token[_dev(tok_slots, dev), positions],
-            max_seq_len=max(seq_lens),
-            extend_lens_cpu=list(sched.extend_lens) if varlen else None,
-            prefix_lens_cpu=list(sched.prefix_lens) if varlen else None,
-            req_slots_cpu=req_slots if varlen else None,
-            state_slots_cpu=state_slots if varlen else None,
-            tokens_per_row=1 if varlen else sched.extend_lens[0],
+            max_seq_len=max_seq_len,
+            extend_lens_cpu=list(sched.extend_lens),
+            prefix_lens_cpu=list(sched.prefix_lens),
+            req_slots_cpu=req_slots_cpu,
+            state_slots_cpu=state_slots_cpu,
         )
         if self.backend.needs_cpu_seq_lens:
             batch.seq_lens_cpu = torch.tensor(seq_lens, dtype=torch.int64)
         return batch
+
+    def sampling_batch(self, sched: ScheduledBatch, batch: ForwardBatch, rows: torch.Tensor | None = None,
+                       reqs=None) -> SamplingBatch:
+        """Sampling parameters of the sampling rows (``rows``: their batch rows; None: every row). The index of the
+        output token each row samples comes from the device lengths: seq_len - prompt_len at the row's first
+        sampled position (the host's output count lags one step behind in the overlap loop)."""
+        reqs = sched.reqs if reqs is None else reqs
+        prompt_lens = _dev([len(r.prompt_ids) for r in reqs], self.device)
+        seq_lens = batch.seq_lens if rows is None else batch.seq_lens[rows]
+        steps = seq_lens - (batch.tokens_per_row - 1) - prompt_lens
+        return SamplingBatch.from_reqs(reqs, self.vocab_size, self.device, steps=steps)
 
     def capture_graphs(self, capture_sizes: list[int], verbose: bool = True) -> None:
         """Capture the DECODE pass (model forward and LM head) at these batch sizes."""
@@ -106,20 +147,27 @@ class ModelWorker:
 
     @torch.inference_mode()
     def run(self, sched: ScheduledBatch) -> StepResult:
-        """Runs one step; returns the sampled token of every sampling row."""
+        """Launches one step; returns the sampled token of every sampling row (on the device) and records the new
+        lengths and tokens in the request tables."""
         batch = self.build_batch(sched)
         if batch.mode is ForwardMode.DECODE and self.graphs is not None and self.graphs.can_run("decode",
                                                                                                  batch.batch_size):
             logits = self.graphs.run("decode", batch)["logits"]
-            sb = SamplingBatch.from_reqs(sched.reqs, self.vocab_size, self.device)
-            return StepResult(sample(logits, sb)[:, None])
+            tokens = sample(logits, self.sampling_batch(sched, batch))
+            self.caches.req_slots.record(batch.req_slots, batch.seq_lens, batch.req_slots, tokens)
+            return StepResult(tokens[:, None])
         hidden = self.forward_hidden(batch)
-        if batch.mode is ForwardMode.DECODE:
-            last = hidden
-        else:
-            last = hidden[_dev(sampling_rows(sched)[0], self.device)]
         sampled = [r for r, keep in zip(sched.reqs, sched.sample) if keep]
+        if batch.mode is ForwardMode.DECODE:
+            last, rows = hidden, None
+        else:
+            tok_idx, row_idx = sampling_rows(sched)
+            last, rows = hidden[_dev(tok_idx, self.device)], _dev(row_idx, self.device)
         if not sampled:
+            self.caches.req_slots.record(batch.req_slots, batch.seq_lens)
             return StepResult(torch.empty(0, 1, dtype=torch.int64, device=self.device))
         logits = self.model.compute_logits(last)
-        return StepResult(sample(logits, SamplingBatch.from_reqs(sampled, self.vocab_size, self.device))[:, None])
+        tokens = sample(logits, self.sampling_batch(sched, batch, rows, sampled))
+        self.caches.req_slots.record(batch.req_slots, batch.seq_lens,
+                                     batch.req_slots if rows is None else batch.req_slots[rows], tokens)
+        return StepResult(tokens[:, None])

@@ -56,11 +56,14 @@ def decode_attention_ref(q, k_cache, v_cache, req_to_token, req_slots, seq_lens,
     """
     batch = req_slots.shape[0]
     s = tokens_per_row
-    locs = req_to_token[req_slots, :max_seq_len]  # [B, Lk]
-    k = k_cache[locs].transpose(1, 2)  # [B, KVH, Lk, D]
-    v = v_cache[locs].transpose(1, 2)
-    qb = q.view(batch, s, *q.shape[1:]).transpose(1, 2)  # [B, H, s, D]
     key_pos = torch.arange(max_seq_len, device=q.device)
+    # positions past a row's length hold stale locations (whatever owned the slot before): never read them, not
+    # even to mask them afterwards (0 * NaN is NaN)
+    valid = (key_pos[None, :] < seq_lens[:, None])[:, None, :, None]  # [B, 1, Lk, 1]
+    locs = req_to_token[req_slots, :max_seq_len]  # [B, Lk]
+    k = k_cache[locs].transpose(1, 2).where(valid, 0.0)  # [B, KVH, Lk, D]
+    v = v_cache[locs].transpose(1, 2).where(valid, 0.0)
+    qb = q.view(batch, s, *q.shape[1:]).transpose(1, 2)  # [B, H, s, D]
     q_pos = seq_lens[:, None] - s + torch.arange(s, device=q.device)[None, :]  # [B, s]
     mask = key_pos[None, None, :] <= q_pos[:, :, None]  # [B, s, Lk]
     out = _attend(qb, k, v, mask[:, None], scaling)  # [B, H, s, D]

@@ -25,7 +25,7 @@ class SpecWorker:
         self.k = k
         self.simulate_accept_length = simulate_accept_length
         self._sim_gen = torch.Generator(device=target.device).manual_seed(seed)
-        # test hook: fn(reqs, drafts [B, k] device) -> drafts, to force acceptance or rejection
+        # test hook: fn(reqs, drafts [B, k], first output index [B]) -> drafts, to force acceptance or rejection
         self.draft_hook = None
 
     def capture_graphs(self, capture_sizes: list[int], verbose: bool = True) -> None:
@@ -74,9 +74,10 @@ class SpecWorker:
         dev = tw.device
         tok_idx, row_idx = _dev(tok_idx_list, dev), _dev(row_idx_list, dev)
         sampled_reqs = [r for r, keep in zip(sched.reqs, sched.sample) if keep]
-        sb = SamplingBatch.from_reqs(sampled_reqs, tw.vocab_size, dev)
+        sb = tw.sampling_batch(sched, batch, row_idx, sampled_reqs)
         tokens = (sample(tw.model.compute_logits(hidden[tok_idx]), sb) if sampled_reqs
                   else torch.empty(0, dtype=torch.int64, device=dev))
+        tw.caches.req_slots.record(batch.req_slots, batch.seq_lens, batch.req_slots[row_idx], tokens)
         next_ids = batch.input_ids.roll(-1)
         end_vals = _dev(next_host, dev)
         end_vals[row_idx] = tokens
@@ -91,9 +92,11 @@ class SpecWorker:
         dev = tw.device
         req_slots = _dev([r.req_slot for r in sched.reqs], dev)
         drafts = self.drafter.drafts[req_slots]
-        if self.draft_hook is not None:
-            drafts = self.draft_hook(sched.reqs, drafts)
-        last = _dev([r.output_ids[-1] for r in sched.reqs], dev)
+        if self.draft_hook is not None:  # it gets each row's output index from the device lengths
+            first_out = tw.caches.req_slots.seq_len[req_slots] + 1 - _dev([len(r.prompt_ids) for r in sched.reqs],
+                                                                          dev)
+            drafts = self.draft_hook(sched.reqs, drafts, first_out)
+        last = tw.caches.req_slots.last_token[req_slots]  # the device table: the host may not know it yet
         input_ids = torch.cat([last[:, None], drafts], dim=1).reshape(-1)
         batch = tw.build_batch(sched, input_ids=input_ids)
         bs = len(sched.reqs)
@@ -104,7 +107,7 @@ class SpecWorker:
             hidden = tw.forward_hidden(batch)
             logits = tw.model.compute_logits(hidden)
         logits = logits.view(bs, k + 1, -1)
-        sb = SamplingBatch.from_reqs(sched.reqs, tw.vocab_size, dev)
+        sb = tw.sampling_batch(sched, batch)
         emitted, accepted = greedy_accept(drafts, logits)
         if not sb.all_greedy:
             p = sampling_probs(logits.reshape(bs * (k + 1), -1), _repeat(sb, k + 1)).view(bs, k + 1, -1)
@@ -116,6 +119,9 @@ class SpecWorker:
         if self.simulate_accept_length is not None:
             emitted, accepted = self._simulate(drafts, emitted, accepted)
         commit_states(self.caches.state_pool, batch.state_slots, accepted)
+        rows = torch.arange(bs, device=dev)
+        tw.caches.req_slots.record(batch.req_slots, batch.seq_lens - k + accepted, batch.req_slots,
+                                   emitted[rows, accepted])
         self.drafter.after_verify(tw, batch, hidden, emitted, accepted, sb)
         return StepResult(emitted, accepted + 1)
 

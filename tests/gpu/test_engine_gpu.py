@@ -34,7 +34,7 @@ def gpu_ckpt(tmp_path_factory):
     return str(path)
 
 
-def _engine(path, device="cuda", dtype="float32", spec=None, **kw):
+def _engine(path, device="cuda", dtype="float32", spec=None, **kw):  # pass overlap=False to step by hand
     ec = EngineConfig(verbose=False, max_num_seqs=16, cuda_graph_sizes=(1, 2, 4, 8, 16), **kw,
                       **({"speculative": spec, "num_speculative_tokens": 3} if spec else {}))
     return Engine(path, device=device, dtype=dtype, engine_config=ec, spec_setup=SpecSetup(spec) if spec else None)
@@ -68,7 +68,7 @@ def _restore(eng, snap):
 
 @pytest.mark.parametrize("n", [3, 4, 5, 13])
 def test_decode_graph_equals_eager_and_padding_touches_only_dummies(gpu_ckpt, n):
-    eng = _engine(gpu_ckpt)
+    eng = _engine(gpu_ckpt, overlap=False)
     rids = _to_decoding(eng, n)
     sched = eng.scheduler.schedule()
     assert sched.mode is ForwardMode.DECODE
@@ -114,7 +114,7 @@ def test_decode_graph_equals_eager_and_padding_touches_only_dummies(gpu_ckpt, n)
 
 @pytest.mark.parametrize("n", [3, 8])
 def test_verify_graph_equals_eager(gpu_ckpt, n):
-    eng = _engine(gpu_ckpt, spec="mtp")
+    eng = _engine(gpu_ckpt, spec="mtp", overlap=False)
     rids = _to_decoding(eng, n)
     sched = eng.scheduler.schedule()
     assert sched.mode is ForwardMode.TARGET_VERIFY

@@ -1,0 +1,40 @@
+"""The overlap loop on the GPU: steady-state speculative decoding steps make no synchronising CUDA call at all
+(``torch.cuda.set_sync_debug_mode("error")`` turns any into an exception), at batch 1, 16 and a padded size."""
+
+import pytest
+import torch
+
+from hylo import SamplingParams
+
+from test_engine_gpu import _engine, _prompts, gpu_ckpt  # noqa: F401  (the fixture)
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+
+
+@pytest.mark.parametrize("spec", ["mtp", "ngram"])
+@pytest.mark.parametrize("bs", [1, 5, 16])  # 5 runs padded to the captured 8
+def test_steady_state_spec_steps_never_sync(gpu_ckpt, spec, bs):  # noqa: F811
+    eng = _engine(gpu_ckpt, spec=spec, dtype="bfloat16")
+    assert eng.ec.overlap and eng.model_worker.graphs is not None
+    rids = []
+    for i, p in enumerate(_prompts(bs, seed=bs)):
+        # greedy and sampled rows together: the rejection-sampling path is part of the steady state too
+        params = SamplingParams(max_tokens=10 ** 6, ignore_eos=True, temperature=0.0 if i % 2 else 0.8, seed=i)
+        rids.append(eng.add_request(p, params))
+    for _ in range(6):  # prefill, then a few verify steps
+        eng.step()
+    assert all(r.decoding for r in eng.scheduler.running) and not eng.scheduler.waiting
+    blocking, overlapped = eng.host_reads.blocking, eng.host_reads.overlapped
+    before = [len(eng._reqs[r].output_ids) for r in rids]
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(12):
+            eng.step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert eng.host_reads.blocking == blocking
+    assert eng.host_reads.overlapped == overlapped + 12
+    assert all(len(eng._reqs[r].output_ids) >= b + 12 for r, b in zip(rids, before))
+    for rid in rids:
+        eng.abort(rid)
+    eng.drain()
