@@ -159,9 +159,16 @@ def test_gpu_engine_matches_cpu_reference(gpu_ckpt):
         checked += int(clear.sum())
     # not vacuous: on the H200, 31 of the 80 positions had a margin above 0.25 (this random model's logits are flat)
     assert checked >= 0.25 * 5 * 16
+    # bfloat16: rounding the weights alone moves this random model's logits a lot (MoE routing near-ties flip;
+    # 26% relative on the CPU); the GPU's bf16 must stay as close to the CPU's bf16 as bf16 is to float32
     bf = Engine(gpu_ckpt, device="cuda", dtype="bfloat16", engine_config=EngineConfig(verbose=False))
-    c = bf.prompt_logits(prompts[0]).cpu()
-    assert (a - c).norm() / a.norm() < 5e-2
+    c = bf.prompt_logits(prompts[0]).cpu().float()
+    cpu_bf = Engine(gpu_ckpt, device="cpu", dtype="bfloat16", engine_config=EngineConfig(verbose=False))
+    d = cpu_bf.prompt_logits(prompts[0]).float()
+    rounding = ((a - d).norm() / a.norm()).item()
+    gap = ((c - d).norm() / d.norm()).item()
+    print(f"bf16: CPU vs fp32 {rounding:.3f}, GPU vs CPU {gap:.3f}")
+    assert gap < max(rounding, 0.02)
 
 
 @pytest.mark.parametrize("spec", ["mtp", "ngram"])
