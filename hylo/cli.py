@@ -1,4 +1,4 @@
-"""Command line: ``hylo generate`` (and ``python -m hylo generate``)."""
+"""Command line: ``hylo generate``, ``hylo serve``, ``hylo bench`` (and ``python -m hylo ...``)."""
 
 from __future__ import annotations
 
@@ -79,6 +79,31 @@ def _bench(args) -> int:
     return 0
 
 
+def _serve(args) -> int:
+    try:
+        import uvicorn
+
+        from .server.app import create_app
+    except ImportError as e:
+        print(f"error: the server needs fastapi and uvicorn ({e}); install hylo with its dependencies", file=sys.stderr)
+        return 2
+    from .engine.engine import Engine
+    from .spec.setup import SpecSetup
+
+    if args.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"[hylo] warning: serving on {args.host} without --api-key: anyone who can reach it can use it",
+              file=sys.stderr)
+    ec = EngineConfig(**_engine_options(args))
+    engine = Engine(args.model, device=args.device, dtype=args.dtype, engine_config=ec,
+                    spec_setup=SpecSetup(ec.speculative) if ec.speculative else None)
+    app = create_app(engine, api_key=args.api_key, served_model_name=args.served_model_name,
+                     max_body_bytes=args.max_body_bytes)
+    print(f"[hylo] serving {args.served_model_name or engine.model_name} on http://{args.host}:{args.port}/v1",
+          file=sys.stderr, flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
@@ -104,6 +129,15 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--quick", action="store_true", help="fewer sizes and steps")
     b.add_argument("--out", default="bench/results", help="folder for the JSON results")
     b.set_defaults(func=_bench)
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    s.add_argument("--served-model-name", default=None, help="model id clients use (default: the directory name)")
+    s.add_argument("--max-body-bytes", type=int, default=4 << 20, help="largest request body (default 4 MiB)")
+    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    _add_engine_args(s)
+    s.set_defaults(func=_serve)
     return parser
 
 

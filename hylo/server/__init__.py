@@ -1,0 +1,1 @@
+"""The OpenAI-compatible server: ``hylo serve`` (see ``app.create_app``)."""
