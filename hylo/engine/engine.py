@@ -19,7 +19,8 @@ from ..cache.memory import allocate_caches
 from ..config import EngineConfig, ModelConfig
 from ..core import ForwardMode, Req, RequestOutput, SamplingParams, SpecStats
 from ..layers.weights import DictReader, TensorReader
-from ..models.default import DEFAULT_MODEL_NAME, DEFAULT_SEED, default_model_config
+from ..models.default import (DEFAULT_MODEL_NAME, DEFAULT_SEED, TRAINED_DEFAULT_NAME, default_model_config,
+                              trained_default_path)
 from ..models.loader import SafetensorsReader
 from ..models.qwen3_next import Qwen3NextForCausalLM
 from ..models.random_init import random_checkpoint
@@ -66,8 +67,12 @@ class LoadedModel:
 
 
 def load_model(path: str | None, dtype: torch.dtype, device: torch.device, progress: bool = False) -> LoadedModel:
-    """A checkpoint directory, or the embedded default (random weights) when ``path`` is None."""
-    if path is None:
+    """A checkpoint directory; None for the embedded default (the trained one when it ships, else random weights);
+    ``"hylo-default-random"`` for the random-weight default."""
+    display_name = None
+    if path is None and trained_default_path() is not None:
+        path, display_name = trained_default_path(), TRAINED_DEFAULT_NAME
+    if path is None or (path == DEFAULT_MODEL_NAME and not os.path.isdir(path)):
         mc = default_model_config()
         reader: TensorReader = DictReader(random_checkpoint(mc, seed=DEFAULT_SEED))
         name, tokenizer, is_random = DEFAULT_MODEL_NAME, ByteTokenizer(), True
@@ -76,10 +81,11 @@ def load_model(path: str | None, dtype: torch.dtype, device: torch.device, progr
             raise FileNotFoundError(f"model directory {path!r} does not exist")
         mc = ModelConfig.from_pretrained(path)
         reader = SafetensorsReader(path)
-        name, tokenizer, is_random = os.path.basename(os.path.normpath(path)), load_tokenizer(path), False
+        name = display_name or os.path.basename(os.path.normpath(path))
+        tokenizer, is_random = load_tokenizer(path), False
     with torch.device(device):
         model = Qwen3NextForCausalLM(mc, dtype, device)
-    model.load(reader, progress=progress and path is not None)
+    model.load(reader, progress=progress and not is_random)
     model.eval()
     return LoadedModel(name, mc, model, reader, tokenizer, is_random)
 

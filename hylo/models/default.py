@@ -1,16 +1,30 @@
-"""The embedded default model: a small Qwen3-Next-architecture model built on the fly (no download).
+"""The embedded default models (no download).
 
-Its weights are seeded random numbers: it proves the pipeline runs end to end, not that anything meaningful is
-generated. Its tokenizer is byte-level.
+- The trained default (``default_ckpt/`` beside this file, when present): a small Qwen3-Next-architecture model
+  with an MTP head, trained on the Python standard library by ``tools/train_default.py``; a normal Hugging Face
+  checkpoint directory, loaded like any other. ``model=None`` means this one.
+- The random default (``model="hylo-default-random"``, or ``None`` when no trained one ships): built on the fly
+  from seeded random numbers with a byte-level tokenizer. It proves the pipeline runs, and is what tests use when
+  they want a fast model whose output does not matter.
 """
 
 from __future__ import annotations
+
+import os
 
 from ..config import ModelConfig
 from ..tokenizer import ByteTokenizer
 
 DEFAULT_MODEL_NAME = "hylo-default-random"
 DEFAULT_SEED = 1234
+TRAINED_DEFAULT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "default_ckpt")
+TRAINED_DEFAULT_NAME = "hylo-stdlib-default"
+
+
+def trained_default_path() -> str | None:
+    """The shipped trained default's directory, or None when this install has none."""
+    ok = all(os.path.isfile(os.path.join(TRAINED_DEFAULT_DIR, f)) for f in ("config.json", "model.safetensors"))
+    return TRAINED_DEFAULT_DIR if ok else None
 
 
 def default_model_config() -> ModelConfig:
