@@ -29,7 +29,8 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def server():
     port = _free_port()
-    cmd = [sys.executable, "-m", "hylo", "serve", "--port", str(port), "--api-key", KEY, "--max-num-seqs", "16",
+    cmd = [sys.executable, "-m", "hylo", "serve", "--model", MODEL, "--port", str(port), "--api-key", KEY,
+           "--max-num-seqs", "16",
            "--log-level", "warning", "--max-body-bytes", str(1 << 20)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})

@@ -137,7 +137,9 @@ class Engine:
         self.eos_ids = set(self.model_config.eos_token_ids)
         self.load_seconds = time.perf_counter() - t0
         if self.ec.verbose:
-            kind = "embedded default, RANDOM WEIGHTS (output is noise)" if self.is_random else "checkpoint"
+            kind = ("embedded default, RANDOM WEIGHTS (output is noise)" if self.is_random else
+                    "embedded default, trained on the Python standard library" if self.model_name ==
+                    TRAINED_DEFAULT_NAME else "checkpoint")
             print(f"[hylo] model {self.model_name} ({kind}) on {self.device} in {str(self.dtype)[6:]}, "
                   f"loaded in {self.load_seconds:.1f}s", file=sys.stderr, flush=True)
             print(f"[hylo] {self.caches.summary()}", file=sys.stderr, flush=True)
