@@ -42,12 +42,15 @@ def main(argv=None) -> int:
             prompts.append(ids[:args.prompt_tokens])
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
 
-    def run(llm):
+    def run(llm, repeats=3):
+        """Outputs and tokens/s, the best of ``repeats`` passes (2 shared cores are noisy)."""
         llm.generate(prompts[0], params, use_tqdm=False)  # warm-up
-        t0 = time.perf_counter()
-        outs = [llm.generate(p, params, use_tqdm=False)[0] for p in prompts]
-        dt = time.perf_counter() - t0
-        return outs, sum(len(o.token_ids) for o in outs) / dt
+        best = 0.0
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            outs = [llm.generate(p, params, use_tqdm=False)[0] for p in prompts]
+            best = max(best, sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0))
+        return outs, best
 
     ref, base_tps = run(plain)
     records = [dict(method=None, k=0, tokens_per_s=base_tps, accept_length=1.0, speedup=1.0, lossless=True)]
