@@ -72,32 +72,3 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
         out.index_add_(0, tok, h.to(out.dtype))
         start += count
     return out
-
-
-def grouped_mm_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                   topk_ids: torch.Tensor) -> torch.Tensor:
-    """The same sum through two grouped GEMMs (``torch._grouped_mm``: CUTLASS on Hopper, a loop elsewhere) over the
-    pairs sorted by expert: the large-prefill path, where the pairs number tens of thousands. No host sync: the
-    group offsets stay on the device. Needs H and I to be multiples of 8 (16-byte rows in bf16)."""
-    num_tokens, top_k = topk_ids.shape
-    num_experts, inter = w13.shape[0], w2.shape[-1]
-    flat = topk_ids.reshape(-1)
-    order = flat.argsort(stable=True)  # pairs grouped by expert
-    counts = torch.zeros(num_experts, dtype=torch.int32, device=x.device).scatter_add_(
-        0, flat, torch.ones_like(flat, dtype=torch.int32))
-    offs = counts.cumsum(0, dtype=torch.int32)
-    xs = x[order // top_k]
-    gate_up = torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs)  # [P, 2I]
-    act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-    down = torch._grouped_mm(act, w2.transpose(1, 2), offs=offs)  # [P, H]
-    down = down * topk_weights.reshape(-1)[order, None].to(down.dtype)
-    unsorted = torch.empty_like(down)
-    unsorted[order] = down
-    return unsorted.view(num_tokens, top_k, -1).sum(1, dtype=torch.float32).to(x.dtype)
-
-
-def can_use_grouped_mm(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
-    """CUTLASS grouped GEMM: CUDA, sm90+, 16-bit floats, 16-byte aligned rows."""
-    return (x.is_cuda and hasattr(torch, "_grouped_mm") and x.dtype in (torch.bfloat16,)
-            and torch.cuda.get_device_capability(x.device)[0] >= 9
-            and x.shape[1] % 8 == 0 and w2.shape[-1] % 8 == 0)

@@ -16,13 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .moe import can_use_grouped_mm, grouped_mm_moe
 from .triton_utils import next_pow2
 
 PAIR_GEMV_MAX_PAIRS = 64
-# prefill-sized batches (about 740 tokens and up at top-10 + shared) go to CUTLASS's grouped GEMM; decode batches
-# (at most 256 tokens in the captured graphs) stay on the Triton kernels
-GROUPED_MM_MIN_PAIRS = 8192
 
 
 # ---- few pairs: one GEMV per pair ------------------------------------------------------------------------------
@@ -173,8 +169,6 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     if num_pairs == 0:
         return torch.zeros_like(x)
-    if num_pairs >= GROUPED_MM_MIN_PAIRS and can_use_grouped_mm(x, w13, w2):
-        return grouped_mm_moe(x, w13, w2, topk_weights, topk_ids)
     if num_pairs <= PAIR_GEMV_MAX_PAIRS:
         # small row blocks: enough programs in flight to keep the memory system busy at batch 1
         bn, bk = 8, 256
