@@ -8,8 +8,7 @@ from tqdm.auto import tqdm
 
 from .config import EngineConfig
 from .core import RequestOutput, SamplingParams
-from .engine.engine import Engine
-from .spec.setup import SpecSetup
+from .parallel.launcher import create_engine
 
 
 class LLM:
@@ -17,7 +16,8 @@ class LLM:
 
     ``model`` is a Hugging Face Qwen3-Next checkpoint directory, or None for the embedded default (a small model
     with random weights). ``engine_options`` are the fields of :class:`hylo.config.EngineConfig`, speculative
-    decoding included: ``speculative="mtp" | "ngram"``, ``num_speculative_tokens=3``.
+    decoding included: ``speculative="mtp" | "ngram"``, ``num_speculative_tokens=3``; and
+    ``tensor_parallel_size=N`` (N processes, one GPU each on CUDA; gloo on CPU).
     """
 
     def __init__(self, model: str | None = None, device: str = "auto", dtype: str = "auto", **engine_options):
@@ -26,8 +26,13 @@ class LLM:
             raise TypeError(f"unknown engine option(s): {', '.join(sorted(unknown))}; "
                             f"known: {', '.join(sorted(EngineConfig.option_names()))}")
         ec = EngineConfig(**engine_options)
-        spec = SpecSetup(ec.speculative) if ec.speculative else None
-        self.engine = Engine(model, device=device, dtype=dtype, engine_config=ec, spec_setup=spec)
+        self.engine = create_engine(model, device, dtype, ec)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel follower processes, if any (also done when the LLM is garbage-collected)."""
+        close = getattr(self.engine, "close", None)
+        if close is not None:
+            close()
 
     @property
     def tokenizer(self):

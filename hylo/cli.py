@@ -25,6 +25,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="speculative decoding: the checkpoint's MTP head, or n-gram prompt lookup")
     g.add_argument("--num-speculative-tokens", type=int, default=d.num_speculative_tokens,
                    help="drafts per verify step (default 3)")
+    g.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="shard the model across N processes (one GPU each on CUDA)")
     g.add_argument("--no-overlap", dest="overlap", action="store_false",
                    help="read each step's results before launching the next (default: overlap them)")
     g.add_argument("--simulate-accept-length", type=float, default=None,
@@ -36,7 +38,8 @@ def _engine_options(args) -> dict:
                 kv_cache_tokens=args.kv_cache_tokens, memory_budget_gb=args.memory_budget_gb,
                 state_dtype=args.state_dtype, speculative=args.speculative,
                 num_speculative_tokens=args.num_speculative_tokens,
-                simulate_accept_length=args.simulate_accept_length, overlap=args.overlap)
+                simulate_accept_length=args.simulate_accept_length, overlap=args.overlap,
+                tensor_parallel_size=args.tensor_parallel_size)
 
 
 def _generate(args) -> int:
@@ -87,15 +90,12 @@ def _serve(args) -> int:
     except ImportError as e:
         print(f"error: the server needs fastapi and uvicorn ({e}); install hylo with its dependencies", file=sys.stderr)
         return 2
-    from .engine.engine import Engine
-    from .spec.setup import SpecSetup
+    from .parallel.launcher import create_engine
 
     if args.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"[hylo] warning: serving on {args.host} without --api-key: anyone who can reach it can use it",
               file=sys.stderr)
-    ec = EngineConfig(**_engine_options(args))
-    engine = Engine(args.model, device=args.device, dtype=args.dtype, engine_config=ec,
-                    spec_setup=SpecSetup(ec.speculative) if ec.speculative else None)
+    engine = create_engine(args.model, args.device, args.dtype, EngineConfig(**_engine_options(args)))
     app = create_app(engine, api_key=args.api_key, served_model_name=args.served_model_name,
                      max_body_bytes=args.max_body_bytes)
     print(f"[hylo] serving {args.served_model_name or engine.model_name} on http://{args.host}:{args.port}/v1",

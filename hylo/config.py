@@ -241,6 +241,7 @@ class EngineConfig:
     # launch step N+1 before reading step N's results (no host-device sync in the steady state); off: read each
     # step's results before launching the next (for comparison and debugging)
     overlap: bool = True
+    tensor_parallel_size: int = 1  # processes (one GPU each on CUDA) the model is sharded across
     cuda_graphs: bool = True  # on CUDA: capture decode / verify / draft passes (off: everything eager)
     max_graph_batch_size: int = 256  # largest captured batch size (larger batches run eagerly)
     cuda_graph_sizes: tuple[int, ...] | None = None  # explicit captured batch sizes (default: 1, 2, 4, 8, 16, ...)
@@ -269,6 +270,9 @@ class EngineConfig:
             if not (1.0 <= self.simulate_accept_length <= self.num_speculative_tokens + 1):
                 raise ValueError(f"simulate_accept_length must be in [1, num_speculative_tokens + 1 = "
                                  f"{self.num_speculative_tokens + 1}], got {self.simulate_accept_length}")
+        if isinstance(self.tensor_parallel_size, bool) or not isinstance(self.tensor_parallel_size, int) \
+                or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
         if self.preemption != "recompute":
             raise ValueError(f"preemption must be 'recompute', got {self.preemption!r}")
 

@@ -58,7 +58,7 @@ def test_matches_hf_transformers(llm):
 
 
 def test_heldout_loss_is_the_recorded_one(llm, record):
-    with open(os.path.join(PATH, "heldout_sample.py")) as f:
+    with open(os.path.join(PATH, "heldout_sample.txt")) as f:
         sample = f.read()
     ids = llm.tokenizer.encode(sample)
     logits = llm.engine.prompt_logits(ids)

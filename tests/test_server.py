@@ -276,3 +276,34 @@ def test_non_streaming_client_that_leaves_frees_its_slot(server):
                    headers={"Authorization": f"Bearer {KEY}"}, timeout=httpx.Timeout(30, read=0.5))
     m = _wait_idle(server, timeout=10)  # well before the 4000 tokens would have been generated
     assert m['hylo_requests_finished_total{reason="abort"}'] == before['hylo_requests_finished_total{reason="abort"}'] + 1
+
+
+def test_speculative_server_reports_accept_length():
+    """With --speculative, outputs are the plain server's (greedy) and /metrics reports the accept length."""
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([sys.executable, "-m", "hylo", "serve", "--model", MODEL, "--port", str(port),
+                             "--speculative", "ngram", "--num-speculative-tokens", "3", "--log-level", "warning"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 120
+        while True:
+            assert proc.poll() is None and time.time() < deadline, "server did not start"
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        from hylo import LLM, SamplingParams
+
+        prompt = "abcabcabcabcabcabc"
+        ref = LLM(MODEL, verbose=False).generate(prompt, SamplingParams(max_tokens=24, temperature=0,
+                                                                         ignore_eos=True), use_tqdm=False)[0]
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": 24, "temperature": 0,
+                                                      "ignore_eos": True}, timeout=60).json()
+        assert r["choices"][0]["text"] == ref.text and r["usage"]["completion_tokens"] == 24
+        m = _metrics(url)
+        assert m["hylo_spec_verify_steps_total"] > 0 and 1.0 <= m["hylo_spec_accept_length"] <= 4.0
+    finally:
+        proc.terminate()
+        proc.wait(timeout=15)

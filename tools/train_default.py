@@ -5,7 +5,7 @@ Runs on a GPU (HF transformers' Qwen3-Next implementation does the forward and b
 HF's own decoder layer and trained on the next-next token, as DeepSeek-V3 / Qwen3-Next train theirs). Writes a
 plain Hugging Face checkpoint directory: ``config.json``, ``model.safetensors`` (bfloat16, per-expert names,
 ``mtp.*`` appended), ``tokenizer.json``, ``generation_config.json``, ``training.json`` (corpus, tokenizer, sizes,
-steps, losses) and ``heldout_sample.py`` (held-out text whose loss is recorded, for the tests).
+steps, losses) and ``heldout_sample.txt`` (held-out text whose loss is recorded, for the tests).
 
     python tools/train_default.py --out hylo/models/default_ckpt            # on the H200: about 6 minutes
     python tools/train_default.py --out /tmp/t --steps 3 --tiny --device cpu  # smoke test
@@ -317,7 +317,7 @@ def main(argv=None) -> int:
     cj["torch_dtype"] = cj["dtype"] = "bfloat16"
     with open(os.path.join(args.out, "config.json"), "w") as f:
         json.dump(cj, f, indent=1)
-    with open(os.path.join(args.out, "heldout_sample.py"), "w") as f:
+    with open(os.path.join(args.out, "heldout_sample.txt"), "w") as f:
         f.write(sample)
     # the sample's loss with the saved (bf16-rounded) weights, computed in float32
     model_f, mtp_f = model.float(), mtp.float()

@@ -24,6 +24,8 @@ from ..models.default import (DEFAULT_MODEL_NAME, DEFAULT_SEED, TRAINED_DEFAULT_
 from ..models.loader import SafetensorsReader
 from ..models.qwen3_next import Qwen3NextForCausalLM
 from ..models.random_init import random_checkpoint
+from ..parallel.group import SINGLE, TPGroup
+from ..parallel.sharding import ShardedReader, local_config
 from ..tokenizer import ByteTokenizer, load_tokenizer
 from .detok import detokenize_step, find_stop_string
 from ..ops.triton_utils import use_triton
@@ -64,9 +66,15 @@ class LoadedModel:
     reader: TensorReader
     tokenizer: object | None
     is_random: bool
+    local_config: ModelConfig | None = None  # this rank's shard under tensor parallelism (else ``config``)
+
+    @property
+    def shard_config(self) -> ModelConfig:
+        return self.local_config or self.config
 
 
-def load_model(path: str | None, dtype: torch.dtype, device: torch.device, progress: bool = False) -> LoadedModel:
+def load_model(path: str | None, dtype: torch.dtype, device: torch.device, progress: bool = False,
+               tp: TPGroup = SINGLE) -> LoadedModel:
     """A checkpoint directory; None for the embedded default (the trained one when it ships, else random weights);
     ``"hylo-default-random"`` for the random-weight default."""
     display_name = None
@@ -83,11 +91,14 @@ def load_model(path: str | None, dtype: torch.dtype, device: torch.device, progr
         reader = SafetensorsReader(path)
         name = display_name or os.path.basename(os.path.normpath(path))
         tokenizer, is_random = load_tokenizer(path), False
+    local = local_config(mc, tp.size)
+    if tp.size > 1:  # each rank reads only its slice of every tensor
+        reader = ShardedReader(reader, mc, tp.rank, tp.size)
     with torch.device(device):
-        model = Qwen3NextForCausalLM(mc, dtype, device)
+        model = Qwen3NextForCausalLM(local, dtype, device, tp=tp)
     model.load(reader, progress=progress and not is_random)
     model.eval()
-    return LoadedModel(name, mc, model, reader, tokenizer, is_random)
+    return LoadedModel(name, mc, model, reader, tokenizer, is_random, local)
 
 
 @dataclass
@@ -100,7 +111,7 @@ class Engine:
     """One model, its caches, a scheduler and a worker. Not thread-safe: one caller drives ``step``."""
 
     def __init__(self, model: "str | LoadedModel | None" = None, device: str = "auto", dtype: str = "auto",
-                 engine_config: EngineConfig | None = None, spec_setup=None):
+                 engine_config: EngineConfig | None = None, spec_setup=None, tp: TPGroup = SINGLE):
         """``spec_setup`` (from ``hylo.spec``) adds speculative decoding: ``prepare(loaded_model, dtype, device)``
         loads what the drafter needs and returns how many extra KV layers it wants; ``wrap(worker, config)``
         returns the speculative worker."""
@@ -109,7 +120,7 @@ class Engine:
         self.dtype = resolve_dtype(dtype, self.device)
         t0 = time.perf_counter()
         lm = (model if isinstance(model, LoadedModel)
-              else load_model(model, self.dtype, self.device, progress=self.ec.verbose))
+              else load_model(model, self.dtype, self.device, progress=self.ec.verbose and tp.rank == 0, tp=tp))
         self.model_name, self.model_config, self.model = lm.name, lm.config, lm.model
         self.tokenizer, self.is_random = lm.tokenizer, lm.is_random
         self.reader = lm.reader
@@ -117,11 +128,12 @@ class Engine:
         unused = self.reader.unused(ignore_prefixes=("mtp.",))
         if unused and self.ec.verbose:
             print(f"[hylo] warning: {len(unused)} checkpoint tensors not used, e.g. {unused[0]!r}", file=sys.stderr)
-        self.caches = allocate_caches(self.model_config, self.ec, self.dtype, self.device, extra_kv)
+        self.caches = allocate_caches(lm.shard_config, self.ec, self.dtype, self.device, extra_kv)
         self.max_model_len = self.caches.max_model_len
         k = self.ec.spec_tokens
         self.scheduler = Scheduler(self.caches, self.ec, k)
-        self.model_worker = ModelWorker(self.model, self.caches, self.device, extra_kv)
+        self.model_worker = ModelWorker(self.model, self.caches, self.device, extra_kv,
+                                        vocab_size=self.model_config.vocab_size)
         # the worker interface: run(ScheduledBatch) -> StepResult; a speculative worker wraps the plain one
         self.worker = (spec_setup.wrap(self.model_worker, self.ec) if spec_setup is not None else self.model_worker)
         if self.device.type == "cuda" and self.ec.cuda_graphs and use_triton(self.caches.kv_pool.k):

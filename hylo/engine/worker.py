@@ -42,11 +42,12 @@ def _dev(values, device, dtype=torch.int64) -> torch.Tensor:
 
 
 class ModelWorker:
-    def __init__(self, model: Qwen3NextForCausalLM, caches: Caches, device: torch.device, extra_attn_layers: int = 0):
+    def __init__(self, model: Qwen3NextForCausalLM, caches: Caches, device: torch.device, extra_attn_layers: int = 0,
+                 vocab_size: int | None = None):
         self.model = model
         self.caches = caches
         self.device = device
-        self.vocab_size = model.config.vocab_size
+        self.vocab_size = vocab_size or model.config.vocab_size  # the whole vocabulary (logits are gathered)
         self.backend = HybridBackend(AttentionBackend(caches.kv_pool, caches.req_slots),
                                      GDNBackend(caches.state_pool), model.config.layer_types, extra_attn_layers)
         self.graphs: GraphRunner | None = None

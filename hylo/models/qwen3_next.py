@@ -16,11 +16,14 @@ from ..layers.moe import MLP, SparseMoE
 from ..layers.norm import RMSNorm
 from ..layers.weights import TensorReader, copy_into
 from ..ops.norm import add_rms_norm
+from ..parallel.group import SINGLE, TPGroup
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, mc: ModelConfig, layer_id: int, dtype: torch.dtype, device=None, attention_only=False):
+    def __init__(self, mc: ModelConfig, layer_id: int, dtype: torch.dtype, device=None, attention_only=False,
+                 tp: TPGroup = SINGLE):
         super().__init__()
+        self.tp = tp  # with tensor parallelism the mixer and the MLP each end in a partial sum per rank
         # attention_only: the MTP head's layer, a full-attention layer numbered past the target's layers
         self.is_linear = not attention_only and mc.layer_types[layer_id] == "linear_attention"
         self.input_norm = RMSNorm(mc.hidden_size, mc.rms_norm_eps, dtype, device)
@@ -38,9 +41,9 @@ class DecoderLayer(nn.Module):
             residual, h = h, self.input_norm(h)
         else:
             residual, h = add_rms_norm(residual, h, self.input_norm.weight, self.input_norm.eps)
-        h = self.mixer(h, batch, backend)
+        h = self.tp.all_reduce(self.mixer(h, batch, backend))
         residual, h = add_rms_norm(residual, h, self.post_norm.weight, self.post_norm.eps)
-        return self.mlp(h), residual
+        return self.tp.all_reduce(self.mlp(h)), residual
 
     def load(self, r: TensorReader, prefix: str) -> None:
         copy_into(self.input_norm.weight, r.get(f"{prefix}.input_layernorm.weight", self.input_norm.weight.shape))
@@ -51,26 +54,38 @@ class DecoderLayer(nn.Module):
 
 
 class Qwen3NextForCausalLM(nn.Module):
-    def __init__(self, mc: ModelConfig, dtype: torch.dtype, device=None):
+    def __init__(self, mc: ModelConfig, dtype: torch.dtype, device=None, tp: TPGroup = SINGLE):
+        """``mc``: the config of this rank's shard (``parallel.sharding.local_config``); ``tp``: its group."""
         super().__init__()
         self.config = mc
         self.dtype = dtype
+        self.tp = tp
         kw = dict(dtype=dtype, device=device)
         self.embed = nn.Parameter(torch.empty(mc.vocab_size, mc.hidden_size, **kw), requires_grad=False)
-        self.layers = nn.ModuleList(DecoderLayer(mc, i, dtype, device) for i in range(mc.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(mc, i, dtype, device, tp=tp) for i in range(mc.num_hidden_layers))
         self.norm = RMSNorm(mc.hidden_size, mc.rms_norm_eps, dtype, device)
         self.lm_head = (self.embed if mc.tie_word_embeddings
                         else nn.Parameter(torch.empty(mc.vocab_size, mc.hidden_size, **kw), requires_grad=False))
 
     def forward(self, batch: ForwardBatch, backend) -> torch.Tensor:
         """Returns the final hidden states (after the final norm), [T, hidden]."""
-        h, residual = F.embedding(batch.input_ids, self.embed), None
+        h, residual = self.embed_tokens(batch.input_ids), None
         for layer in self.layers:
             h, residual = layer(h, residual, batch, backend)
         return add_rms_norm(residual, h, self.norm.weight, self.norm.eps)[1]
 
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(ids, self.embed)
+        # vocab-parallel: each rank looks up the ids in its slice, zeros elsewhere; the sum is the embedding
+        rows = self.embed.shape[0]
+        local = ids - self.tp.rank * rows
+        mine = (local >= 0) & (local < rows)
+        out = F.embedding(local.clamp(0, rows - 1), self.embed) * mine[:, None].to(self.embed.dtype)
+        return self.tp.all_reduce(out)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head).float()
+        return self.tp.all_gather_last(F.linear(hidden, self.lm_head).float())
 
     def load(self, r: TensorReader, progress: bool = False) -> None:
         mc = self.config

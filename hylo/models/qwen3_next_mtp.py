@@ -36,7 +36,7 @@ class Qwen3NextMTP(nn.Module):
         self.norm = RMSNorm(H, mc.rms_norm_eps, dtype, device)
         # layer ids continue after the target's, so the hybrid backend maps them to the extra KV layers
         self.layers = nn.ModuleList(
-            DecoderLayer(mc, mc.num_hidden_layers + i, dtype, device, attention_only=True)
+            DecoderLayer(mc, mc.num_hidden_layers + i, dtype, device, attention_only=True, tp=target.tp)
             for i in range(mc.num_nextn_predict_layers))
 
     @property
@@ -50,7 +50,7 @@ class Qwen3NextMTP(nn.Module):
         Qwen3-Next ships one.
         """
         target = self.target[0]
-        e = self.norm_embedding(F.embedding(input_ids, target.embed))
+        e = self.norm_embedding(target.embed_tokens(input_ids))
         h, residual = F.linear(torch.cat([e, self.norm_hidden(hidden)], dim=-1), self.fc), None
         for layer in self.layers:
             h, residual = layer(h, residual, batch, backend)

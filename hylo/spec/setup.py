@@ -23,7 +23,7 @@ class SpecSetup:
         """Load the MTP head (a clear error if the checkpoint has none). Returns the extra KV layers it needs."""
         if self.method != "mtp":
             return 0
-        self.mtp = Qwen3NextMTP(loaded.config, loaded.model, dtype, device)
+        self.mtp = Qwen3NextMTP(loaded.shard_config, loaded.model, dtype, device)
         self.mtp.load(loaded.reader)
         self.mtp.eval()
         return len(self.mtp.layers)

@@ -1,0 +1,1 @@
+"""Tensor parallelism: sharding (``sharding``), the collectives (``group``) and the rank processes (``launcher``)."""

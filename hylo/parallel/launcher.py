@@ -1,0 +1,180 @@
+"""Tensor parallelism across processes: one process per rank in one torch.distributed group (gloo on CPU, NCCL on
+CUDA with NVLink multicast kept off), each holding its shard of the model and of the caches.
+
+Every rank runs the same engine (scheduler, overlap loop, speculative decoding) on the same inputs, so their
+decisions agree without being sent: rank 0 (the caller's process) broadcasts each call that changes engine state
+(a new request, an abort, a step) to the followers before running it itself, and the collectives inside the
+forward pass (all-reduce after row-parallel projections, all-gather of vocab-parallel logits) keep the ranks in
+step. Sampling is identical on every rank: the logits are gathered in full and the noise is keyed by request seed.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import weakref
+
+import torch
+
+from ..config import EngineConfig
+from ..core import SamplingParams
+from .group import TPGroup
+from .sharding import check_divisible
+
+# NVLink multicast can take the host's shared GPUs out of service: never let NCCL or symmetric memory use it
+_SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+_MUTATING = ("add_request", "abort", "step", "drain", "pop_finished", "prompt_logits")
+
+
+def create_engine(model, device: str, dtype: str, ec: EngineConfig):
+    """An Engine, or with ``tensor_parallel_size > 1`` rank 0's engine driving the follower processes."""
+    from ..engine.engine import Engine
+    from ..spec.setup import SpecSetup
+
+    spec = SpecSetup(ec.speculative) if ec.speculative else None
+    if ec.tensor_parallel_size == 1:
+        return Engine(model, device=device, dtype=dtype, engine_config=ec, spec_setup=spec)
+    return LeaderEngine(model, device, dtype, ec)
+
+
+def _config_of(model):
+    from ..config import ModelConfig
+    from ..engine.engine import LoadedModel
+    from ..models.default import DEFAULT_MODEL_NAME, default_model_config, trained_default_path
+
+    if isinstance(model, LoadedModel):
+        raise ValueError("tensor parallelism loads the model in every rank process: pass a checkpoint path")
+    if model is None:
+        model = trained_default_path()
+    if model is None or (model == DEFAULT_MODEL_NAME and not os.path.isdir(model)):
+        return default_model_config()
+    if not os.path.isdir(model):
+        raise FileNotFoundError(f"model directory {model!r} does not exist")
+    return ModelConfig.from_pretrained(model)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _init(rank: int, size: int, port: int, device: str):
+    import torch.distributed as dist
+
+    os.environ.update(_SAFE_ENV)
+    cuda = device != "cpu" and torch.cuda.is_available()
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=size)
+    objects = dist.new_group(backend="gloo") if cuda else None  # host objects travel over gloo
+    rank_device = f"cuda:{rank}" if cuda else "cpu"
+    if cuda:
+        torch.cuda.set_device(rank)
+    return TPGroup(rank, size, None), objects, rank_device
+
+
+def _follower(rank: int, size: int, port: int, model, device: str, dtype: str, ec: EngineConfig) -> None:
+    import torch.distributed as dist
+
+    from ..engine.engine import Engine
+    from ..spec.setup import SpecSetup
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+    tp, objects, rank_device = _init(rank, size, port, device)
+    quiet = EngineConfig(**{**{f: getattr(ec, f) for f in EngineConfig.option_names()}, "verbose": False})
+    engine = Engine(model, device=rank_device, dtype=dtype, engine_config=quiet,
+                    spec_setup=SpecSetup(ec.speculative) if ec.speculative else None, tp=tp)
+    try:
+        with torch.inference_mode():
+            while True:
+                box = [None]
+                dist.broadcast_object_list(box, src=0, group=objects)
+                name, args, kwargs = box[0]
+                if name == "stop":
+                    break
+                getattr(engine, name)(*args, **kwargs)
+    finally:
+        dist.destroy_process_group()
+
+
+class LeaderEngine:
+    """Rank 0: an Engine whose state-changing calls are mirrored on the followers first."""
+
+    def __init__(self, model, device: str, dtype: str, ec: EngineConfig):
+        import torch.multiprocessing as mp
+
+        from ..engine.engine import Engine
+        from ..spec.setup import SpecSetup
+
+        size = ec.tensor_parallel_size
+        if device not in ("cpu", "auto", "cuda"):
+            raise ValueError(f"tensor parallelism takes device 'cpu' or 'cuda' (rank r uses cuda:r), got {device!r}")
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device == "cuda" and torch.cuda.device_count() < size:
+            raise ValueError(f"tensor_parallel_size={size} needs {size} GPUs, this machine has "
+                             f"{torch.cuda.device_count()}")
+        check_divisible(_config_of(model), size)  # before any process starts
+        port = _free_port()
+        ctx = mp.get_context("spawn")
+        self._procs = [ctx.Process(target=_follower, args=(r, size, port, model, device, dtype, ec), daemon=True)
+                       for r in range(1, size)]
+        for p in self._procs:
+            p.start()
+        tp, self._objects, rank_device = _init(0, size, port, device)
+        try:
+            self._engine = Engine(model, device=rank_device, dtype=dtype, engine_config=ec,
+                                  spec_setup=SpecSetup(ec.speculative) if ec.speculative else None, tp=tp)
+        except BaseException:
+            self._shutdown(self._procs, self._objects)
+            raise
+        self._finalizer = weakref.finalize(self, LeaderEngine._shutdown, self._procs, self._objects)
+
+    def __getattr__(self, name):
+        engine = self.__dict__.get("_engine")
+        if engine is None:
+            raise AttributeError(name)
+        attr = getattr(engine, name)
+        if name in _MUTATING:
+            def mirrored(*args, **kwargs):
+                if name == "add_request":  # validate here first: a bad request never reaches the followers
+                    prompt, params = args[0], args[1] if len(args) > 1 else kwargs.get("params")
+                    ids = engine.encode_prompt(prompt)
+                    params = params or SamplingParams()
+                    params.validate()
+                    rid = kwargs.get("request_id") or (args[2] if len(args) > 2 else None)
+                    if rid is None:
+                        rid = f"req-{next(engine._ids)}"
+                    if rid in engine._reqs:
+                        raise ValueError(f"request id {rid!r} is already in use")
+                    args, kwargs = (ids, params), {"request_id": rid}
+                    self._broadcast(name, args, kwargs)
+                    engine_rid = attr(*args, **kwargs)
+                    engine._reqs[engine_rid].prompt = prompt if isinstance(prompt, str) else None
+                    return engine_rid
+                self._broadcast(name, args, kwargs)
+                return attr(*args, **kwargs)
+            return mirrored
+        return attr
+
+    def _broadcast(self, name, args, kwargs) -> None:
+        import torch.distributed as dist
+
+        dist.broadcast_object_list([(name, args, kwargs)], src=0, group=self._objects)
+
+    def close(self) -> None:
+        self._finalizer()
+
+    @staticmethod
+    def _shutdown(procs, objects) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            try:
+                dist.broadcast_object_list([("stop", (), {})], src=0, group=objects)
+            finally:
+                dist.destroy_process_group()
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()

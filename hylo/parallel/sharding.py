@@ -1,0 +1,127 @@
+"""Tensor-parallel sharding of Qwen3-Next: each rank's config (its share of the heads and intermediate sizes) and a
+reader that hands each rank only its slice of every checkpoint tensor, so no rank ever holds the whole model.
+
+The split, by tensor (``r`` = rank, ``n`` = tensor_parallel_size):
+- attention: q_proj rows by query head (query and gate are interleaved per head), k/v_proj rows by KV head (with
+  fewer KV heads than ranks, rank r keeps KV head ``r * kv // n``: replicated), o_proj columns (row-parallel; its
+  bias only on rank 0); q/k norms replicated.
+- Gated DeltaNet: in_proj_qkvz / in_proj_ba rows by key-head group (both are grouped per key head on disk), the
+  conv1d channels of the rank's q, k and v heads, A_log / dt_bias by value head, out_proj columns.
+- MLP and every expert: gate/up rows and down columns by intermediate slice; the router and the shared-expert gate
+  replicated.
+- embed_tokens and lm_head by vocabulary rows; norms and the MTP head's fc replicated.
+After a row-parallel projection (o_proj, out_proj, down) each rank holds a partial sum: the decoder layer
+all-reduces it.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+
+import torch
+
+from ..config import ModelConfig
+from ..layers.weights import TensorReader
+
+
+def check_divisible(mc: ModelConfig, n: int) -> None:
+    problems = []
+    for name in ("num_attention_heads", "linear_num_key_heads", "linear_num_value_heads", "vocab_size",
+                 "intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size"):
+        value = getattr(mc, name)
+        if value % n:
+            problems.append(f"{name}={value}")
+    kv = mc.num_key_value_heads
+    if kv % n and n % kv:
+        problems.append(f"num_key_value_heads={kv}")
+    if problems:
+        raise ValueError(f"tensor_parallel_size={n} does not divide this model: {', '.join(problems)} "
+                         f"(each must be a multiple of it; KV heads may also divide it)")
+
+
+def local_config(mc: ModelConfig, n: int) -> ModelConfig:
+    """The config of one rank's shard: what its layers, KV pool and state pool are sized from."""
+    if n == 1:
+        return mc
+    check_divisible(mc, n)
+    return replace(mc, num_attention_heads=mc.num_attention_heads // n,
+                   num_key_value_heads=max(1, mc.num_key_value_heads // n),
+                   linear_num_key_heads=mc.linear_num_key_heads // n,
+                   linear_num_value_heads=mc.linear_num_value_heads // n,
+                   intermediate_size=mc.intermediate_size // n, moe_intermediate_size=mc.moe_intermediate_size // n,
+                   shared_expert_intermediate_size=mc.shared_expert_intermediate_size // n,
+                   vocab_size=mc.vocab_size // n)
+
+
+def _rows(t: torch.Tensor, r: int, n: int) -> torch.Tensor:
+    size = t.shape[0] // n
+    return t[r * size:(r + 1) * size]
+
+
+def _cols(t: torch.Tensor, r: int, n: int) -> torch.Tensor:
+    size = t.shape[1] // n
+    return t[:, r * size:(r + 1) * size]
+
+
+class ShardedReader(TensorReader):
+    """Wraps a reader; ``get`` returns this rank's slice, checked against the full shape the config implies."""
+
+    def __init__(self, inner: TensorReader, mc: ModelConfig, rank: int, size: int):
+        super().__init__()
+        self.inner, self.mc, self.rank, self.size = inner, mc, rank, size
+
+    def keys(self):
+        return self.inner.keys()
+
+    def has(self, name: str) -> bool:
+        return self.inner.has(name)
+
+    def unused(self, ignore_prefixes=()):
+        return self.inner.unused(ignore_prefixes)
+
+    def get(self, name: str, shape=None) -> torch.Tensor:
+        full = self.inner.get(name)
+        t = self._slice(name, full)
+        if shape is not None and tuple(t.shape) != tuple(shape):
+            raise ValueError(f"checkpoint tensor {name!r}: rank {self.rank}'s slice has shape {list(t.shape)}, "
+                             f"expected {list(shape)}")
+        return t
+
+    def _slice(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        r, n, mc = self.rank, self.size, self.mc
+        leaf = name.rsplit(".", 2)
+        if re.search(r"(embed_tokens|lm_head)\.weight$", name):
+            return _rows(t, r, n)
+        if ".self_attn." in name:
+            kind = leaf[-2]
+            if kind in ("q_proj",):
+                return _rows(t, r, n)
+            if kind in ("k_proj", "v_proj"):
+                kv = mc.num_key_value_heads
+                if kv >= n:
+                    return _rows(t, r, n)
+                d = t.shape[0] // kv
+                head = r * kv // n
+                return t[head * d:(head + 1) * d]
+            if kind == "o_proj":
+                if name.endswith("weight"):
+                    return _cols(t, r, n)
+                return t if r == 0 else torch.zeros_like(t)  # the bias is added once, after the all-reduce sum
+            return t  # q_norm, k_norm
+        if ".linear_attn." in name:
+            kind = leaf[-2] if name.endswith("weight") else leaf[-1]
+            if kind in ("in_proj_qkvz", "in_proj_ba", "A_log", "dt_bias"):
+                return _rows(t, r, n)  # grouped by key head on disk; value heads follow their key head
+            if kind == "conv1d":
+                kd, vd = mc.linear_key_dim, mc.linear_value_dim
+                q, k, v = t.split([kd, kd, vd])
+                return torch.cat([_rows(q, r, n), _rows(k, r, n), _rows(v, r, n)])
+            if kind == "out_proj":
+                return _cols(t, r, n)
+            return t  # the gated norm's weight
+        if re.search(r"(gate_proj|up_proj)\.weight$", name):
+            return _rows(t, r, n)
+        if name.endswith("down_proj.weight"):
+            return _cols(t, r, n)
+        return t  # norms, the router, the shared-expert gate, the MTP head's fc
