@@ -1,0 +1,108 @@
+"""The floors ``hylo bench`` divides by: the device's measured copy and matmul rates, and the bytes / FLOPs each
+step of the benchmark model must move (``Footprint``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .models.qwen3_next import Qwen3NextForCausalLM
+
+
+# ---- the hardware's two numbers ---------------------------------------------------------------------------------
+def measure_copy_rate(device) -> float:
+    """Bytes per second of a large device-to-device copy (read + write counted)."""
+    a = torch.empty(2 * 1024 ** 3 // 2, dtype=torch.bfloat16, device=device).normal_()
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    ms = _time_cuda(lambda: b.copy_(a), iters=20)
+    return 2 * a.numel() * a.element_size() / (ms / 1e3)
+
+
+def measure_matmul_rate(device) -> float:
+    n = 8192
+    a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    for _ in range(3):
+        a @ b
+    ms = _time_cuda(lambda: a @ b, iters=10)
+    return 2 * n ** 3 / (ms / 1e3)
+
+
+def _time_cuda(fn, iters: int) -> float:
+    """Mean milliseconds per call, timed with CUDA events."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+# ---- what a step must read ---------------------------------------------------------------------------------------
+@dataclass
+class Footprint:
+    """Bytes of the model's parts (bf16 weights), for the floors."""
+
+    non_expert: int  # every weight read at any batch size, except experts, lm_head, embedding
+    expert: int  # one routed expert (gate, up, down)
+    lm_head: int
+    embed_row: int
+    mtp_non_expert: int
+    kv_per_token: int  # all the target's attention layers, K and V
+    kv_per_token_layer: int  # one attention layer (the MTP head has one)
+    state_per_req: int  # GDN conv + recurrent states of one request
+    num_experts: int
+    top_k: int
+    moe_layers: int
+    matmul_params: int  # parameters multiplied per token in the target (experts: top-k of them), lm_head excluded
+
+    @classmethod
+    def of(cls, model: Qwen3NextForCausalLM, mtp, caches) -> "Footprint":
+        mc = model.config
+        esz = 2
+        expert = 3 * mc.moe_intermediate_size * mc.hidden_size * esz
+        moe_layers = sum(mc.is_moe_layer(i) for i in range(mc.num_hidden_layers))
+        total = sum(p.numel() for p in model.parameters()) * esz
+        embed = mc.vocab_size * mc.hidden_size * esz
+        experts_all = moe_layers * mc.num_experts * expert
+        non_expert = total - experts_all - 2 * embed
+        mtp_ne = 0
+        if mtp is not None:
+            mtp_total = sum(p.numel() for p in mtp.parameters()) * esz
+            mtp_ne = mtp_total - mc.num_experts * expert
+        sp = caches.state_pool
+        state = (sp.conv[:, 0].numel() * sp.conv.element_size() + sp.recurrent[:, 0].numel()
+                 * sp.recurrent.element_size())
+        kv = caches.kv_pool
+        n_attn = len(mc.attn_layer_ids)
+        kv_tok = 2 * n_attn * kv.k.shape[2] * kv.k.shape[3] * kv.k.element_size()
+        matmul = non_expert // esz + moe_layers * mc.num_experts_per_tok * expert // esz
+        return cls(non_expert, expert, embed, mc.hidden_size * esz, mtp_ne, kv_tok, kv_tok // n_attn, state,
+                   mc.num_experts, mc.num_experts_per_tok, moe_layers, matmul)
+
+    def experts_touched(self, tokens: int) -> float:
+        """Expected distinct experts per layer for ``tokens`` tokens with uniform random routing."""
+        return self.num_experts * (1 - (1 - self.top_k / self.num_experts) ** tokens)
+
+    def decode_bytes(self, bs: int, ctx: int) -> float:
+        weights = self.non_expert + self.lm_head + bs * self.embed_row
+        weights += self.moe_layers * self.experts_touched(bs) * self.expert
+        return weights + bs * ctx * self.kv_per_token + 2 * bs * self.state_per_req
+
+    def spec_step_bytes(self, bs: int, ctx: int, k: int) -> float:
+        """One speculative step: verify (k + 1 tokens per request, k + 1 state checkpoints written, one committed),
+        the MTP head's extend over the k + 1 positions and its k - 1 chained steps (each re-reads the lm_head)."""
+        t = bs * (k + 1)
+        verify = self.non_expert + self.lm_head + t * self.embed_row
+        verify += self.moe_layers * self.experts_touched(t) * self.expert
+        verify += bs * (ctx + k + 1) * self.kv_per_token
+        verify += bs * self.state_per_req * (1 + (k + 1) + 2)  # read slot, write k+1 checkpoints, commit copy
+        # the head has one MoE layer: its extend pass touches the experts of t tokens, each chained step those of bs
+        drafts = k * (self.mtp_non_expert + self.lm_head) + self.experts_touched(t) * self.expert
+        drafts += (k - 1) * self.experts_touched(bs) * self.expert + k * bs * ctx * self.kv_per_token_layer
+        return verify + drafts
