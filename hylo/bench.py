@@ -28,17 +28,25 @@ from .spec.setup import SpecSetup
 GB = 1e9
 
 
+BENCH_MODELS = ("bench-6b", "qwen3-next-80b", "tiny")
+
+
 def bench_config(name: str) -> ModelConfig:
-    if name != "bench-6b":
-        raise ValueError(f"unknown benchmark model {name!r} (known: bench-6b)")
-    n = 24
+    """Benchmark models (random weights): ``bench-6b``; ``qwen3-next-80b``, the shape of Qwen3-Next-80B-A3B
+    (160 GB in bfloat16: more than one H200 holds, for tensor parallelism); ``tiny``, for tests of the harness."""
+    if name not in BENCH_MODELS:
+        raise ValueError(f"unknown benchmark model {name!r} (known: {', '.join(BENCH_MODELS)})")
+    n, experts, hidden = {"bench-6b": (24, 64, 2048), "qwen3-next-80b": (48, 512, 2048), "tiny": (4, 8, 64)}[name]
+    big = name != "tiny"
     return ModelConfig(
-        vocab_size=151936, hidden_size=2048, num_hidden_layers=n,
+        vocab_size=151936 if big else 512, hidden_size=hidden, num_hidden_layers=n,
         layer_types=tuple("full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(n)),
-        num_attention_heads=16, num_key_value_heads=2, head_dim=256, rope_theta=10000000.0,
-        partial_rotary_factor=0.25, attention_bias=False, linear_num_key_heads=16, linear_num_value_heads=32,
-        linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4, intermediate_size=5120,
-        num_experts=64, num_experts_per_tok=10, moe_intermediate_size=512, shared_expert_intermediate_size=512,
+        num_attention_heads=16 if big else 4, num_key_value_heads=2, head_dim=256 if big else 16,
+        rope_theta=10000000.0, partial_rotary_factor=0.25, attention_bias=False,
+        linear_num_key_heads=16 if big else 2, linear_num_value_heads=32 if big else 4,
+        linear_key_head_dim=128 if big else 16, linear_value_head_dim=128 if big else 16, linear_conv_kernel_dim=4,
+        intermediate_size=5120 if big else 128, num_experts=experts, num_experts_per_tok=10 if big else 2,
+        moe_intermediate_size=512 if big else 32, shared_expert_intermediate_size=512 if big else 32,
         norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=(), rms_norm_eps=1e-6,
         max_position_embeddings=65536, tie_word_embeddings=False, eos_token_ids=(), num_nextn_predict_layers=1)
 

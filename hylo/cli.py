@@ -76,6 +76,11 @@ def _generate(args) -> int:
 
 
 def _bench(args) -> int:
+    if args.tensor_parallel_size > 1:
+        from .bench_tp import run_tp_bench
+
+        run_tp_bench(args.model_name, args.tensor_parallel_size, out_dir=args.out, quick=args.quick)
+        return 0
     from .bench import run_bench
 
     run_bench(args.model_name, vs_hf=args.vs_hf, quick=args.quick, out_dir=args.out)
@@ -124,7 +129,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(g)
     g.set_defaults(func=_generate)
     b = sub.add_parser("bench", help="benchmark on the GPU (random-weight benchmark model, no checkpoint)")
-    b.add_argument("--model-name", default="bench-6b", help="benchmark model (bench-6b)")
+    b.add_argument("--model-name", default="bench-6b",
+                   help="benchmark model: bench-6b, or qwen3-next-80b (needs --tensor-parallel-size)")
+    b.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="also time decode sharded across this many GPUs (and the collectives' share)")
     b.add_argument("--vs-hf", action="store_true", help="also time HF transformers generate on the same weights")
     b.add_argument("--quick", action="store_true", help="fewer sizes and steps")
     b.add_argument("--out", default="bench/results", help="folder for the JSON results")

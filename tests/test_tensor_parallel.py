@@ -67,3 +67,16 @@ def test_a_model_the_size_does_not_divide_is_refused(ckpt_b):
         LLM(ckpt_b, verbose=False, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         LLM(ckpt_b, verbose=False, tensor_parallel_size=0)
+
+
+def test_tp_bench_harness_runs_on_cpu():
+    """The harness ``hylo bench --tensor-parallel-size`` uses on GPUs: random shards built per rank, decoding
+    states set up on every rank, steps timed, processes gone afterwards."""
+    import multiprocessing
+
+    from hylo.bench_tp import RandomModel, tp_decode_records
+
+    recs = tp_decode_records(RandomModel("tiny"), 2, device="cpu", batches=(1, 3), ctx=40, steps=3)
+    assert [r["batch_size"] for r in recs] == [1, 3] and all(r["ms_per_step"] > 0 for r in recs)
+    assert all(r["tensor_parallel_size"] == 2 for r in recs)
+    assert not [p for p in multiprocessing.active_children() if p.is_alive()]

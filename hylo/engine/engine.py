@@ -77,6 +77,8 @@ def load_model(path: str | None, dtype: torch.dtype, device: torch.device, progr
                tp: TPGroup = SINGLE) -> LoadedModel:
     """A checkpoint directory; None for the embedded default (the trained one when it ships, else random weights);
     ``"hylo-default-random"`` for the random-weight default."""
+    if path is not None and not isinstance(path, str) and hasattr(path, "load"):  # a model source (benchmarks)
+        return path.load(dtype, device, tp)
     display_name = None
     if path is None and trained_default_path() is not None:
         path, display_name = trained_default_path(), TRAINED_DEFAULT_NAME

@@ -44,6 +44,8 @@ def _config_of(model):
 
     if isinstance(model, LoadedModel):
         raise ValueError("tensor parallelism loads the model in every rank process: pass a checkpoint path")
+    if hasattr(model, "config") and callable(model.config):  # a model source (benchmarks)
+        return model.config()
     if model is None:
         model = trained_default_path()
     if model is None or (model == DEFAULT_MODEL_NAME and not os.path.isdir(model)):
@@ -92,7 +94,10 @@ def _follower(rank: int, size: int, port: int, model, device: str, dtype: str, e
                 name, args, kwargs = box[0]
                 if name == "stop":
                     break
-                getattr(engine, name)(*args, **kwargs)
+                if name == "run_on_all":
+                    args[0](engine, *args[1:], **kwargs)
+                else:
+                    getattr(engine, name)(*args, **kwargs)
     finally:
         dist.destroy_process_group()
 
@@ -156,6 +161,12 @@ class LeaderEngine:
                 return attr(*args, **kwargs)
             return mirrored
         return attr
+
+    def run_on_all(self, fn, *args, **kwargs):
+        """``fn(engine, *args)`` on every rank (``fn`` a module-level function: it travels by name); rank 0's
+        result is returned. For harnesses that set engine state up directly (benchmarks)."""
+        self._broadcast("run_on_all", (fn, *args), kwargs)
+        return fn(self._engine, *args, **kwargs)
 
     def _broadcast(self, name, args, kwargs) -> None:
         import torch.distributed as dist
