@@ -44,3 +44,16 @@ class SafetensorsReader(TensorReader):
 
     def _load(self, name):
         return self._handles[self._where[name]].get_tensor(name)
+
+    def shape_of(self, name):
+        if name not in self._where:
+            return super().shape_of(name)
+        return tuple(self._handles[self._where[name]].get_slice(name).get_shape())
+
+    def get_part(self, name, dim, start, stop):
+        """Reads only the requested rows (or columns) from the file."""
+        if name not in self._where:
+            return super().get_part(name, dim, start, stop)
+        self.used.add(name)
+        part = self._handles[self._where[name]].get_slice(name)
+        return part[start:stop] if dim == 0 else part[:, start:stop]

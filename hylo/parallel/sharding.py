@@ -54,18 +54,9 @@ def local_config(mc: ModelConfig, n: int) -> ModelConfig:
                    vocab_size=mc.vocab_size // n)
 
 
-def _rows(t: torch.Tensor, r: int, n: int) -> torch.Tensor:
-    size = t.shape[0] // n
-    return t[r * size:(r + 1) * size]
-
-
-def _cols(t: torch.Tensor, r: int, n: int) -> torch.Tensor:
-    size = t.shape[1] // n
-    return t[:, r * size:(r + 1) * size]
-
-
 class ShardedReader(TensorReader):
-    """Wraps a reader; ``get`` returns this rank's slice, checked against the full shape the config implies."""
+    """Wraps a reader; ``get`` returns this rank's slice, read piece by piece (a safetensors file is read only where
+    the slice lies), checked against the shape the rank's layer expects."""
 
     def __init__(self, inner: TensorReader, mc: ModelConfig, rank: int, size: int):
         super().__init__()
@@ -81,47 +72,68 @@ class ShardedReader(TensorReader):
         return self.inner.unused(ignore_prefixes)
 
     def get(self, name: str, shape=None) -> torch.Tensor:
-        full = self.inner.get(name)
-        t = self._slice(name, full)
+        pieces = self._plan(name)
+        if pieces is None:
+            t = self.inner.get(name)
+        elif pieces == "zeros":
+            t = torch.zeros(self.inner.shape_of(name))
+            self.inner.used.add(name)
+        else:
+            parts = [self.inner.get_part(name, dim, a, b) for dim, a, b in pieces]
+            t = parts[0] if len(parts) == 1 else torch.cat(parts, dim=pieces[0][0])
         if shape is not None and tuple(t.shape) != tuple(shape):
             raise ValueError(f"checkpoint tensor {name!r}: rank {self.rank}'s slice has shape {list(t.shape)}, "
                              f"expected {list(shape)}")
         return t
 
-    def _slice(self, name: str, t: torch.Tensor) -> torch.Tensor:
+    def _plan(self, name: str):
+        """How this rank reads ``name``: None (whole, replicated), "zeros", or [(dim, start, stop), ...] pieces
+        concatenated along their dim."""
         r, n, mc = self.rank, self.size, self.mc
+        if not self.inner.has(name):
+            return None  # let the inner reader name the missing tensor
+        full = self.inner.shape_of(name)
+
+        def rows(lo=0, hi=None):  # this rank's share of rows [lo, hi)
+            hi = full[0] if hi is None else hi
+            size = (hi - lo) // n
+            return (0, lo + r * size, lo + (r + 1) * size)
+
+        def cols():
+            size = full[1] // n
+            return [(1, r * size, (r + 1) * size)]
+
         leaf = name.rsplit(".", 2)
         if re.search(r"(embed_tokens|lm_head)\.weight$", name):
-            return _rows(t, r, n)
+            return [rows()]
         if ".self_attn." in name:
             kind = leaf[-2]
-            if kind in ("q_proj",):
-                return _rows(t, r, n)
+            if kind == "q_proj":
+                return [rows()]
             if kind in ("k_proj", "v_proj"):
                 kv = mc.num_key_value_heads
                 if kv >= n:
-                    return _rows(t, r, n)
-                d = t.shape[0] // kv
-                head = r * kv // n
-                return t[head * d:(head + 1) * d]
+                    return [rows()]
+                d = full[0] // kv
+                head = r * kv // n  # fewer KV heads than ranks: replicated
+                return [(0, head * d, (head + 1) * d)]
             if kind == "o_proj":
                 if name.endswith("weight"):
-                    return _cols(t, r, n)
-                return t if r == 0 else torch.zeros_like(t)  # the bias is added once, after the all-reduce sum
-            return t  # q_norm, k_norm
+                    return cols()
+                return None if r == 0 else "zeros"  # the bias is added once, after the all-reduce sum
+            return None  # q_norm, k_norm
         if ".linear_attn." in name:
             kind = leaf[-2] if name.endswith("weight") else leaf[-1]
             if kind in ("in_proj_qkvz", "in_proj_ba", "A_log", "dt_bias"):
-                return _rows(t, r, n)  # grouped by key head on disk; value heads follow their key head
+                return [rows()]  # grouped by key head on disk; value heads follow their key head
             if kind == "conv1d":
                 kd, vd = mc.linear_key_dim, mc.linear_value_dim
-                q, k, v = t.split([kd, kd, vd])
-                return torch.cat([_rows(q, r, n), _rows(k, r, n), _rows(v, r, n)])
+                return [rows(0, kd), rows(kd, 2 * kd), rows(2 * kd, 2 * kd + vd)]
             if kind == "out_proj":
-                return _cols(t, r, n)
-            return t  # the gated norm's weight
+                return cols()
+            return None  # the gated norm's weight
         if re.search(r"(gate_proj|up_proj)\.weight$", name):
-            return _rows(t, r, n)
+            return [rows()]
         if name.endswith("down_proj.weight"):
-            return _cols(t, r, n)
-        return t  # norms, the router, the shared-expert gate, the MTP head's fc
+            return cols()
+        return None  # norms, the router, the shared-expert gate, the MTP head's fc
