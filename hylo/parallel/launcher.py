@@ -2,8 +2,8 @@
 CUDA with NVLink multicast kept off), each holding its shard of the model and of the caches.
 
 Every rank runs the same engine (scheduler, overlap loop, speculative decoding) on the same inputs, so their
-decisions agree without being sent: rank 0 (the caller's process) broadcasts each call that changes engine state
-(a new request, an abort, a step) to the followers before running it itself, and the collectives inside the
+decisions agree without being sent: rank 0 (the caller's process) sends each call that changes engine state
+(a new request, an abort, a step) to the followers, over a pipe each, before running it itself; the collectives in the
 forward pass (all-reduce after row-parallel projections, all-gather of vocab-parallel logits) keep the ranks in
 step. Sampling is identical on every rank: the logits are gathered in full and the noise is keyed by request seed.
 """
@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import socket
 import weakref
+from datetime import timedelta
 
 import torch
 
@@ -23,6 +24,7 @@ from .sharding import check_divisible
 
 # NVLink multicast can take the host's shared GPUs out of service: never let NCCL or symmetric memory use it
 _SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+TIMEOUT_S = 1800  # the longest a collective may wait for a rank (model loading, first-use compilation included)
 _MUTATING = ("add_request", "abort", "step", "drain", "pop_finished", "prompt_logits")
 
 
@@ -66,32 +68,32 @@ def _init(rank: int, size: int, port: int, device: str):
 
     os.environ.update(_SAFE_ENV)
     cuda = device != "cpu" and torch.cuda.is_available()
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=size)
-    objects = dist.new_group(backend="gloo") if cuda else None  # host objects travel over gloo
-    rank_device = f"cuda:{rank}" if cuda else "cpu"
-    if cuda:
+    if cuda:  # before the process group: NCCL binds its communicator to the current device
         torch.cuda.set_device(rank)
-    return TPGroup(rank, size, None), objects, rank_device
+    # a rank that dies (e.g. out of memory while loading) makes the others fail after this, not hang for good
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=size, timeout=timedelta(seconds=TIMEOUT_S))
+    return TPGroup(rank, size, None), f"cuda:{rank}" if cuda else "cpu"
 
 
-def _follower(rank: int, size: int, port: int, model, device: str, dtype: str, ec: EngineConfig) -> None:
+def _follower(rank: int, size: int, port: int, model, device: str, dtype: str, ec: EngineConfig, conn) -> None:
     import torch.distributed as dist
 
     from ..engine.engine import Engine
     from ..spec.setup import SpecSetup
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
-    tp, objects, rank_device = _init(rank, size, port, device)
+    tp, rank_device = _init(rank, size, port, device)
     quiet = EngineConfig(**{**{f: getattr(ec, f) for f in EngineConfig.option_names()}, "verbose": False})
     engine = Engine(model, device=rank_device, dtype=dtype, engine_config=quiet,
                     spec_setup=SpecSetup(ec.speculative) if ec.speculative else None, tp=tp)
     try:
         with torch.inference_mode():
             while True:
-                box = [None]
-                dist.broadcast_object_list(box, src=0, group=objects)
-                name, args, kwargs = box[0]
+                try:  # calls arrive over a pipe: an idle leader (a quiet server) never times anything out
+                    name, args, kwargs = conn.recv()
+                except EOFError:  # the leader is gone
+                    break
                 if name == "stop":
                     break
                 if name == "run_on_all":
@@ -122,18 +124,20 @@ class LeaderEngine:
         check_divisible(_config_of(model), size)  # before any process starts
         port = _free_port()
         ctx = mp.get_context("spawn")
-        self._procs = [ctx.Process(target=_follower, args=(r, size, port, model, device, dtype, ec), daemon=True)
-                       for r in range(1, size)]
+        pipes = [ctx.Pipe() for _ in range(1, size)]
+        self._conns = [parent for parent, _ in pipes]
+        self._procs = [ctx.Process(target=_follower, args=(r, size, port, model, device, dtype, ec, child),
+                                   daemon=True) for r, (_, child) in zip(range(1, size), pipes)]
         for p in self._procs:
             p.start()
-        tp, self._objects, rank_device = _init(0, size, port, device)
+        tp, rank_device = _init(0, size, port, device)
         try:
             self._engine = Engine(model, device=rank_device, dtype=dtype, engine_config=ec,
                                   spec_setup=SpecSetup(ec.speculative) if ec.speculative else None, tp=tp)
         except BaseException:
-            self._shutdown(self._procs, self._objects)
+            self._shutdown(self._procs, self._conns)
             raise
-        self._finalizer = weakref.finalize(self, LeaderEngine._shutdown, self._procs, self._objects)
+        self._finalizer = weakref.finalize(self, LeaderEngine._shutdown, self._procs, self._conns)
 
     def __getattr__(self, name):
         engine = self.__dict__.get("_engine")
@@ -169,22 +173,24 @@ class LeaderEngine:
         return fn(self._engine, *args, **kwargs)
 
     def _broadcast(self, name, args, kwargs) -> None:
-        import torch.distributed as dist
-
-        dist.broadcast_object_list([(name, args, kwargs)], src=0, group=self._objects)
+        for conn in self._conns:
+            conn.send((name, args, kwargs))
 
     def close(self) -> None:
         self._finalizer()
 
     @staticmethod
-    def _shutdown(procs, objects) -> None:
+    def _shutdown(procs, conns) -> None:
         import torch.distributed as dist
 
-        if dist.is_initialized():
+        for conn in conns:
             try:
-                dist.broadcast_object_list([("stop", (), {})], src=0, group=objects)
-            finally:
-                dist.destroy_process_group()
+                conn.send(("stop", (), {}))
+                conn.close()
+            except (OSError, BrokenPipeError):
+                pass
+        if dist.is_initialized():
+            dist.destroy_process_group()
         for p in procs:
             p.join(timeout=30)
             if p.is_alive():
