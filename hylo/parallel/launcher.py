@@ -2,10 +2,11 @@
 CUDA with NVLink multicast kept off), each holding its shard of the model and of the caches.
 
 Every rank runs the same engine (scheduler, overlap loop, speculative decoding) on the same inputs, so their
-decisions agree without being sent: rank 0 (the caller's process) sends each call that changes engine state
-(a new request, an abort, a step) to the followers, over a pipe each, before running it itself; the collectives in the
-forward pass (all-reduce after row-parallel projections, all-gather of vocab-parallel logits) keep the ranks in
-step. Sampling is identical on every rank: the logits are gathered in full and the noise is keyed by request seed.
+decisions agree without being sent: rank 0 (the caller's process) sends each call that changes engine state (a
+new request, an abort, a step) to the followers, over a pipe each, before running it itself; the collectives in
+the forward pass (all-reduce after row-parallel projections, all-gather of vocab-parallel logits) keep the ranks
+in step. Sampling is identical on every rank: the logits are gathered in full and the noise is keyed by request
+seed.
 """
 
 from __future__ import annotations
