@@ -87,6 +87,7 @@ def fake_prefill(engine: Engine, bs: int, ctx: int) -> list[str]:
         caches.req_slots.write_locations([req.req_slot] * n, list(range(n)), locs)
         req.kv_locs, req.num_kv = [locs], n
         req.decoding = True
+        engine.model_worker.register_sampling([req])
         caches.req_slots.seq_len[req.req_slot] = req.num_computed
         caches.req_slots.last_token[req.req_slot] = req.output_ids[-1]
         sched.running.append(req)

@@ -25,6 +25,10 @@ class ReqSlots:
         self.req_to_state = torch.full((max_num_seqs + 1,), -1, dtype=torch.int64, device=device)
         self.last_token = torch.zeros(max_num_seqs + 1, dtype=torch.int64, device=device)
         self.seq_len = torch.zeros(max_num_seqs + 1, dtype=torch.int64, device=device)
+        # each request's sampling parameters, written once when its prefill starts: (temperature, top_p) and
+        # (top_k, seed, prompt length); a step gathers its rows' instead of copying them from the host
+        self.sampling_f = torch.ones(max_num_seqs + 1, 2, dtype=torch.float32, device=device)
+        self.sampling_i = torch.zeros(max_num_seqs + 1, 3, dtype=torch.int64, device=device)
         self._free = list(range(max_num_seqs, 0, -1))  # pop() hands out 1, 2, ...
 
     @property
@@ -43,13 +47,24 @@ class ReqSlots:
         self._free.append(slot)
 
     def write_locations(self, rows: list[int], cols: list[int], locs: torch.Tensor) -> None:
-        """Record the KV locations of newly allocated positions (one scatter for the whole step)."""
+        """Record the KV locations of newly allocated positions (one copy to the device, one scatter)."""
         if not rows:
             return
         dev = self.req_to_token.device
-        r = torch.tensor(rows, dtype=torch.int64).to(dev, non_blocking=True)
-        c = torch.tensor(cols, dtype=torch.int64).to(dev, non_blocking=True)
-        self.req_to_token[r, c] = locs.to(dev, non_blocking=True)
+        host = torch.stack([torch.tensor(rows, dtype=torch.int64), torch.tensor(cols, dtype=torch.int64),
+                            locs.to(torch.int64)])
+        r, c, v = host.to(dev, non_blocking=True)
+        self.req_to_token[r, c] = v
+
+    def write_sampling(self, slots: list[int], floats: list[tuple[float, float]],
+                       ints: list[tuple[int, int, int]]) -> None:
+        """Store requests' sampling parameters in their slots' rows (at the start of their prefill)."""
+        if not slots:
+            return
+        dev = self.sampling_f.device
+        idx = torch.tensor(slots, dtype=torch.int64).to(dev, non_blocking=True)
+        self.sampling_f[idx] = torch.tensor(floats, dtype=torch.float32).to(dev, non_blocking=True)
+        self.sampling_i[idx] = torch.tensor(ints, dtype=torch.int64).to(dev, non_blocking=True)
 
     def record(self, slots: torch.Tensor, seq_lens: torch.Tensor, sampled_slots: torch.Tensor | None = None,
                tokens: torch.Tensor | None = None) -> None:

@@ -62,10 +62,11 @@ class ModelWorker:
         slots = self.caches.req_slots
         if sched.kv_locs:
             slots.write_locations(sched.kv_rows, sched.kv_cols, torch.cat(sched.kv_locs))
+        self.register_sampling([r for r, p in zip(sched.reqs, sched.prefix_lens) if p == 0])
         dev = self.device
         req_slots_cpu = [r.req_slot for r in sched.reqs]
         state_slots_cpu = [r.state_slot for r in sched.reqs]
-        req_slots = _dev(req_slots_cpu, dev)
+        req_slots, state_slots = _dev([req_slots_cpu, state_slots_cpu], dev)  # one copy for both
         max_seq_len = max(p + n for p, n in zip(sched.prefix_lens, sched.extend_lens))
         if all(sched.from_device):  # DECODE / TARGET_VERIFY: everything comes from the device tables
             n = sched.extend_lens[0]
@@ -76,7 +77,7 @@ class ModelWorker:
                 input_ids=slots.last_token[req_slots] if input_ids is None else input_ids,
                 positions=pos2d.reshape(-1),
                 req_slots=req_slots,
-                state_slots=_dev(state_slots_cpu, dev),
+                state_slots=state_slots,
                 seq_lens=base + n,
                 query_start_loc=torch.arange(len(sched.reqs) + 1, device=dev) * n,
                 out_cache_loc=slots.req_to_token[req_slots[:, None], pos2d].reshape(-1),
@@ -109,7 +110,7 @@ class ModelWorker:
             input_ids=input_ids,
             positions=positions,
             req_slots=req_slots,
-            state_slots=_dev(state_slots_cpu, dev),
+            state_slots=state_slots,
             seq_lens=_dev(seq_lens, dev),
             query_start_loc=_dev(qsl, dev),
             out_cache_loc=slots.req_to_token[_dev(tok_slots, dev), positions],
@@ -123,16 +124,35 @@ class ModelWorker:
             batch.seq_lens_cpu = torch.tensor(seq_lens, dtype=torch.int64)
         return batch
 
+    def register_sampling(self, reqs) -> None:
+        """Write these requests' sampling parameters into the device table (when their prefill starts)."""
+        if not reqs:
+            return
+        v = self.vocab_size
+        self.caches.req_slots.write_sampling(
+            [r.req_slot for r in reqs], [(float(r.params.temperature), float(r.params.top_p)) for r in reqs],
+            [(r.params.top_k if r.params.top_k > 0 else v, r.seed, len(r.prompt_ids)) for r in reqs])
+
     def sampling_batch(self, sched: ScheduledBatch, batch: ForwardBatch, rows: torch.Tensor | None = None,
                        reqs=None) -> SamplingBatch:
-        """Sampling parameters of the sampling rows (``rows``: their batch rows; None: every row). The index of the
-        output token each row samples comes from the device lengths: seq_len - prompt_len at the row's first
-        sampled position (the host's output count lags one step behind in the overlap loop)."""
+        """Sampling parameters of the sampling rows (``rows``: their batch rows; None: every row), gathered from
+        the device table. The index of the output token each row samples comes from the device lengths:
+        seq_len - prompt_len at the row's first sampled position (the host's output count lags one step behind
+        in the overlap loop). The flags that pick which work runs at all come from the host."""
         reqs = sched.reqs if reqs is None else reqs
-        prompt_lens = _dev([len(r.prompt_ids) for r in reqs], self.device)
+        slots = batch.req_slots if rows is None else batch.req_slots[rows]
+        table = self.caches.req_slots
+        f, i = table.sampling_f[slots], table.sampling_i[slots]
         seq_lens = batch.seq_lens if rows is None else batch.seq_lens[rows]
-        steps = seq_lens - (batch.tokens_per_row - 1) - prompt_lens
-        return SamplingBatch.from_reqs(reqs, self.vocab_size, self.device, steps=steps)
+        temps = [r.params.temperature for r in reqs]
+        greedy = [t == 0 for t in temps]
+        v = self.vocab_size
+        return SamplingBatch(
+            temperatures=f[:, 0], top_p=f[:, 1], top_k=i[:, 0], seeds=i[:, 1],
+            steps=seq_lens - (batch.tokens_per_row - 1) - i[:, 2],
+            all_greedy=all(greedy), any_greedy=any(greedy),
+            need_top_k=any(0 < r.params.top_k < v for r, g in zip(reqs, greedy) if not g),
+            need_top_p=any(r.params.top_p < 1.0 for r, g in zip(reqs, greedy) if not g))
 
     def capture_graphs(self, capture_sizes: list[int], verbose: bool = True) -> None:
         """Capture the DECODE pass (model forward and LM head) at these batch sizes."""
