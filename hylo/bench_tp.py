@@ -47,14 +47,6 @@ class RandomModel:
         return LoadedModel(self.name, mc, model, reader, None, True, local)
 
 
-def _setup(engine, bs: int, ctx: int) -> list[str]:
-    return fake_prefill(engine, bs, ctx)
-
-
-def _clear(engine, rids: list[str]) -> None:
-    clear(engine, rids)
-
-
 def _collective_share(engine, steps: int) -> float | None:
     """Fraction of rank 0's GPU kernel time spent in NCCL kernels over ``steps`` steady-state steps."""
     if not torch.cuda.is_available():
@@ -90,7 +82,7 @@ def tp_decode_records(model: RandomModel, tp_size: int, device: str = "cuda", ba
     try:
         for bs in batches:
             run = eng.run_on_all if tp_size > 1 else (lambda fn, *a: fn(eng, *a))
-            rids = run(_setup, bs, ctx)
+            rids = run(fake_prefill, bs, ctx)
             ms = time_steps(eng, steps)
             share = _collective_share(eng, min(steps, 10)) if tp_size > 1 else 0.0
             records.append(dict(phase="decode", model=model.name, tensor_parallel_size=tp_size, batch_size=bs,
@@ -98,7 +90,7 @@ def tp_decode_records(model: RandomModel, tp_size: int, device: str = "cuda", ba
                                 ms_per_token=ms / bs, collective_share=share))
             print(f"[bench] {model.name} TP={tp_size} decode bs={bs}: {ms:.2f} ms/step"
                   + (f", collectives {share:.0%} of GPU time" if share else ""), flush=True)
-            run(_clear, rids)
+            run(clear, rids)
     finally:
         if hasattr(eng, "close"):
             eng.close()

@@ -221,28 +221,6 @@ class SamplingBatch:
     need_top_k: bool
     need_top_p: bool
 
-    @classmethod
-    def from_reqs(cls, reqs: list[Req], vocab_size: int, device: torch.device,
-                  steps: torch.Tensor | None = None) -> "SamplingBatch":
-        """``steps`` (device) overrides the host's output counts, which lag one step behind in the overlap loop."""
-        temps = [float(r.params.temperature) for r in reqs]
-        top_ps = [float(r.params.top_p) for r in reqs]
-        top_ks = [r.params.top_k if r.params.top_k > 0 else vocab_size for r in reqs]
-        seeds = [r.seed for r in reqs]
-        greedy = [t == 0 for t in temps]
-        return cls(
-            temperatures=torch.tensor(temps, dtype=torch.float32).to(device, non_blocking=True),
-            top_p=torch.tensor(top_ps, dtype=torch.float32).to(device, non_blocking=True),
-            top_k=torch.tensor(top_ks, dtype=torch.int64).to(device, non_blocking=True),
-            seeds=torch.tensor(seeds, dtype=torch.int64).to(device, non_blocking=True),
-            steps=(torch.tensor([len(r.output_ids) for r in reqs], dtype=torch.int64).to(device, non_blocking=True)
-                   if steps is None else steps),
-            all_greedy=all(greedy),
-            any_greedy=any(greedy),
-            need_top_k=any(k < vocab_size for k, g in zip(top_ks, greedy) if not g),
-            need_top_p=any(p < 1.0 for p, g in zip(top_ps, greedy) if not g),
-        )
-
 
 # ---------------------------------------------------------------------------------------------------------------
 # Outputs

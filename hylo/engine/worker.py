@@ -52,13 +52,15 @@ class ModelWorker:
                                      GDNBackend(caches.state_pool), model.config.layer_types, extra_attn_layers)
         self.graphs: GraphRunner | None = None
 
-    def build_batch(self, sched: ScheduledBatch, input_ids: torch.Tensor | None = None) -> ForwardBatch:
+    def build_batch(self, sched: ScheduledBatch, input_ids: torch.Tensor | None = None,
+                    drafts: torch.Tensor | None = None) -> ForwardBatch:
         """Host plan -> device batch. Records the step's newly reserved KV locations in ``req_to_token`` and reads
         the fed tokens' locations back from it on the device.
 
         Rows the scheduler marked ``from_device`` (decoding rows) take their newest token, and when every row is
         one, their positions too, from the device tables: the host may not know them yet (overlap loop).
-        ``input_ids`` overrides the fed tokens (verify rows feed drafts that only the device knows)."""
+        Verify rows feed their newest token and then their drafts, ``drafts[req_slot]`` (a device table).
+        ``input_ids`` overrides the fed tokens altogether."""
         slots = self.caches.req_slots
         if sched.kv_locs:
             slots.write_locations(sched.kv_rows, sched.kv_cols, torch.cat(sched.kv_locs))
@@ -72,9 +74,13 @@ class ModelWorker:
             n = sched.extend_lens[0]
             base = slots.seq_len[req_slots]
             pos2d = base[:, None] + torch.arange(n, device=dev)[None, :]
+            if input_ids is None:
+                input_ids = slots.last_token[req_slots]
+                if drafts is not None:
+                    input_ids = torch.cat([input_ids[:, None], drafts[req_slots]], dim=1).reshape(-1)
             return ForwardBatch(
                 mode=sched.mode,
-                input_ids=slots.last_token[req_slots] if input_ids is None else input_ids,
+                input_ids=input_ids,
                 positions=pos2d.reshape(-1),
                 req_slots=req_slots,
                 state_slots=state_slots,

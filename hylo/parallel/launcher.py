@@ -14,19 +14,19 @@ from __future__ import annotations
 import os
 import socket
 import weakref
+from dataclasses import replace
 from datetime import timedelta
 
 import torch
 
 from ..config import EngineConfig
-from ..core import SamplingParams
 from .group import TPGroup
 from .sharding import check_divisible
 
 # NVLink multicast can take the host's shared GPUs out of service: never let NCCL or symmetric memory use it
 _SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 TIMEOUT_S = 1800  # the longest a collective may wait for a rank (model loading, first-use compilation included)
-_MUTATING = ("add_request", "abort", "step", "drain", "pop_finished", "prompt_logits")
+_MUTATING = ("abort", "step", "drain", "pop_finished", "prompt_logits")
 
 
 def create_engine(model, device: str, dtype: str, ec: EngineConfig):
@@ -145,23 +145,16 @@ class LeaderEngine:
         if engine is None:
             raise AttributeError(name)
         attr = getattr(engine, name)
-        if name in _MUTATING:
+        if name == "add_request":  # host-only: validate and register here first, then mirror with the same id
+            def add_request(*args, **kwargs):
+                rid = attr(*args, **kwargs)
+                req = engine._reqs[rid]
+                # the seed rank 0 drew travels too, so every rank samples with the same noise
+                self._broadcast(name, (req.prompt_ids, replace(req.params, seed=req.seed)), {"request_id": rid})
+                return rid
+            return add_request
+        if name in _MUTATING:  # the followers first: these calls run collectives every rank must join
             def mirrored(*args, **kwargs):
-                if name == "add_request":  # validate here first: a bad request never reaches the followers
-                    prompt, params = args[0], args[1] if len(args) > 1 else kwargs.get("params")
-                    ids = engine.encode_prompt(prompt)
-                    params = params or SamplingParams()
-                    params.validate()
-                    rid = kwargs.get("request_id") or (args[2] if len(args) > 2 else None)
-                    if rid is None:
-                        rid = f"req-{next(engine._ids)}"
-                    if rid in engine._reqs:
-                        raise ValueError(f"request id {rid!r} is already in use")
-                    args, kwargs = (ids, params), {"request_id": rid}
-                    self._broadcast(name, args, kwargs)
-                    engine_rid = attr(*args, **kwargs)
-                    engine._reqs[engine_rid].prompt = prompt if isinstance(prompt, str) else None
-                    return engine_rid
                 self._broadcast(name, args, kwargs)
                 return attr(*args, **kwargs)
             return mirrored

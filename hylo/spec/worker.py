@@ -90,16 +90,12 @@ class SpecWorker:
     def _verify(self, sched: ScheduledBatch) -> StepResult:
         tw, k = self.target, self.k
         dev = tw.device
-        req_slots = _dev([r.req_slot for r in sched.reqs], dev)
-        drafts = self.drafter.drafts[req_slots]
-        if self.draft_hook is not None:  # it gets each row's output index from the device lengths
-            first_out = tw.caches.req_slots.seq_len[req_slots] + 1 - _dev([len(r.prompt_ids) for r in sched.reqs],
-                                                                          dev)
-            drafts = self.draft_hook(sched.reqs, drafts, first_out)
-        last = tw.caches.req_slots.last_token[req_slots]  # the device table: the host may not know it yet
-        input_ids = torch.cat([last[:, None], drafts], dim=1).reshape(-1)
-        batch = tw.build_batch(sched, input_ids=input_ids)
+        batch = tw.build_batch(sched, drafts=self.drafter.drafts)  # rows feed [newest token, d1..dk]
         bs = len(sched.reqs)
+        drafts = batch.input_ids.view(bs, k + 1)[:, 1:]
+        if self.draft_hook is not None:  # it gets each row's output index from the device lengths
+            first_out = batch.seq_lens - k - tw.caches.req_slots.sampling_i[batch.req_slots, 2]
+            drafts.copy_(self.draft_hook(sched.reqs, drafts.clone(), first_out))
         if tw.graphs is not None and tw.graphs.can_run("verify", bs):
             out = tw.graphs.run("verify", batch)
             hidden, logits = out["hidden"], out["logits"]
@@ -111,7 +107,7 @@ class SpecWorker:
         emitted, accepted = greedy_accept(drafts, logits)
         if not sb.all_greedy:
             p = sampling_probs(logits.reshape(bs * (k + 1), -1), _repeat(sb, k + 1)).view(bs, k + 1, -1)
-            q = None if self.drafter.draft_probs is None else self.drafter.draft_probs[req_slots]
+            q = None if self.drafter.draft_probs is None else self.drafter.draft_probs[batch.req_slots]
             s_emitted, s_accepted = rejection_accept(drafts, q, p, sb.seeds, sb.steps)
             sampled = sb.temperatures > 0
             emitted = torch.where(sampled[:, None], s_emitted, emitted)
