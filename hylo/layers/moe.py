@@ -28,7 +28,7 @@ class MLP(nn.Module):
         self.gate_up = nn.Parameter(torch.empty(2 * inter, hidden, **kw), requires_grad=False)
         self.down = nn.Parameter(torch.empty(hidden, inter, **kw), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         h = F.linear(x, self.gate_up)
         return F.linear(F.silu(h[:, :self.inter]) * h[:, self.inter:], self.down)
 
@@ -62,10 +62,12 @@ class SparseMoE(nn.Module):
         self.shared_gate = (nn.Parameter(torch.empty(1, self.hidden, **kw), requires_grad=False)
                             if self.shared is not None else None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        """[T, H]; with ``reduce=False`` possibly the unreduced pair rows [T, k, H] (the fast path's), which the
+        residual add that follows sums (``ops.norm.add_rms_norm``): one pass over them fewer per layer."""
         weights, ids = route(F.linear(x, self.router), self.num_experts, self.top_k, self.norm_topk,
                              self.fold_shared)
-        out = fused_moe(x, self.w13, self.w2, weights, ids)
+        out = fused_moe(x, self.w13, self.w2, weights, ids, reduce=reduce or self.shared is not None)
         if self.shared is not None:
             out = out + torch.sigmoid(F.linear(x, self.shared_gate)) * self.shared(x)
         return out

@@ -43,7 +43,8 @@ class DecoderLayer(nn.Module):
             residual, h = add_rms_norm(residual, h, self.input_norm.weight, self.input_norm.eps)
         h = self.tp.all_reduce(self.mixer(h, batch, backend))
         residual, h = add_rms_norm(residual, h, self.post_norm.weight, self.post_norm.eps)
-        return self.tp.all_reduce(self.mlp(h)), residual
+        # one rank: the MoE may hand back its pair rows unreduced; the next add_rms_norm sums them
+        return self.tp.all_reduce(self.mlp(h, reduce=self.tp.size > 1)), residual
 
     def load(self, r: TensorReader, prefix: str) -> None:
         copy_into(self.input_norm.weight, r.get(f"{prefix}.input_layernorm.weight", self.input_norm.weight.shape))

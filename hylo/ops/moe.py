@@ -38,11 +38,12 @@ def route_topk(router_logits: torch.Tensor, top_k: int, normalize: bool):
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor) -> torch.Tensor:
+              topk_ids: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+    """[T, H]; the Triton path with ``reduce=False`` returns the unreduced pair rows [T, k, H] instead."""
     if use_triton(x):
         from .moe_triton import fused_moe as fused_moe_triton
 
-        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids)
+        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, reduce=reduce)
     return fused_moe_ref(x, w13, w2, topk_weights, topk_ids)
 
 

@@ -7,7 +7,8 @@ Two layouts of the (token, expert) pairs, picked by their number P = tokens * to
 - many pairs (prefill, large batches): pairs sorted by expert into blocks of BM that each belong to one expert
   (padding with a sentinel pair), then a grouped GEMM with tensor-core dots. The sort runs on the device with
   fixed-size outputs, so it needs no host sync and can be captured in a CUDA graph.
-Both write one row per pair (weighted by its routing weight); the k rows of a token are summed at the end.
+Both write one row per pair (weighted by its routing weight); the k rows of a token are summed at the end, or,
+in the model, by the residual add that follows (``norm_triton.add_rms_norm`` takes them unreduced).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ PAIR_GEMV_MAX_PAIRS = 64
 @triton.jit
 def _pair_gate_up_kernel(x_ptr, w13_ptr, ids_ptr, act_ptr, H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
                          BN: tl.constexpr, BK: tl.constexpr):
+    """Program (pair, block of BN intermediate columns): silu(x W_gate^T) * (x W_up^T) of that pair's expert."""
     pair = tl.program_id(0)
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
     mn = offs_n < I
@@ -33,7 +35,7 @@ def _pair_gate_up_kernel(x_ptr, w13_ptr, ids_ptr, act_ptr, H: tl.constexpr, I: t
     w_base = w13_ptr + e * (2 * I * H)
     acc_g = tl.zeros([BN], dtype=tl.float32)
     acc_u = tl.zeros([BN], dtype=tl.float32)
-    for k0 in tl.static_range(0, H, BK):
+    for k0 in range(0, H, BK):
         offs_k = k0 + tl.arange(0, BK)
         mk = offs_k < H
         x = tl.load(x_ptr + tok * H + offs_k, mask=mk, other=0.0).to(tl.float32)
@@ -48,26 +50,25 @@ def _pair_gate_up_kernel(x_ptr, w13_ptr, ids_ptr, act_ptr, H: tl.constexpr, I: t
 
 @triton.jit
 def _pair_down_kernel(act_ptr, w2_ptr, ids_ptr, wts_ptr, out_ptr, H: tl.constexpr, I: tl.constexpr,
-                      TOP_K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """One program per (token, block of outputs): the weighted sum over the token's pairs, written once."""
-    tok = tl.program_id(0)
+                      BN: tl.constexpr, BK: tl.constexpr):
+    """Program (pair, block of BN outputs): the pair's weighted down projection, one float32 row per pair. The
+    rows of a token are summed by whoever reads them (the residual add), so every pair's weights stream in
+    parallel instead of one program walking a token's pairs in turn."""
+    pair = tl.program_id(0)
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
     mn = offs_n < H
+    e = tl.load(ids_ptr + pair).to(tl.int64)
+    w_base = w2_ptr + e * (H * I)
     acc = tl.zeros([BN], dtype=tl.float32)
-    for j in tl.static_range(TOP_K):
-        pair = tok * TOP_K + j
-        e = tl.load(ids_ptr + pair).to(tl.int64)
-        w_base = w2_ptr + e * (H * I)
-        part = tl.zeros([BN], dtype=tl.float32)
-        for k0 in tl.static_range(0, I, BK):
-            offs_k = k0 + tl.arange(0, BK)
-            mk = offs_k < I
-            a = tl.load(act_ptr + pair * I + offs_k, mask=mk, other=0.0).to(tl.float32)
-            w = tl.load(w_base + offs_n[:, None] * I + offs_k[None, :], mask=mn[:, None] & mk[None, :],
-                        other=0.0).to(tl.float32)
-            part += tl.sum(w * a[None, :], 1)
-        acc += part * tl.load(wts_ptr + pair).to(tl.float32)
-    tl.store(out_ptr + tok * H + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mn)
+    for k0 in range(0, I, BK):
+        offs_k = k0 + tl.arange(0, BK)
+        mk = offs_k < I
+        a = tl.load(act_ptr + pair * I + offs_k, mask=mk, other=0.0).to(tl.float32)
+        w = tl.load(w_base + offs_n[:, None] * I + offs_k[None, :], mask=mn[:, None] & mk[None, :],
+                    other=0.0).to(tl.float32)
+        acc += tl.sum(w * a[None, :], 1)
+    acc = acc * tl.load(wts_ptr + pair).to(tl.float32)
+    tl.store(out_ptr + pair * H + offs_n, acc, mask=mn)
 
 
 # ---- many pairs: grouped GEMM over expert-sorted blocks --------------------------------------------------------
@@ -156,9 +157,15 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     return sorted_pairs, block_expert
 
 
+# launch parameters of the pair kernels (BN, BK, warps, stages), measured on the H200 (tools/tune_moe.py)
+PAIR_GATE_UP_CFG = (8, 256, 2, 2)
+PAIR_DOWN_CFG = (16, 256, 2, 2)
+
+
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor) -> torch.Tensor:
-    """x: [T, H]; w13: [E, 2I, H]; w2: [E, H, I]; topk_*: [T, k]. Returns [T, H] in x's dtype."""
+              topk_ids: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+    """x: [T, H]; w13: [E, 2I, H]; w2: [E, H, I]; topk_*: [T, k]. Returns [T, H] in x's dtype, or with
+    ``reduce=False`` the weighted rows of every pair, [T, k, H], for the caller to sum (``add_rms_norm`` does)."""
     num_tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
     num_experts, inter = w13.shape[0], w2.shape[-1]
@@ -166,19 +173,19 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     x = x.contiguous()
     ids = topk_ids.reshape(-1).contiguous()
     wts = topk_weights.reshape(-1).contiguous()
-    act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     if num_pairs == 0:
-        return torch.zeros_like(x)
+        return torch.zeros_like(x) if reduce else x.new_zeros(num_tokens, top_k, hidden)
+    act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     if num_pairs <= PAIR_GEMV_MAX_PAIRS:
-        # small row blocks: enough programs in flight to keep the memory system busy at batch 1
-        bn, bk = 8, 256
-        _pair_gate_up_kernel[(num_pairs, triton.cdiv(inter, bn))](x, w13, ids, act, hidden, inter, TOP_K=top_k,
-                                                                  BN=bn, BK=bk, num_warps=2)
-        out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
-        _pair_down_kernel[(num_tokens, triton.cdiv(hidden, bn))](act, w2, ids, wts, out, hidden, inter,
-                                                                 TOP_K=top_k, BN=bn, BK=min(bk, next_pow2(inter)),
-                                                                 num_warps=2)
-        return out
+        bn, bk, warps, stages = PAIR_GATE_UP_CFG
+        _pair_gate_up_kernel[(num_pairs, triton.cdiv(inter, bn))](
+            x, w13, ids, act, hidden, inter, TOP_K=top_k, BN=bn, BK=min(bk, next_pow2(hidden)), num_warps=warps,
+            num_stages=stages)
+        bn, bk, warps, stages = PAIR_DOWN_CFG
+        out = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
+        _pair_down_kernel[(num_pairs, triton.cdiv(hidden, bn))](
+            act, w2, ids, wts, out, hidden, inter, BN=bn, BK=min(bk, next_pow2(inter)), num_warps=warps,
+            num_stages=stages)
     else:
         # BM = 64 at every size: each block re-reads its expert's weights, so at decode batches (where the
         # shared expert and popular experts have tens of pairs) smaller blocks multiply the bytes read.
@@ -194,7 +201,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         _grouped_down_kernel[(grid_blocks, triton.cdiv(hidden, bn))](
             act, w2, sorted_pairs, block_expert, wts, out, hidden, inter, num_pairs, BM=bm, BN=bn, BK=bk,
             PREC=prec, num_warps=warps, num_stages=stages)
-    return out.view(num_tokens, top_k, hidden).sum(1)
+    out = out.view(num_tokens, top_k, hidden)
+    return out.sum(1, dtype=torch.float32).to(x.dtype) if reduce else out
 
 
 # ---- routing ---------------------------------------------------------------------------------------------------

@@ -18,12 +18,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float):
-    """The residual stream step: ``(x + delta, rms_norm(x + delta))`` (one kernel on CUDA)."""
+    """The residual stream step: ``(x + delta, rms_norm(x + delta))`` (one kernel on CUDA). A ``delta`` with one
+    more dimension than ``x`` ([..., J, N]: unreduced MoE pair outputs) adds the sum of its J rows, in float32."""
     if use_triton(x):
         from .norm_triton import add_rms_norm as add_rms_norm_triton
 
         return add_rms_norm_triton(x, delta, weight, eps)
-    res = x + delta
+    if delta.dim() == x.dim() + 1:
+        res = (x.float() + delta.float().sum(-2)).to(x.dtype)
+    else:
+        res = x + delta
     return res, rms_norm_ref(res, weight, eps)
 
 

@@ -13,13 +13,16 @@ from .triton_utils import next_pow2
 @triton.jit
 def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, res_out_ptr, y_ptr, gate_ptr, N: tl.constexpr, eps,
                      ADD: tl.constexpr, GATED: tl.constexpr, BN: tl.constexpr, GATE_ROWS: tl.constexpr = 1,
-                     gate_stride=0):
+                     gate_stride=0, J: tl.constexpr = 1):
     row = tl.program_id(0)
     offs = tl.arange(0, BN)
     m = offs < N
     x = tl.load(x_ptr + row * N + offs, mask=m, other=0.0).to(tl.float32)
     if ADD:
-        x = (x + tl.load(r_ptr + row * N + offs, mask=m, other=0.0).to(tl.float32)).to(res_out_ptr.dtype.element_ty)
+        # J delta rows per row (unreduced MoE pair outputs), summed in float32 with the residual
+        for j in tl.static_range(J):
+            x += tl.load(r_ptr + (row * J + j) * N + offs, mask=m, other=0.0).to(tl.float32)
+        x = x.to(res_out_ptr.dtype.element_ty)
         tl.store(res_out_ptr + row * N + offs, x, mask=m)
         x = x.to(tl.float32)  # normalise the rounded sum, as the reference does
     inv = tl.rsqrt(tl.sum(x * x, 0) / N + eps)
@@ -52,13 +55,15 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
 
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float):
-    """(x + delta, rms_norm(x + delta)) in one pass."""
+    """(x + delta, rms_norm(x + delta)) in one pass; ``delta`` [..., J, N] (one more dimension than ``x``) adds
+    the sum of its J rows."""
     x2, n = _rows(x.contiguous())
+    per_row = delta.shape[-2] if delta.dim() == x.dim() + 1 else 1
     d2, _ = _rows(delta.contiguous())
     res, y = torch.empty_like(x2), torch.empty_like(x2)
     if x2.shape[0]:
         _rms_norm_kernel[(x2.shape[0],)](x2, d2, weight, res, y, x2, n, eps, ADD=True, GATED=False,
-                                         BN=next_pow2(n), num_warps=4 if n <= 2048 else 8)
+                                         BN=next_pow2(n), J=per_row, num_warps=4 if n <= 2048 else 8)
     return res.view(x.shape), y.view(x.shape)
 
 

@@ -1,0 +1,150 @@
+"""Launch-parameter sweep for the decode-time kernels on bench-6b shapes: the MoE pair kernels (gate/up and down,
+at 1, 8 and 16 tokens) and the few-row GEMV against cuBLAS (``F.linear``) for the dense projections.
+
+Each measurement replays a CUDA graph of 24 calls over 24 different weight sets (one per layer, as in the model,
+so nothing is served from L2) and reports microseconds per call and the bytes-over-copy-rate floor of one call.
+Usage: python tools/tune_decode.py [--out DIR]; prints the best configurations and writes tune_decode.json.
+"""
+
+import argparse
+import itertools
+import json
+import os
+
+import torch
+import torch.nn.functional as F
+import triton
+
+from hylo.ops import moe_triton as M
+from hylo.ops.linear_triton import gemv
+
+LAYERS, H, I, E, TOP_K = 24, 2048, 512, 64, 10
+COPY_TBPS = 4.28
+
+
+def time_graph(fn, reps=20) -> float:
+    """Microseconds per call of ``fn`` (which makes LAYERS calls), from CUDA-graph replays."""
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(reps):
+        g.replay()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) * 1e3 / reps / LAYERS
+
+
+def sweep(name, configs, make_fn, floor_us, results):
+    rows = []
+    for cfg in configs:
+        try:
+            us = time_graph(make_fn(cfg))
+        except Exception as exc:  # a config that does not compile (registers, shared memory)
+            print(f"  {name} {cfg}: failed ({type(exc).__name__})")
+            continue
+        rows.append((us, cfg))
+    rows.sort()
+    results[name] = {"floor_us": floor_us, "rows": [{"us": us, "cfg": list(cfg)} for us, cfg in rows]}
+    best = rows[0]
+    print(f"{name}: floor {floor_us:.1f} us; best {best[0]:.1f} us ({best[0] / floor_us:.2f}x) {best[1]}; "
+          f"worst {rows[-1][0]:.1f}", flush=True)
+    for us, cfg in rows[:4]:
+        print(f"    {us:7.1f} us  {cfg}")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=".")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    results = {}
+    w13 = [torch.randn(E + 1, 2 * I, H, device=dev, dtype=dt) * 0.02 for _ in range(LAYERS)]
+    w2 = [torch.randn(E + 1, H, I, device=dev, dtype=dt) * 0.02 for _ in range(LAYERS)]
+    for tokens in (1, 8, 16):
+        P = tokens * (TOP_K + 1)
+        ids = [torch.cat([torch.stack([torch.randperm(E, device=dev)[:TOP_K] for _ in range(tokens)]),
+                          torch.full((tokens, 1), E, device=dev)], 1).reshape(-1).contiguous()
+               for _ in range(LAYERS)]
+        uniq = sum(int(i.unique().numel()) for i in ids) / LAYERS
+        wts = torch.rand(P, device=dev, dtype=dt)
+        x = torch.randn(tokens, H, device=dev, dtype=dt)
+        act = torch.randn(P, I, device=dev, dtype=dt)
+        out = torch.empty(P, H, device=dev, dtype=torch.float32)
+        floor13 = uniq * 2 * I * H * 2 / COPY_TBPS / 1e6
+        floor2 = uniq * I * H * 2 / COPY_TBPS / 1e6
+
+        def gate_up(cfg):
+            bn, bk, warps, stages = cfg
+
+            def fn():
+                for layer in range(LAYERS):
+                    M._pair_gate_up_kernel[(P, triton.cdiv(I, bn))](x, w13[layer], ids[layer], act, H, I,
+                                                                    TOP_K=TOP_K + 1, BN=bn, BK=bk,
+                                                                    num_warps=warps, num_stages=stages)
+            return fn
+
+        def down(cfg):
+            bn, bk, warps, stages = cfg
+
+            def fn():
+                for layer in range(LAYERS):
+                    M._pair_down_kernel[(P, triton.cdiv(H, bn))](act, w2[layer], ids[layer], wts, out, H, I,
+                                                                 BN=bn, BK=bk, num_warps=warps, num_stages=stages)
+            return fn
+
+        gu_cfgs = list(itertools.product((4, 8, 16), (256, 512), (2, 4), (1, 3))) + [(2, 1024, 2, 1),
+                                                                                   (4, 1024, 4, 1)]
+        dn_cfgs = list(itertools.product((8, 16, 32), (256, 512), (2, 4), (1, 3))) + [(64, 128, 4, 3)]
+        sweep(f"pair_gate_up_t{tokens}", gu_cfgs, gate_up, floor13, results)
+        sweep(f"pair_down_t{tokens}", dn_cfgs, down, floor2, results)
+
+        if tokens > 1:  # the grouped path at the same size, whole MoE (both kernels and the alignment)
+            tw = wts.view(tokens, TOP_K + 1)
+
+            def grouped(cfg):
+                def fn():
+                    saved = M.PAIR_GEMV_MAX_PAIRS
+                    M.PAIR_GEMV_MAX_PAIRS = 0
+                    for layer in range(LAYERS):
+                        M.fused_moe(x, w13[layer], w2[layer], tw, ids[layer].view(tokens, -1), reduce=False)
+                    M.PAIR_GEMV_MAX_PAIRS = saved
+                return fn
+            sweep(f"grouped_moe_t{tokens}", [("default",)], grouped, floor13 + floor2, results)
+
+    w13 = w2 = None
+    torch.cuda.empty_cache()
+    for n, k in ((2048, 4096), (12352, 2048), (9216, 2048), (65, 2048), (151936 // 8, 2048)):
+        ws = [torch.randn(n, k, device=dev, dtype=dt) * 0.02 for _ in range(LAYERS)]
+        for rows in (1, 8):
+            x = torch.randn(rows, k, device=dev, dtype=dt)
+            floor = n * k * 2 / COPY_TBPS / 1e6
+
+            def cublas(cfg):
+                def fn():
+                    for w in ws:
+                        F.linear(x, w)
+                return fn
+
+            def tri(cfg):
+                def fn():
+                    for w in ws:
+                        gemv(x, w, cfg)
+                return fn
+            sweep(f"cublas_{n}x{k}_m{rows}", [("F.linear",)], cublas, floor, results)
+            sweep(f"gemv_{n}x{k}_m{rows}", list(itertools.product((16, 32, 64), (128, 256, 512), (4,), (3, 4))),
+                  tri, floor, results)
+        ws = None
+        torch.cuda.empty_cache()
+    with open(os.path.join(args.out, "tune_decode.json"), "w") as f:
+        json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
