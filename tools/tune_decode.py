@@ -61,10 +61,22 @@ def sweep(name, configs, make_fn, floor_us, results):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
+    ap.add_argument("--only", nargs="+", default=["moe", "gemv", "split"], choices=["moe", "gemv", "split"])
     args = ap.parse_args()
     torch.manual_seed(0)
     dev, dt = torch.device("cuda"), torch.bfloat16
     results = {}
+    if "moe" in args.only:
+        tune_moe(dev, dt, results)
+    if "gemv" in args.only:
+        tune_gemv(dev, dt, results)
+    if "split" in args.only:
+        tune_split(dev, dt, results)
+    with open(os.path.join(args.out, "tune_decode.json"), "w") as f:
+        json.dump(results, f, indent=1)
+
+
+def tune_moe(dev, dt, results):
     w13 = [torch.randn(E + 1, 2 * I, H, device=dev, dtype=dt) * 0.02 for _ in range(LAYERS)]
     w2 = [torch.randn(E + 1, H, I, device=dev, dtype=dt) * 0.02 for _ in range(LAYERS)]
     for tokens in (1, 8, 16):
@@ -118,8 +130,9 @@ def main():
                 return fn
             sweep(f"grouped_moe_t{tokens}", [("default",)], grouped, floor13 + floor2, results)
 
-    w13 = w2 = None
-    torch.cuda.empty_cache()
+
+
+def tune_gemv(dev, dt, results):
     for n, k in ((2048, 4096), (12352, 2048), (9216, 2048), (65, 2048), (151936 // 8, 2048)):
         ws = [torch.randn(n, k, device=dev, dtype=dt) * 0.02 for _ in range(LAYERS)]
         for rows in (1, 8):
@@ -135,15 +148,30 @@ def main():
             def tri(cfg):
                 def fn():
                     for w in ws:
-                        gemv(x, w, cfg)
+                        gemv(x, w, cfg=cfg)
                 return fn
             sweep(f"cublas_{n}x{k}_m{rows}", [("F.linear",)], cublas, floor, results)
             sweep(f"gemv_{n}x{k}_m{rows}", list(itertools.product((16, 32, 64), (128, 256, 512), (4,), (3, 4))),
                   tri, floor, results)
         ws = None
         torch.cuda.empty_cache()
-    with open(os.path.join(args.out, "tune_decode.json"), "w") as f:
-        json.dump(results, f, indent=1)
+
+
+def tune_split(dev, dt, results):
+    """The output projections (2048 x 4096) as split-K GEMVs left unreduced; cfg = (BN, BK, warps, stages, split)."""
+    n, k = 2048, 4096
+    ws = [torch.randn(n, k, device=dev, dtype=dt) * 0.02 for _ in range(LAYERS)]
+    floor = n * k * 2 / COPY_TBPS / 1e6
+    for rows in (1, 4, 8):
+        x = torch.randn(rows, k, device=dev, dtype=dt)
+
+        def tri(cfg):
+            def fn():
+                for w in ws:
+                    gemv(x, w, split=cfg[4], cfg=cfg[:4])
+            return fn
+        cfgs = [c + (sp,) for c in itertools.product((16, 32, 64), (64, 128, 256), (4,), (3, 4)) for sp in (2, 4, 8)]
+        sweep(f"split_gemv_{n}x{k}_m{rows}", cfgs, tri, floor, results)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..core import ForwardBatch
 from .weights import TensorReader, copy_into
+from ..ops.linear import out_proj
 from ..ops.norm import rms_norm
 from ..ops.triton_utils import use_triton
 from .rotary import RotaryEmbedding
@@ -38,7 +39,8 @@ class GatedAttention(nn.Module):
         self.k_norm = nn.Parameter(torch.empty(self.head_dim, **kw), requires_grad=False)
         self.rotary = RotaryEmbedding(mc.rotary_dim, mc.rope_theta, device=device)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, backend) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, backend, reduce: bool = True) -> torch.Tensor:
+        """[T, hidden]; with ``reduce=False`` possibly unreduced rows [T, S, hidden] (see ``ops.linear``)."""
         num_tokens = x.shape[0]
         proj = F.linear(x, self.qkv_proj, self.qkv_bias)
         q, gate, k, v = proj.split([self.q_size, self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -54,8 +56,8 @@ class GatedAttention(nn.Module):
             k = rms_norm(k.reshape(num_tokens, self.num_kv_heads, self.head_dim), self.k_norm, self.eps)
             q, k = self.rotary(batch.positions, q, k)
         out = backend.attention(self.layer_id, q, k, v, batch, self.scaling)  # [T, H, D]
-        out = out.reshape(num_tokens, self.q_size) * torch.sigmoid(gate)
-        return F.linear(out, self.o_proj, self.o_bias)
+        # the output gate is applied inside the projection's loads on the GEMV path
+        return out_proj(out.reshape(num_tokens, self.q_size), self.o_proj, self.o_bias, gate=gate, reduce=reduce)
 
     def load(self, r: TensorReader, prefix: str) -> None:
         h, d = self.num_heads, self.head_dim

@@ -8,12 +8,12 @@ slices instead of per-group reshapes on every step.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..backends.gdn import GDNParams, GDNShape
 from ..config import ModelConfig
 from ..core import ForwardBatch
+from ..ops.linear import dense, out_proj
 from ..ops.norm import gated_rms_norm
 from .weights import TensorReader, copy_into
 
@@ -42,15 +42,16 @@ class GatedDeltaNet(nn.Module):
     def params(self) -> GDNParams:
         return GDNParams(self.conv_weight, self.A_log, self.dt_bias)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, backend) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, backend, reduce: bool = True) -> torch.Tensor:
+        """[T, hidden]; with ``reduce=False`` possibly unreduced rows [T, S, hidden] (see ``ops.linear``)."""
         num_tokens = x.shape[0]
         s = self.shape
-        proj = F.linear(x, self.in_proj)
+        proj = dense(x, self.in_proj)
         mixed_qkv, z, b, a = proj.split([self.conv_dim, self.value_dim, s.num_v_heads, s.num_v_heads], dim=-1)
         core = backend.linear_attention(self.layer_id, mixed_qkv, a, b, self.params(), s, batch)  # [T, Hv, Dv]
         core = gated_rms_norm(core.to(x.dtype), z.reshape(num_tokens, s.num_v_heads, s.head_v_dim),
                               self.norm_weight, self.eps)
-        return F.linear(core.reshape(num_tokens, self.value_dim), self.out_proj)
+        return out_proj(core.reshape(num_tokens, self.value_dim), self.out_proj, reduce=reduce)
 
     def load(self, r: TensorReader, prefix: str) -> None:
         s = self.shape

@@ -41,10 +41,12 @@ class DecoderLayer(nn.Module):
             residual, h = h, self.input_norm(h)
         else:
             residual, h = add_rms_norm(residual, h, self.input_norm.weight, self.input_norm.eps)
-        h = self.tp.all_reduce(self.mixer(h, batch, backend))
+        # On one rank the mixer's output projection and the MoE may hand back unreduced rows [T, J, hidden] (split-K
+        # partials, expert pairs); the add_rms_norm that follows sums them. Across ranks they are reduced first.
+        reduce = self.tp.size > 1
+        h = self.tp.all_reduce(self.mixer(h, batch, backend, reduce=reduce))
         residual, h = add_rms_norm(residual, h, self.post_norm.weight, self.post_norm.eps)
-        # one rank: the MoE may hand back its pair rows unreduced; the next add_rms_norm sums them
-        return self.tp.all_reduce(self.mlp(h, reduce=self.tp.size > 1)), residual
+        return self.tp.all_reduce(self.mlp(h, reduce=reduce)), residual
 
     def load(self, r: TensorReader, prefix: str) -> None:
         copy_into(self.input_norm.weight, r.get(f"{prefix}.input_layernorm.weight", self.input_norm.weight.shape))

@@ -1,8 +1,11 @@
-"""Triton GEMV for few-row linears (decode): ``y = x W^T`` for x [M <= 16, K], W [N, K].
+"""Triton GEMV for few-row linears (decode): ``y = x W^T (+ b)`` for x [M <= 16, K], W [N, K].
 
-At batch 1 cuBLAS picks split-K kernels plus a reduction launch for the narrow projections (GDN ``out_proj``,
-attention ``o_proj``), and a generic GEMV for the router; this kernel streams W once with one program per block of
-output columns, the rows of x held in registers, and the (padded) rows multiplied on the tensor cores.
+At batch 1 cuBLAS reads the narrow output projections (GDN ``out_proj``, attention ``o_proj``: 2048 outputs from
+4096 inputs) at about 2.2x their bytes, through a split-K kernel plus a reduction launch. Here the K range is split
+over SPLIT programs per block of outputs so that enough loads are in flight, and each split writes its own float32
+row: the caller either sums them or leaves them to the residual add that follows (``norm_triton.add_rms_norm``
+sums unreduced rows), so the split costs no extra launch. The (padded) rows multiply on the tensor cores. With
+GATED the input is ``x * sigmoid(gate)`` (the attention output gate), applied as x is loaded.
 """
 
 from __future__ import annotations
@@ -17,28 +20,63 @@ GEMV_MAX_ROWS = 16
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, y_ptr, M, N, K: tl.constexpr, stride_x, BM: tl.constexpr, BN: tl.constexpr,
-                 BK: tl.constexpr):
+def _gemv_kernel(x_ptr, g_ptr, w_ptr, b_ptr, y_ptr, M, N, K: tl.constexpr, stride_x, stride_g,
+                 K_SPLIT: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                 BK: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr, PREC: tl.constexpr):
+    split = tl.program_id(1)
     offs_m = tl.arange(0, BM)
     offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
     mm, mn = offs_m < M, offs_n < N
     acc = tl.zeros([BM, BN], dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        offs_k = k0 + tl.arange(0, BK)
+    for k0 in range(0, K_SPLIT, BK):
+        offs_k = split * K_SPLIT + k0 + tl.arange(0, BK)
         mk = offs_k < K
-        x = tl.load(x_ptr + offs_m[:, None] * stride_x + offs_k[None, :], mask=mm[:, None] & mk[None, :], other=0.0)
+        m2 = mm[:, None] & mk[None, :]
+        x = tl.load(x_ptr + offs_m[:, None] * stride_x + offs_k[None, :], mask=m2, other=0.0)
+        if GATED:
+            g = tl.load(g_ptr + offs_m[:, None] * stride_g + offs_k[None, :], mask=m2, other=0.0).to(tl.float32)
+            # rounded to x's dtype as the unfused ``x * torch.sigmoid(gate)`` is
+            x = (x.to(tl.float32) * tl.sigmoid(g).to(x.dtype).to(tl.float32)).to(x.dtype)
         w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
-        acc += tl.dot(x, tl.trans(w))
-    tl.store(y_ptr + offs_m[:, None] * N + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
+        acc += tl.dot(x, tl.trans(w), input_precision=PREC)
+    if HAS_BIAS:
+        acc += tl.where(split == 0, tl.load(b_ptr + offs_n, mask=mn, other=0.0).to(tl.float32), 0.0)[None, :]
+    tl.store(y_ptr + (offs_m[:, None] * SPLIT + split) * N + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=mm[:, None] & mn[None, :])
 
 
-def gemv(x: torch.Tensor, w: torch.Tensor, cfg: tuple[int, int, int, int] = (16, 256, 4, 4)) -> torch.Tensor:
-    """x: [M, K] (M <= 16, unit stride along K); w: [N, K] contiguous. cfg: (BN, BK, warps, stages)."""
+# (BN, BK, warps, stages) measured on the H200 (tools/tune_decode.py, bench/results/tune-decode*-20261202.json):
+# the GDN input projection (12352 x 2048) 14.1 us against cuBLAS's 15.8 (floor 11.8); the output projections
+# (2048 x 4096) with 8 splits 6.4 us against cuBLAS's 8.7 plus its reduction launch (floor 3.9)
+GEMV_CFG = (32, 128, 4, 4)
+SPLIT_GEMV_CFG = (64, 128, 4, 4)
+
+
+def choose_split(n: int, k: int, bn: int, bk: int, target_programs: int = 256) -> int:
+    """Splits of K so that about ``target_programs`` programs stream W, each over at least ``bk`` of K."""
+    split = 1
+    while triton.cdiv(n, bn) * split < target_programs and k // (2 * split) >= bk:
+        split *= 2
+    return split
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, gate: torch.Tensor | None = None,
+         split: int = 1, cfg: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """x, gate: [M, K] (M <= 16, unit stride along K); w: [N, K] contiguous. Returns [M, N] in x's dtype when
+    ``split`` is 1, else the float32 partial sums of each K split, [M, split, N] (bias in split 0)."""
     m, k = x.shape
     n = w.shape[0]
-    bn, bk, warps, stages = cfg
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    _gemv_kernel[(triton.cdiv(n, bn),)](x, w, y, m, n, k, x.stride(0), BM=16, BN=bn, BK=min(bk, next_pow2(k)),
-                                        num_warps=warps, num_stages=stages)
+    bn, bk, warps, stages = cfg or (GEMV_CFG if split == 1 else SPLIT_GEMV_CFG)
+    k_split = triton.cdiv(k, split)
+    bk = min(bk, next_pow2(k_split))
+    k_split = triton.cdiv(k_split, bk) * bk
+    if split == 1:
+        y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    else:
+        y = torch.empty(m, split, n, dtype=torch.float32, device=x.device)
+    g = gate if gate is not None else x
+    _gemv_kernel[(triton.cdiv(n, bn), split)](
+        x, g, w, bias if bias is not None else w, y, m, n, k, x.stride(0), g.stride(0), K_SPLIT=k_split,
+        SPLIT=split, BM=16, BN=bn, BK=bk, GATED=gate is not None, HAS_BIAS=bias is not None,
+        PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages)
     return y

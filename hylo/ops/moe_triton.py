@@ -19,7 +19,9 @@ import triton.language as tl
 
 from .triton_utils import next_pow2
 
-PAIR_GEMV_MAX_PAIRS = 64
+# up to 16 tokens of 10 experts + the shared one: at 8 and 16 tokens the pair kernels beat the grouped GEMM and
+# its alignment (94.6 vs 127 us and 153 vs 158 us per layer on bench-6b, tools/tune_decode.py)
+PAIR_GEMV_MAX_PAIRS = 176
 
 
 # ---- few pairs: one GEMV per pair ------------------------------------------------------------------------------
@@ -157,9 +159,11 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     return sorted_pairs, block_expert
 
 
-# launch parameters of the pair kernels (BN, BK, warps, stages), measured on the H200 (tools/tune_moe.py)
-PAIR_GATE_UP_CFG = (8, 256, 2, 2)
-PAIR_DOWN_CFG = (16, 256, 2, 2)
+# launch parameters of the pair kernels (BN, BK, warps, stages), measured on the H200 (tools/tune_decode.py,
+# bench/results/tune-decode-20261202.json): gate/up 13.6 us at 1 token (1.26x its bytes; the previous 8-row
+# blocks took 34 us), down 8.2 us at 1 token and 35 us at 8 (down: by the number of pairs)
+PAIR_GATE_UP_CFG = (4, 256, 4, 1)
+PAIR_DOWN_CFG = ((32, (8, 512, 2, 1)), (PAIR_GEMV_MAX_PAIRS, (16, 512, 2, 1)))
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -181,7 +185,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         _pair_gate_up_kernel[(num_pairs, triton.cdiv(inter, bn))](
             x, w13, ids, act, hidden, inter, TOP_K=top_k, BN=bn, BK=min(bk, next_pow2(hidden)), num_warps=warps,
             num_stages=stages)
-        bn, bk, warps, stages = PAIR_DOWN_CFG
+        bn, bk, warps, stages = next(cfg for limit, cfg in PAIR_DOWN_CFG if num_pairs <= limit)
         out = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
         _pair_down_kernel[(num_pairs, triton.cdiv(hidden, bn))](
             act, w2, ids, wts, out, hidden, inter, BN=bn, BK=min(bk, next_pow2(inter)), num_warps=warps,
@@ -210,7 +214,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
 def _route_kernel(logits_ptr, w_ptr, ids_ptr, stride_l, E: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
                   BE: tl.constexpr, NORM: tl.constexpr, SHARED: tl.constexpr):
     """Softmax over E experts, top-K, optional renormalisation; with SHARED, the shared expert (id E) as pair K
-    with weight sigmoid(logit E). One program per token; two identical argmax passes (the first for the sum)."""
+    with weight sigmoid(logit E). One program per token, one pass of K max-reductions: each chosen expert's rank
+    is kept, and the weights are stored by rank once their sum is known."""
     t = tl.program_id(0)
     offs = tl.arange(0, BE)
     m = offs < E
@@ -218,17 +223,17 @@ def _route_kernel(logits_ptr, w_ptr, ids_ptr, stride_l, E: tl.constexpr, K: tl.c
     p = tl.exp(x - tl.max(x, 0))
     p = p / tl.sum(p, 0)
     p = tl.where(m, p, -1.0)
-    total = 0.0
     q = p
+    rank = tl.full([BE], -1, tl.int32)
+    total = 0.0
     for j in tl.static_range(K):
-        total += tl.max(q, 0)
-        q = tl.where(offs == tl.argmax(q, 0), -1.0, q)
-    scale = 1.0 / total if NORM else 1.0
-    for j in tl.static_range(K):
-        idx = tl.argmax(p, 0)
+        best, idx = tl.max(q, 0, return_indices=True, return_indices_tie_break_left=True)
+        total += best
         tl.store(ids_ptr + t * KP + j, idx.to(tl.int64))
-        tl.store(w_ptr + t * KP + j, (tl.max(p, 0) * scale).to(w_ptr.dtype.element_ty))
-        p = tl.where(offs == idx, -1.0, p)
+        rank = tl.where(offs == idx, j, rank)
+        q = tl.where(offs == idx, -1.0, q)
+    scale = 1.0 / total if NORM else 1.0
+    tl.store(w_ptr + t * KP + rank, (p * scale).to(w_ptr.dtype.element_ty), mask=rank >= 0)
     if SHARED:
         g = tl.load(logits_ptr + t * stride_l + E).to(tl.float32)
         tl.store(ids_ptr + t * KP + K, E)

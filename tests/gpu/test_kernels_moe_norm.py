@@ -8,7 +8,8 @@ from hylo.ops.norm import gated_rms_norm, rms_norm
 
 
 @pytest.mark.parametrize("tokens,experts,top_k,hidden,inter", [(1, 8, 2, 48, 40), (3, 64, 10, 64, 32),
-                                                                (37, 8, 3, 40, 24), (9, 64, 10, 96, 80)])
+                                                                (37, 8, 3, 40, 24), (9, 64, 10, 96, 80),
+                                                                (70, 8, 3, 40, 24)])
 def test_fused_moe_matches_reference(dev, tokens, experts, top_k, hidden, inter):
     from hylo.ops.moe_triton import fused_moe
 

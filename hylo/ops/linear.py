@@ -1,0 +1,44 @@
+"""The model's projections. On CUDA with few rows (decode) they run a Triton GEMV (``linear_triton``); the output
+projections of the mixers may then come back as unreduced float32 split-K rows [M, S, N] for the residual add to
+sum. Everywhere else (CPU, prefill) they are ``F.linear``."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .triton_utils import use_triton
+
+
+def _few_rows(x: torch.Tensor) -> bool:
+    if not use_triton(x):
+        return False
+    from .linear_triton import GEMV_MAX_ROWS
+
+    return x.shape[0] <= GEMV_MAX_ROWS and x.stride(-1) == 1
+
+
+def dense(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x W^T for a wide projection (the GDN input projection)."""
+    if _few_rows(x):
+        from .linear_triton import gemv
+
+        return gemv(x, w)
+    return F.linear(x, w)
+
+
+def out_proj(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, gate: torch.Tensor | None = None,
+             reduce: bool = True) -> torch.Tensor:
+    """(x * sigmoid(gate) if gate is given) W^T + bias: a mixer's output projection. With ``reduce=False`` the
+    few-row path returns float32 partial rows [M, S, N] whose sum is the result."""
+    if _few_rows(x) and (gate is None or gate.stride(-1) == 1):
+        from .linear_triton import SPLIT_GEMV_CFG, choose_split, gemv
+
+        split = choose_split(w.shape[0], x.shape[1], SPLIT_GEMV_CFG[0], SPLIT_GEMV_CFG[1])
+        y = gemv(x, w, bias, gate, split=split)
+        if split == 1:
+            return y
+        return y if not reduce else y.sum(1).to(x.dtype)
+    if gate is not None:
+        x = x * torch.sigmoid(gate)
+    return F.linear(x, w, bias)

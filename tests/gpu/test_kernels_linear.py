@@ -1,0 +1,84 @@
+"""The few-row GEMV (decode projections) and the unreduced-rows residual add against their torch references."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hylo.ops.norm import add_rms_norm, rms_norm_ref
+
+
+def _dtype(dev):
+    return torch.bfloat16 if dev.type == "cuda" else torch.float32
+
+
+@pytest.mark.parametrize("rows,n,k,split,gated,bias", [(1, 65, 2048, 1, False, False), (3, 100, 256, 2, True, True),
+                                                       (16, 40, 64, 4, False, True), (5, 48, 200, 3, True, False),
+                                                       (1, 2048, 4096, 4, False, False), (7, 30, 96, 1, True, True)])
+def test_gemv_matches_linear(dev, rows, n, k, split, gated, bias):
+    from hylo.ops.linear_triton import gemv
+
+    g = torch.Generator().manual_seed(11)
+    x, gate = torch.randn(rows, k, generator=g), torch.randn(rows, k, generator=g)
+    w, b = torch.randn(n, k, generator=g) / k ** 0.5, torch.randn(n, generator=g)
+    dt = _dtype(dev)
+    xe = x.to(dt) * torch.sigmoid(gate.to(dt)) if gated else x.to(dt)
+    ref = F.linear(xe.double(), w.to(dt).double(), b.to(dt).double() if bias else None)
+    y = gemv(x.to(dev, dt), w.to(dev, dt), b.to(dev, dt) if bias else None, gate.to(dev, dt) if gated else None,
+             split=split)
+    if split == 1:
+        assert y.shape == (rows, n) and y.dtype == dt
+    else:
+        assert y.shape == (rows, split, n) and y.dtype == torch.float32
+        y = y.sum(1)
+    tol = 2e-2 if dt == torch.bfloat16 else 1e-5
+    assert (y.double().cpu() - ref).norm() / ref.norm() < tol
+
+
+def test_gemv_reads_a_strided_gate_in_place(dev):
+    """The attention gate is a column slice of the fused projection: a row stride wider than K."""
+    from hylo.ops.linear import out_proj
+
+    g = torch.Generator().manual_seed(12)
+    proj = torch.randn(3, 64, generator=g).to(dev, _dtype(dev))
+    x, gate = proj[:, :32].contiguous(), proj[:, 32:]
+    w = torch.randn(24, 32, generator=g).to(dev, _dtype(dev))
+    ref = F.linear(x.float() * torch.sigmoid(gate.float()), w.float())
+    tol = 3e-2 if dev.type == "cuda" else 1e-5
+    assert torch.allclose(out_proj(x, w, gate=gate).float(), ref, atol=tol, rtol=tol)
+    assert torch.allclose(out_proj(x, w, gate=gate, reduce=False).float().reshape(3, -1, 24).sum(1), ref,
+                          atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("rows,j,dim", [(1, 11, 2048), (5, 4, 48), (3, 1, 20)])
+def test_add_rms_norm_sums_unreduced_rows(dev, rows, j, dim):
+    from hylo.ops.norm_triton import add_rms_norm as add_rms_norm_triton
+
+    g = torch.Generator().manual_seed(13)
+    x, parts, w = torch.randn(rows, dim, generator=g), torch.randn(rows, j, dim, generator=g), torch.randn(dim, generator=g)
+    res, y = add_rms_norm_triton(x.to(dev), parts.to(dev), w.to(dev), 1e-6)
+    ref_res = x + parts.sum(1)
+    assert torch.allclose(res.cpu(), ref_res, atol=1e-5)
+    assert torch.allclose(y.cpu(), rms_norm_ref(ref_res, w, 1e-6), atol=1e-4)
+    ref_res2, ref_y2 = add_rms_norm(x, parts, w, 1e-6)  # the CPU reference takes the same shapes
+    assert torch.allclose(ref_res2, ref_res, atol=1e-5) and torch.allclose(ref_y2, y.cpu(), atol=1e-4)
+
+
+@pytest.mark.parametrize("tokens,top_k", [(1, 11), (16, 11), (70, 3)])
+def test_unreduced_moe_rows_sum_to_the_reduced_output(dev, tokens, top_k):
+    from hylo.ops.moe import fused_moe_ref, route_topk
+    from hylo.ops.moe_triton import fused_moe
+
+    g = torch.Generator().manual_seed(14)
+    experts, hidden, inter = 16, 64, 40
+    dt = _dtype(dev)
+    x = torch.randn(tokens, hidden, generator=g)
+    w13 = torch.randn(experts, 2 * inter, hidden, generator=g) / hidden ** 0.5
+    w2 = torch.randn(experts, hidden, inter, generator=g) / inter ** 0.5
+    weights, ids = route_topk(torch.randn(tokens, experts, generator=g), top_k, True)
+    args = (x.to(dev, dt), w13.to(dev, dt), w2.to(dev, dt), weights.to(dev, dt), ids.to(dev))
+    rows = fused_moe(*args, reduce=False)
+    assert rows.shape == (tokens, top_k, hidden)
+    ref = fused_moe_ref(x.double(), w13.double(), w2.double(), weights.double(), ids)
+    tol = 3e-2 if dt == torch.bfloat16 else 1e-4
+    assert (rows.double().sum(1).cpu() - ref).norm() / ref.norm() < tol
+    assert (fused_moe(*args).double().cpu() - ref).norm() / ref.norm() < tol
