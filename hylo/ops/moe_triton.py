@@ -211,20 +211,19 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
 
 # ---- routing ---------------------------------------------------------------------------------------------------
 @triton.jit
-def _route_kernel(logits_ptr, w_ptr, ids_ptr, stride_l, E: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
-                  BE: tl.constexpr, NORM: tl.constexpr, SHARED: tl.constexpr):
-    """Softmax over E experts, top-K, optional renormalisation; with SHARED, the shared expert (id E) as pair K
-    with weight sigmoid(logit E). One program per token, one pass of K max-reductions: each chosen expert's rank
-    is kept, and the weights are stored by rank once their sum is known."""
-    t = tl.program_id(0)
-    offs = tl.arange(0, BE)
+def _select_topk(x, offs, t, w_ptr, ids_ptr, E: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
+                 NORM: tl.constexpr, SHARED: tl.constexpr):
+    """x: [BE] float32 logits of token t (column E: the shared expert's gate). Softmax over the E experts, top-K,
+    optional renormalisation, stored as pairs 0..K-1; with SHARED, the shared expert (id E) as pair K with weight
+    sigmoid(gate). One pass of K max-reductions: each chosen expert's rank is kept, and the weights are stored by
+    rank once their sum is known."""
     m = offs < E
-    x = tl.load(logits_ptr + t * stride_l + offs, mask=m, other=float("-inf")).to(tl.float32)
-    p = tl.exp(x - tl.max(x, 0))
+    xe = tl.where(m, x, float("-inf"))
+    p = tl.exp(xe - tl.max(xe, 0))
     p = p / tl.sum(p, 0)
     p = tl.where(m, p, -1.0)
     q = p
-    rank = tl.full([BE], -1, tl.int32)
+    rank = tl.full(x.shape, -1, tl.int32)
     total = 0.0
     for j in tl.static_range(K):
         best, idx = tl.max(q, 0, return_indices=True, return_indices_tie_break_left=True)
@@ -235,19 +234,73 @@ def _route_kernel(logits_ptr, w_ptr, ids_ptr, stride_l, E: tl.constexpr, K: tl.c
     scale = 1.0 / total if NORM else 1.0
     tl.store(w_ptr + t * KP + rank, (p * scale).to(w_ptr.dtype.element_ty), mask=rank >= 0)
     if SHARED:
-        g = tl.load(logits_ptr + t * stride_l + E).to(tl.float32)
+        g = tl.sum(tl.where(offs == E, x, 0.0), 0)
         tl.store(ids_ptr + t * KP + K, E)
         tl.store(w_ptr + t * KP + K, (1.0 / (1.0 + tl.exp(-g))).to(w_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _route_kernel(logits_ptr, w_ptr, ids_ptr, stride_l, E: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
+                  BE: tl.constexpr, NORM: tl.constexpr, SHARED: tl.constexpr):
+    """Routing from precomputed logits [T, E (+1)]: one program per token."""
+    t = tl.program_id(0)
+    offs = tl.arange(0, BE)
+    x = tl.load(logits_ptr + t * stride_l + offs, mask=offs < E + SHARED, other=0.0).to(tl.float32)
+    _select_topk(x, offs, t, w_ptr, ids_ptr, E, K, KP, NORM, SHARED)
+
+
+@triton.jit
+def _router_route_kernel(x_ptr, r_ptr, w_ptr, ids_ptr, stride_x, H: tl.constexpr, E: tl.constexpr,
+                         K: tl.constexpr, KP: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr, NORM: tl.constexpr,
+                         SHARED: tl.constexpr):
+    """The router matmul and the routing in one program per token (decode): the logits never leave registers.
+    They are rounded to x's dtype first, as the unfused matmul's output is."""
+    t = tl.program_id(0)
+    offs = tl.arange(0, BE)
+    me = offs < E + SHARED
+    acc = tl.zeros([BE], dtype=tl.float32)
+    for k0 in range(0, H, BK):
+        offs_k = k0 + tl.arange(0, BK)
+        mk = offs_k < H
+        xk = tl.load(x_ptr + t * stride_x + offs_k, mask=mk, other=0.0).to(tl.float32)
+        w = tl.load(r_ptr + offs[:, None] * H + offs_k[None, :], mask=me[:, None] & mk[None, :], other=0.0)
+        acc += tl.sum(w.to(tl.float32) * xk[None, :], 1)
+    x = acc.to(x_ptr.dtype.element_ty).to(tl.float32)
+    _select_topk(x, offs, t, w_ptr, ids_ptr, E, K, KP, NORM, SHARED)
+
+
+def _route_out(tokens: int, top_k: int, shared: bool, dtype: torch.dtype, device):
+    kp = top_k + int(shared)
+    return kp, torch.empty(tokens, kp, dtype=dtype, device=device), torch.empty(tokens, kp, dtype=torch.int64,
+                                                                                device=device)
+
+
+def _experts_block(num_experts: int, shared: bool) -> int:
+    return max(16, next_pow2(num_experts + int(shared)))
 
 
 def route(logits: torch.Tensor, num_experts: int, top_k: int, normalize: bool, shared: bool):
     """logits: [T, E (+1 shared-gate column)]. Returns (weights [T, k (+1)] in logits' dtype, ids int64)."""
     tokens = logits.shape[0]
-    kp = top_k + int(shared)
-    w = torch.empty(tokens, kp, dtype=logits.dtype, device=logits.device)
-    ids = torch.empty(tokens, kp, dtype=torch.int64, device=logits.device)
+    kp, w, ids = _route_out(tokens, top_k, shared, logits.dtype, logits.device)
     if tokens:
         _route_kernel[(tokens,)](logits, w, ids, logits.stride(0), E=num_experts, K=top_k, KP=kp,
-                                 BE=max(16, 1 << (num_experts - 1).bit_length()), NORM=normalize, SHARED=shared,
-                                 num_warps=1)
+                                 BE=_experts_block(num_experts, shared), NORM=normalize, SHARED=shared, num_warps=1)
+    return w, ids
+
+
+# up to this many tokens the router matmul runs inside the routing kernel (one program per token, each reading
+# the whole router matrix: cheap from L2 at decode sizes, a waste at prefill sizes)
+FUSED_ROUTER_MAX_TOKENS = 16
+
+
+def router_route(x: torch.Tensor, router: torch.Tensor, num_experts: int, top_k: int, normalize: bool,
+                 shared: bool):
+    """route(x @ router^T, ...) for x [T <= FUSED_ROUTER_MAX_TOKENS, H] in one launch."""
+    tokens, hidden = x.shape
+    kp, w, ids = _route_out(tokens, top_k, shared, x.dtype, x.device)
+    if tokens:
+        _router_route_kernel[(tokens,)](x, router, w, ids, x.stride(0), H=hidden, E=num_experts, K=top_k, KP=kp,
+                                        BE=_experts_block(num_experts, shared), BK=min(128, next_pow2(hidden)),
+                                        NORM=normalize, SHARED=shared, num_warps=8, num_stages=3)
     return w, ids
