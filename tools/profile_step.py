@@ -8,7 +8,7 @@ import os
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from hylo.bench import bench_config, build_model, fake_prefill
+from hylo.bench import bench_config, build_model, clear, fake_prefill
 from hylo.config import EngineConfig
 from hylo.engine.engine import Engine
 from hylo.spec.setup import SpecSetup
@@ -47,10 +47,9 @@ def main():
             report[name] = {"total_gpu_ms": total, "kernels": rows[:40],
                             "launches": sum(r[2] for r in rows)}
             print(f"== {name}: {total:.2f} ms GPU per step, {sum(r[2] for r in rows):.0f} kernels per step")
-            for k, ms, n in rows[:22]:
+            for k, ms, n in rows[:30]:
                 print(f"  {ms:8.3f} ms  {n:6.0f}x  {k[:90]}")
-            for rid in rids:
-                eng.abort(rid)
+            clear(eng, rids)
         del eng
         torch.cuda.empty_cache()
     with open(os.path.join(args.out, "profile_step.json"), "w") as f:
