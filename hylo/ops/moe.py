@@ -27,17 +27,6 @@ def route(router_logits: torch.Tensor, num_experts: int, top_k: int, normalize: 
     return weights, ids
 
 
-def router_route(x: torch.Tensor, router: torch.Tensor, num_experts: int, top_k: int, normalize: bool,
-                 shared: bool):
-    """``route(x @ router^T, ...)``; on CUDA with few tokens (decode) one kernel does both."""
-    if use_triton(x):
-        from .moe_triton import FUSED_ROUTER_MAX_TOKENS, router_route as router_route_triton
-
-        if x.shape[0] <= FUSED_ROUTER_MAX_TOKENS and x.stride(-1) == 1:
-            return router_route_triton(x, router, num_experts, top_k, normalize, shared)
-    return route(F.linear(x, router), num_experts, top_k, normalize, shared)
-
-
 def route_topk(router_logits: torch.Tensor, top_k: int, normalize: bool):
     """Softmax over experts in float32, top-k, optional renormalisation. Returns (weights in the logits' dtype,
     expert ids [T, k])."""

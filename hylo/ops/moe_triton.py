@@ -249,26 +249,6 @@ def _route_kernel(logits_ptr, w_ptr, ids_ptr, stride_l, E: tl.constexpr, K: tl.c
     _select_topk(x, offs, t, w_ptr, ids_ptr, E, K, KP, NORM, SHARED)
 
 
-@triton.jit
-def _router_route_kernel(x_ptr, r_ptr, w_ptr, ids_ptr, stride_x, H: tl.constexpr, E: tl.constexpr,
-                         K: tl.constexpr, KP: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr, NORM: tl.constexpr,
-                         SHARED: tl.constexpr):
-    """The router matmul and the routing in one program per token (decode): the logits never leave registers.
-    They are rounded to x's dtype first, as the unfused matmul's output is."""
-    t = tl.program_id(0)
-    offs = tl.arange(0, BE)
-    me = offs < E + SHARED
-    acc = tl.zeros([BE], dtype=tl.float32)
-    for k0 in range(0, H, BK):
-        offs_k = k0 + tl.arange(0, BK)
-        mk = offs_k < H
-        xk = tl.load(x_ptr + t * stride_x + offs_k, mask=mk, other=0.0).to(tl.float32)
-        w = tl.load(r_ptr + offs[:, None] * H + offs_k[None, :], mask=me[:, None] & mk[None, :], other=0.0)
-        acc += tl.sum(w.to(tl.float32) * xk[None, :], 1)
-    x = acc.to(x_ptr.dtype.element_ty).to(tl.float32)
-    _select_topk(x, offs, t, w_ptr, ids_ptr, E, K, KP, NORM, SHARED)
-
-
 def _route_out(tokens: int, top_k: int, shared: bool, dtype: torch.dtype, device):
     kp = top_k + int(shared)
     return kp, torch.empty(tokens, kp, dtype=dtype, device=device), torch.empty(tokens, kp, dtype=torch.int64,
@@ -286,21 +266,4 @@ def route(logits: torch.Tensor, num_experts: int, top_k: int, normalize: bool, s
     if tokens:
         _route_kernel[(tokens,)](logits, w, ids, logits.stride(0), E=num_experts, K=top_k, KP=kp,
                                  BE=_experts_block(num_experts, shared), NORM=normalize, SHARED=shared, num_warps=1)
-    return w, ids
-
-
-# up to this many tokens the router matmul runs inside the routing kernel (one program per token, each reading
-# the whole router matrix: cheap from L2 at decode sizes, a waste at prefill sizes)
-FUSED_ROUTER_MAX_TOKENS = 16
-
-
-def router_route(x: torch.Tensor, router: torch.Tensor, num_experts: int, top_k: int, normalize: bool,
-                 shared: bool):
-    """route(x @ router^T, ...) for x [T <= FUSED_ROUTER_MAX_TOKENS, H] in one launch."""
-    tokens, hidden = x.shape
-    kp, w, ids = _route_out(tokens, top_k, shared, x.dtype, x.device)
-    if tokens:
-        _router_route_kernel[(tokens,)](x, router, w, ids, x.stride(0), H=hidden, E=num_experts, K=top_k, KP=kp,
-                                        BE=_experts_block(num_experts, shared), BK=min(128, next_pow2(hidden)),
-                                        NORM=normalize, SHARED=shared, num_warps=8, num_stages=3)
     return w, ids

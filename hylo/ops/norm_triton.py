@@ -63,7 +63,8 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
     res, y = torch.empty_like(x2), torch.empty_like(x2)
     if x2.shape[0]:
         _rms_norm_kernel[(x2.shape[0],)](x2, d2, weight, res, y, x2, n, eps, ADD=True, GATED=False,
-                                         BN=next_pow2(n), J=per_row, num_warps=4 if n <= 2048 else 8)
+                                         BN=next_pow2(n), J=per_row,
+                                         num_warps=16 if per_row > 1 else 4 if n <= 2048 else 8)
     return res.view(x.shape), y.view(x.shape)
 
 
