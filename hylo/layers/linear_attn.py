@@ -13,8 +13,7 @@ from torch import nn
 from ..backends.gdn import GDNParams, GDNShape
 from ..config import ModelConfig
 from ..core import ForwardBatch
-from ..ops.linear import dense, out_proj
-from ..ops.norm import gated_rms_norm
+from ..ops.linear import dense, norm_out_proj
 from .weights import TensorReader, copy_into
 
 
@@ -49,9 +48,8 @@ class GatedDeltaNet(nn.Module):
         proj = dense(x, self.in_proj)
         mixed_qkv, z, b, a = proj.split([self.conv_dim, self.value_dim, s.num_v_heads, s.num_v_heads], dim=-1)
         core = backend.linear_attention(self.layer_id, mixed_qkv, a, b, self.params(), s, batch)  # [T, Hv, Dv]
-        core = gated_rms_norm(core.to(x.dtype), z.reshape(num_tokens, s.num_v_heads, s.head_v_dim),
-                              self.norm_weight, self.eps)
-        return out_proj(core.reshape(num_tokens, self.value_dim), self.out_proj, reduce=reduce)
+        return norm_out_proj(core.to(x.dtype), z.reshape(num_tokens, s.num_v_heads, s.head_v_dim), self.norm_weight,
+                             self.eps, self.out_proj, reduce=reduce)
 
     def load(self, r: TensorReader, prefix: str) -> None:
         s = self.shape

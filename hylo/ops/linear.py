@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .norm import gated_rms_norm
 from .triton_utils import use_triton
 
 
@@ -42,3 +43,21 @@ def out_proj(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
     if gate is not None:
         x = x * torch.sigmoid(gate)
     return F.linear(x, w, bias)
+
+
+def norm_out_proj(x: torch.Tensor, z: torch.Tensor, norm_weight: torch.Tensor, eps: float, w: torch.Tensor,
+                  reduce: bool = True) -> torch.Tensor:
+    """The GDN output: ``gated_rms_norm`` of every head of x [M, Hv, Dv] with gate z [M, Hv, Dv], then W^T; on the
+    few-row path the norm runs inside the projection's loads (no launch, no round trip of the normed rows)."""
+    rows, heads, dv = x.shape
+    if (_few_rows(x) and z.stride(-1) == 1 and z.stride(-2) == dv and dv & (dv - 1) == 0 and 16 <= dv <= 256
+            and x.is_contiguous()):
+        from .linear_triton import SPLIT_GEMV_CFG, choose_split, gemv
+
+        k = heads * dv
+        split = choose_split(w.shape[0], k, SPLIT_GEMV_CFG[0], dv)
+        y = gemv(x.view(rows, k), w, gate=z.flatten(1),
+                 split=split, norm_weight=norm_weight, eps=eps)
+        return y if split == 1 or not reduce else y.sum(1).to(x.dtype)
+    core = gated_rms_norm(x, z, norm_weight, eps)
+    return out_proj(core.reshape(rows, heads * dv), w, reduce=reduce)

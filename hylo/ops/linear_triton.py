@@ -4,8 +4,9 @@ At batch 1 cuBLAS reads the narrow output projections (GDN ``out_proj``, attenti
 4096 inputs) at about 2.2x their bytes, through a split-K kernel plus a reduction launch. Here the K range is split
 over SPLIT programs per block of outputs so that enough loads are in flight, and each split writes its own float32
 row: the caller either sums them or leaves them to the residual add that follows (``norm_triton.add_rms_norm``
-sums unreduced rows), so the split costs no extra launch. The (padded) rows multiply on the tensor cores. With
-GATED the input is ``x * sigmoid(gate)`` (the attention output gate), applied as x is loaded.
+sums unreduced rows), so the split costs no extra launch. The (padded) rows multiply on the tensor cores. What
+the output projections apply to their input first is done as x is loaded: the attention output gate
+``x * sigmoid(gate)``, or the GDN gated RMSNorm of each head (one head per K block).
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ GEMV_MAX_ROWS = 16
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, g_ptr, w_ptr, b_ptr, y_ptr, M, N, K: tl.constexpr, stride_x, stride_g,
+def _gemv_kernel(x_ptr, g_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, M, N, K: tl.constexpr, stride_x, stride_g, eps,
                  K_SPLIT: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                 BK: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr, PREC: tl.constexpr):
+                 BK: tl.constexpr, GATE: tl.constexpr, HAS_BIAS: tl.constexpr, PREC: tl.constexpr):
     split = tl.program_id(1)
     offs_m = tl.arange(0, BM)
     offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
@@ -33,10 +34,20 @@ def _gemv_kernel(x_ptr, g_ptr, w_ptr, b_ptr, y_ptr, M, N, K: tl.constexpr, strid
         mk = offs_k < K
         m2 = mm[:, None] & mk[None, :]
         x = tl.load(x_ptr + offs_m[:, None] * stride_x + offs_k[None, :], mask=m2, other=0.0)
-        if GATED:
+        if GATE == 1:
             g = tl.load(g_ptr + offs_m[:, None] * stride_g + offs_k[None, :], mask=m2, other=0.0).to(tl.float32)
             # rounded to x's dtype as the unfused ``x * torch.sigmoid(gate)`` is
             x = (x.to(tl.float32) * tl.sigmoid(g).to(x.dtype).to(tl.float32)).to(x.dtype)
+        elif GATE == 2:
+            # the GDN output norm of one head (BK channels): normalise in float32, round, scale by the weight,
+            # round, gate by silu(z) in float32, in the order of ``ops.norm.gated_rms_norm``
+            g = tl.load(g_ptr + offs_m[:, None] * stride_g + offs_k[None, :], mask=m2, other=0.0).to(tl.float32)
+            xf = x.to(tl.float32)
+            inv = tl.rsqrt(tl.sum(xf * xf, 1) / BK + eps)
+            nw = tl.load(nw_ptr + tl.arange(0, BK)).to(tl.float32)
+            y = (xf * inv[:, None]).to(x.dtype).to(tl.float32) * nw[None, :]
+            y = y.to(x.dtype).to(tl.float32) * (g * tl.sigmoid(g))
+            x = y.to(x.dtype)
         w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
         acc += tl.dot(x, tl.trans(w), input_precision=PREC)
     if HAS_BIAS:
@@ -61,14 +72,18 @@ def choose_split(n: int, k: int, bn: int, bk: int, target_programs: int = 256) -
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, gate: torch.Tensor | None = None,
-         split: int = 1, cfg: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+         split: int = 1, cfg: tuple[int, int, int, int] | None = None, norm_weight: torch.Tensor | None = None,
+         eps: float = 1e-6) -> torch.Tensor:
     """x, gate: [M, K] (M <= 16, unit stride along K); w: [N, K] contiguous. Returns [M, N] in x's dtype when
-    ``split`` is 1, else the float32 partial sums of each K split, [M, split, N] (bias in split 0)."""
+    ``split`` is 1, else the float32 partial sums of each K split, [M, split, N] (bias in split 0).
+
+    The input is x, or ``x * sigmoid(gate)``, or with ``norm_weight`` [D] (D a power of two dividing K) the GDN
+    gated norm of every D-channel head of x, ``gated_rms_norm(x, gate, norm_weight, eps)``."""
     m, k = x.shape
     n = w.shape[0]
     bn, bk, warps, stages = cfg or (GEMV_CFG if split == 1 else SPLIT_GEMV_CFG)
     k_split = triton.cdiv(k, split)
-    bk = min(bk, next_pow2(k_split))
+    bk = norm_weight.shape[0] if norm_weight is not None else min(bk, next_pow2(k_split))
     k_split = triton.cdiv(k_split, bk) * bk
     if split == 1:
         y = torch.empty(m, n, dtype=x.dtype, device=x.device)
@@ -76,7 +91,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, gat
         y = torch.empty(m, split, n, dtype=torch.float32, device=x.device)
     g = gate if gate is not None else x
     _gemv_kernel[(triton.cdiv(n, bn), split)](
-        x, g, w, bias if bias is not None else w, y, m, n, k, x.stride(0), g.stride(0), K_SPLIT=k_split,
-        SPLIT=split, BM=16, BN=bn, BK=bk, GATED=gate is not None, HAS_BIAS=bias is not None,
+        x, g, norm_weight if norm_weight is not None else w, w, bias if bias is not None else w, y, m, n, k,
+        x.stride(0), g.stride(0), eps, K_SPLIT=k_split, SPLIT=split, BM=16, BN=bn, BK=bk,
+        GATE=0 if gate is None else 2 if norm_weight is not None else 1, HAS_BIAS=bias is not None,
         PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages)
     return y

@@ -82,3 +82,27 @@ def test_unreduced_moe_rows_sum_to_the_reduced_output(dev, tokens, top_k):
     tol = 3e-2 if dt == torch.bfloat16 else 1e-4
     assert (rows.double().sum(1).cpu() - ref).norm() / ref.norm() < tol
     assert (fused_moe(*args).double().cpu() - ref).norm() / ref.norm() < tol
+
+
+@pytest.mark.parametrize("rows,heads,dv,n", [(1, 32, 128, 2048), (4, 3, 32, 40), (13, 2, 64, 24)])
+def test_gated_norm_fused_into_the_projection(dev, rows, heads, dv, n):
+    """The GDN output path: gated RMSNorm of each head applied in the GEMV's loads, the gate read in place from
+    a wider projection, against the unfused norm then matmul."""
+    from hylo.ops.linear import norm_out_proj
+    from hylo.ops.norm import gated_rms_norm
+
+    g = torch.Generator().manual_seed(15)
+    dt = _dtype(dev)
+    x = torch.randn(rows, heads, dv, generator=g).to(dt)
+    proj = torch.randn(rows, heads * dv + 7, generator=g).to(dt)
+    z = proj[:, 7:].reshape(rows, heads, dv)
+    nw = (1 + 0.1 * torch.randn(dv, generator=g)).to(dt)
+    w = (torch.randn(n, heads * dv, generator=g) / (heads * dv) ** 0.5).to(dt)
+    ref = F.linear(gated_rms_norm(x, z, nw, 1e-6).reshape(rows, -1).double(), w.double())
+    zd = proj.to(dev)[:, 7:].reshape(rows, heads, dv)
+    y = norm_out_proj(x.to(dev), zd, nw.to(dev), 1e-6, w.to(dev))
+    tol = 2e-2 if dt == torch.bfloat16 else 1e-5
+    assert y.shape == (rows, n)
+    assert (y.double().cpu() - ref).norm() / ref.norm() < tol
+    parts = norm_out_proj(x.to(dev), zd, nw.to(dev), 1e-6, w.to(dev), reduce=False)
+    assert (parts.double().reshape(rows, -1, n).sum(1).cpu() - ref).norm() / ref.norm() < tol
