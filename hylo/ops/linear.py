@@ -28,18 +28,20 @@ def dense(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return F.linear(x, w)
 
 
+def _split_gemv(x: torch.Tensor, w: torch.Tensor, reduce: bool, bk: int | None = None, **kw) -> torch.Tensor:
+    from .linear_triton import SPLIT_GEMV_CFG, choose_split, gemv
+
+    split = choose_split(w.shape[0], x.shape[1], SPLIT_GEMV_CFG[0], bk or SPLIT_GEMV_CFG[1])
+    y = gemv(x, w, split=split, **kw)
+    return y.sum(1).to(x.dtype) if split > 1 and reduce else y
+
+
 def out_proj(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, gate: torch.Tensor | None = None,
              reduce: bool = True) -> torch.Tensor:
     """(x * sigmoid(gate) if gate is given) W^T + bias: a mixer's output projection. With ``reduce=False`` the
-    few-row path returns float32 partial rows [M, S, N] whose sum is the result."""
+    few-row path may return float32 partial rows [M, S, N] whose sum is the result."""
     if _few_rows(x) and (gate is None or gate.stride(-1) == 1):
-        from .linear_triton import SPLIT_GEMV_CFG, choose_split, gemv
-
-        split = choose_split(w.shape[0], x.shape[1], SPLIT_GEMV_CFG[0], SPLIT_GEMV_CFG[1])
-        y = gemv(x, w, bias, gate, split=split)
-        if split == 1:
-            return y
-        return y if not reduce else y.sum(1).to(x.dtype)
+        return _split_gemv(x, w, reduce, bias=bias, gate=gate)
     if gate is not None:
         x = x * torch.sigmoid(gate)
     return F.linear(x, w, bias)
@@ -50,14 +52,9 @@ def norm_out_proj(x: torch.Tensor, z: torch.Tensor, norm_weight: torch.Tensor, e
     """The GDN output: ``gated_rms_norm`` of every head of x [M, Hv, Dv] with gate z [M, Hv, Dv], then W^T; on the
     few-row path the norm runs inside the projection's loads (no launch, no round trip of the normed rows)."""
     rows, heads, dv = x.shape
-    if (_few_rows(x) and z.stride(-1) == 1 and z.stride(-2) == dv and dv & (dv - 1) == 0 and 16 <= dv <= 256
-            and x.is_contiguous()):
-        from .linear_triton import SPLIT_GEMV_CFG, choose_split, gemv
-
-        k = heads * dv
-        split = choose_split(w.shape[0], k, SPLIT_GEMV_CFG[0], dv)
-        y = gemv(x.view(rows, k), w, gate=z.flatten(1),
-                 split=split, norm_weight=norm_weight, eps=eps)
-        return y if split == 1 or not reduce else y.sum(1).to(x.dtype)
+    if (_few_rows(x) and x.is_contiguous() and z.stride(-1) == 1 and z.stride(-2) == dv
+            and dv & (dv - 1) == 0 and 16 <= dv <= 256):
+        return _split_gemv(x.view(rows, heads * dv), w, reduce, bk=dv, gate=z.flatten(1), norm_weight=norm_weight,
+                           eps=eps)
     core = gated_rms_norm(x, z, norm_weight, eps)
     return out_proj(core.reshape(rows, heads * dv), w, reduce=reduce)
