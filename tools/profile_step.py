@@ -1,5 +1,6 @@
 """Where a decode / verify step's GPU time goes: eager steps of bench-6b under the torch profiler, kernel time
-summed by kernel name. Usage: python tools/profile_step.py [--bs 1] [--spec] [--out DIR]"""
+summed by kernel name. With --prefill N, the same for one N-token prefill step instead.
+Usage: python tools/profile_step.py [--bs 1 64] [--prefill 8192] [--out DIR]"""
 
 import argparse
 import json
@@ -10,6 +11,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from hylo.bench import bench_config, build_model, clear, fake_prefill
 from hylo.config import EngineConfig
+from hylo.core import SamplingParams
 from hylo.engine.engine import Engine
 from hylo.spec.setup import SpecSetup
 
@@ -17,10 +19,16 @@ from hylo.spec.setup import SpecSetup
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--bs", type=int, nargs="+", default=[1, 64])
+    ap.add_argument("--prefill", type=int, default=0, help="profile one prefill of this many tokens instead")
     ap.add_argument("--out", default=".")
     args = ap.parse_args()
     lm = build_model(bench_config("bench-6b"), torch.device("cuda"))
     report = {}
+    if args.prefill:
+        profile_prefill(lm, args.prefill, report)
+        with open(os.path.join(args.out, "profile_step.json"), "w") as f:
+            json.dump(report, f, indent=1)
+        return
     for spec in (False, True):
         kw = dict(speculative="mtp", num_speculative_tokens=3, simulate_accept_length=3.0) if spec else {}
         ec = EngineConfig(max_num_seqs=max(args.bs), kv_cache_tokens=max(args.bs) * 1200, cuda_graphs=False,
@@ -54,6 +62,37 @@ def main():
         torch.cuda.empty_cache()
     with open(os.path.join(args.out, "profile_step.json"), "w") as f:
         json.dump(report, f, indent=1)
+
+
+def summarize(prof, steps: int, name: str, report: dict) -> None:
+    rows = []
+    for e in prof.key_averages():
+        if e.device_time_total > 0:
+            rows.append((e.key, e.device_time_total / steps / 1e3, e.count / steps))
+    rows.sort(key=lambda r: -r[1])
+    total = sum(r[1] for r in rows)
+    report[name] = {"total_gpu_ms": total, "kernels": rows, "launches": sum(r[2] for r in rows)}
+    print(f"== {name}: {total:.2f} ms GPU per step, {sum(r[2] for r in rows):.0f} kernels per step")
+    for k, ms, n in rows[:30]:
+        print(f"  {ms:8.3f} ms  {n:6.0f}x  {k[:90]}")
+
+
+def profile_prefill(lm, tokens: int, report: dict) -> None:
+    ec = EngineConfig(max_num_seqs=4, kv_cache_tokens=tokens + 4096, chunk_size=tokens, cuda_graphs=False,
+                      max_model_len=tokens + 64, verbose=False)
+    eng = Engine(lm, device="cuda", dtype="bfloat16", engine_config=ec)
+    prompt = torch.randint(0, lm.config.vocab_size, (tokens,), generator=torch.Generator().manual_seed(1)).tolist()
+
+    def one_prefill():
+        rid = eng.add_request(prompt, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+        eng.step()
+        torch.cuda.synchronize()
+        clear(eng, [rid])
+
+    one_prefill()  # compile / autotune
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        one_prefill()
+    summarize(prof, 1, f"prefill_{tokens}", report)
 
 
 if __name__ == "__main__":

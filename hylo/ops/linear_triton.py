@@ -56,7 +56,7 @@ def _gemv_kernel(x_ptr, g_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, M, N, K: tl.constexp
              mask=mm[:, None] & mn[None, :])
 
 
-# (BN, BK, warps, stages) measured on the H200 (tools/tune_decode.py, bench/results/tune-decode*-20261202.json):
+# (BN, BK, warps, stages) measured on the H200 (tools/tune_kernels.py, bench/results/tune-decode*-20261202.json):
 # the GDN input projection (12352 x 2048) 14.1 us against cuBLAS's 15.8 (floor 11.8); the output projections
 # (2048 x 4096) with 8 splits 6.4 us against cuBLAS's 8.7 plus its reduction launch (floor 3.9)
 GEMV_CFG = (32, 128, 4, 4)

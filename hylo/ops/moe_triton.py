@@ -20,7 +20,7 @@ import triton.language as tl
 from .triton_utils import next_pow2
 
 # up to 16 tokens of 10 experts + the shared one: at 8 and 16 tokens the pair kernels beat the grouped GEMM and
-# its alignment (94.6 vs 127 us and 153 vs 158 us per layer on bench-6b, tools/tune_decode.py)
+# its alignment (94.6 vs 127 us and 153 vs 158 us per layer on bench-6b, tools/tune_kernels.py)
 PAIR_GEMV_MAX_PAIRS = 176
 
 
@@ -159,7 +159,7 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     return sorted_pairs, block_expert
 
 
-# launch parameters of the pair kernels (BN, BK, warps, stages), measured on the H200 (tools/tune_decode.py,
+# launch parameters of the pair kernels (BN, BK, warps, stages), measured on the H200 (tools/tune_kernels.py,
 # bench/results/tune-decode-20261202.json): gate/up 13.6 us at 1 token (1.26x its bytes; the previous 8-row
 # blocks took 34 us), down 8.2 us at 1 token and 35 us at 8 (down: by the number of pairs)
 PAIR_GATE_UP_CFG = (4, 256, 4, 1)

@@ -1,9 +1,12 @@
-"""Launch-parameter sweep for the decode-time kernels on bench-6b shapes: the MoE pair kernels (gate/up and down,
-at 1, 8 and 16 tokens) and the few-row GEMV against cuBLAS (``F.linear``) for the dense projections.
+"""Launch-parameter sweeps on bench-6b shapes: the MoE pair kernels (gate/up and down, at 1, 8 and 16 tokens),
+the few-row GEMV against cuBLAS (``F.linear``) for the dense projections and split-K for the output projections
+(decode), and the grouped MoE GEMMs at an 8192-token prefill.
 
-Each measurement replays a CUDA graph of 24 calls over 24 different weight sets (one per layer, as in the model,
-so nothing is served from L2) and reports microseconds per call and the bytes-over-copy-rate floor of one call.
-Usage: python tools/tune_decode.py [--out DIR]; prints the best configurations and writes tune_decode.json.
+Decode measurements replay a CUDA graph of 24 calls over 24 different weight sets (one per layer, as in the model,
+so nothing is served from L2) and report microseconds per call against the bytes-over-copy-rate floor of one call;
+prefill ones time eager calls against the matmul-rate floor. Usage:
+python tools/tune_kernels.py [--only moe gemv split prefill] [--out DIR]; prints the best configurations and
+writes tune_kernels.json.
 """
 
 import argparse
@@ -61,7 +64,8 @@ def sweep(name, configs, make_fn, floor_us, results):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
-    ap.add_argument("--only", nargs="+", default=["moe", "gemv", "split"], choices=["moe", "gemv", "split"])
+    ap.add_argument("--only", nargs="+", default=["moe", "gemv", "split"],
+                    choices=["moe", "gemv", "split", "prefill"])
     args = ap.parse_args()
     torch.manual_seed(0)
     dev, dt = torch.device("cuda"), torch.bfloat16
@@ -72,7 +76,9 @@ def main():
         tune_gemv(dev, dt, results)
     if "split" in args.only:
         tune_split(dev, dt, results)
-    with open(os.path.join(args.out, "tune_decode.json"), "w") as f:
+    if "prefill" in args.only:
+        tune_prefill_moe(dev, dt, results)
+    with open(os.path.join(args.out, "tune_kernels.json"), "w") as f:
         json.dump(results, f, indent=1)
 
 
@@ -176,3 +182,75 @@ def tune_split(dev, dt, results):
 
 if __name__ == "__main__":
     main()
+
+
+def time_eager(fn, reps=3) -> float:
+    """Milliseconds per call of ``fn`` (one call: no graph, the kernels are long)."""
+    fn()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(reps):
+        fn()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) / reps
+
+
+def tune_prefill_moe(dev, dt, results, tokens=8192, layers=4):
+    """The grouped gate/up and down GEMMs of one MoE layer at ``tokens`` tokens; cfg = (BM, BN, BK, warps, stages).
+    Floor: 2 x pairs x 3 x I x H FLOPs of the expert matmuls at the measured bf16 matmul rate."""
+    square = torch.randn(8192, 8192, device=dev, dtype=dt)
+    tflops = 2 * 8192 ** 3 / time_eager(lambda: square @ square) / 1e9
+    P = tokens * (TOP_K + 1)
+    w13 = [torch.randn(E + 1, 2 * I, H, device=dev, dtype=dt) * 0.02 for _ in range(layers)]
+    w2 = [torch.randn(E + 1, H, I, device=dev, dtype=dt) * 0.02 for _ in range(layers)]
+    ids = torch.cat([torch.stack([torch.randperm(E, device=dev)[:TOP_K] for _ in range(tokens)]),
+                     torch.full((tokens, 1), E, device=dev)], 1).reshape(-1).contiguous()
+    wts = torch.rand(P, device=dev, dtype=dt)
+    x = torch.randn(tokens, H, device=dev, dtype=dt)
+    act = torch.randn(P, I, device=dev, dtype=dt)
+    out = torch.empty(P, H, device=dev, dtype=dt)
+    floor13 = 2 * P * 2 * I * H / tflops / 1e9
+    floor2 = 2 * P * I * H / tflops / 1e9
+    aligned = {}
+
+    def align(bm):
+        if bm not in aligned:
+            aligned[bm] = M.align_pairs(ids, E + 1, bm)
+        return aligned[bm]
+
+    def run(kind, cfg):
+        bm, bn, bk, warps, stages = cfg
+        sp, be = align(bm)
+
+        def fn():
+            for layer in range(layers):
+                if kind == "gate_up":
+                    M._grouped_gate_up_kernel[(be.shape[0], triton.cdiv(I, bn))](
+                        x, w13[layer], sp, be, act, H, I, P, TOP_K=TOP_K + 1, BM=bm, BN=bn, BK=bk, PREC="tf32",
+                        num_warps=warps, num_stages=stages)
+                else:
+                    M._grouped_down_kernel[(be.shape[0], triton.cdiv(H, bn))](
+                        act, w2[layer], sp, be, wts, out, H, I, P, BM=bm, BN=bn, BK=bk, PREC="tf32",
+                        num_warps=warps, num_stages=stages)
+        return fn
+
+    cfgs = list(itertools.product((64, 128), (64, 128, 256), (32, 64), (4, 8), (3, 4)))
+    for kind, floor in (("gate_up", floor13), ("down", floor2)):
+        rows = []
+        for cfg in cfgs:
+            try:
+                ms = time_eager(run(kind, cfg)) / layers
+            except Exception as exc:  # registers / shared memory
+                print(f"  prefill {kind} {cfg}: failed ({type(exc).__name__})")
+                continue
+            rows.append((ms, cfg))
+        rows.sort()
+        name = f"prefill_grouped_{kind}_t{tokens}"
+        results[name] = {"floor_ms": floor, "tflops": tflops, "rows": [{"ms": ms, "cfg": list(c)} for ms, c in rows]}
+        print(f"{name}: floor {floor:.3f} ms; best {rows[0][0]:.3f} ms ({rows[0][0] / floor:.2f}x) {rows[0][1]}; "
+              f"current (64, 64, 64, 4, 3): {next((m for m, c in rows if c == (64, 64, 64, 4, 3)), float('nan')):.3f}",
+              flush=True)
+        for ms, cfg in rows[:5]:
+            print(f"    {ms:7.3f} ms  {cfg}")
