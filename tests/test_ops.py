@@ -208,3 +208,30 @@ def test_moe_matches_per_token_loop():
                 a = F.silu(h[:I]) * h[I:]
                 ref[t] += weights[t, j].double() * (w2[e].double() @ a)
         assert torch.allclose(out.double(), ref, atol=1e-4)
+
+
+def test_residual_add_sums_unreduced_rows_in_float32():
+    """add_rms_norm with a [T, J, H] delta (MoE pair rows, split-K partials) equals the add of their sum."""
+    g = torch.Generator().manual_seed(21)
+    x = torch.randn(3, 16, generator=g).to(torch.bfloat16)
+    parts = torch.randn(3, 5, 16, generator=g)
+    w = torch.randn(16, generator=g)
+    res, y = norm.add_rms_norm(x, parts, w, 1e-6)
+    want = (x.double() + parts.double().sum(1)).to(torch.bfloat16)
+    assert res.dtype == torch.bfloat16 and torch.equal(res, want)
+    assert torch.allclose(y.float(), norm.rms_norm_ref(want, w, 1e-6).float())
+
+
+def test_output_projections_on_the_cpu_are_the_unfused_ops():
+    """The mixers' projection helpers (ops.linear) run plain torch off CUDA: gate, gated norm and bias included."""
+    from hylo.ops import linear
+
+    g = torch.Generator().manual_seed(22)
+    x, gate = torch.randn(4, 2, 8, generator=g), torch.randn(4, 2, 8, generator=g)
+    w, b, nw = torch.randn(5, 16, generator=g), torch.randn(5, generator=g), torch.randn(8, generator=g)
+    flat, gflat = x.reshape(4, 16), gate.reshape(4, 16)
+    assert torch.allclose(linear.dense(flat, w), flat @ w.T)
+    assert torch.allclose(linear.out_proj(flat, w, b, gate=gflat, reduce=False),
+                          F.linear(flat * torch.sigmoid(gflat), w, b))
+    assert torch.allclose(linear.norm_out_proj(x, gate, nw, 1e-6, w, reduce=False),
+                          F.linear(norm.gated_rms_norm(x, gate, nw, 1e-6).reshape(4, 16), w))
