@@ -26,7 +26,7 @@ def main():
     report = {}
     if args.prefill:
         profile_prefill(lm, args.prefill, report)
-        with open(os.path.join(args.out, "profile_step.json"), "w") as f:
+        with open(os.path.join(args.out, f"profile_prefill_{args.prefill}.json"), "w") as f:
             json.dump(report, f, indent=1)
         return
     for spec in (False, True):
