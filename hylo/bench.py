@@ -157,7 +157,7 @@ def clear(engine: Engine, rids: list[str]) -> None:
 
 # ---- the runs ------------------------------------------------------------------------------------------------
 def run_bench(model_name: str = "bench-6b", vs_hf: bool = False, quick: bool = False, out_dir: str = "bench/results",
-              seed: int = 0) -> list[dict]:
+              seed: int = 0, pdl: bool = False) -> list[dict]:
     if not torch.cuda.is_available():
         raise ValueError("hylo bench needs a CUDA GPU")
     device = torch.device("cuda")
@@ -165,7 +165,7 @@ def run_bench(model_name: str = "bench-6b", vs_hf: bool = False, quick: bool = F
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, f"{model_name}-{time.strftime('%Y%m%d-%H%M%S')}.json")
     meta = dict(model=model_name, gpu=torch.cuda.get_device_name(), torch=torch.__version__, host=platform.node(),
-                quick=quick, hf_note=("HF transformers cannot do speculative decoding on this model: generate() "
+                quick=quick, pdl_for_all=os.environ.get("HYLO_PDL") == "1", hf_note=("HF transformers cannot do speculative decoding on this model: generate() "
                                       "refuses assisted generation for stateful models"))
 
     def save():  # after every record, so a run cut short still leaves its numbers
@@ -300,9 +300,59 @@ def run_bench(model_name: str = "bench-6b", vs_hf: bool = False, quick: bool = F
                   f"{prof['blocking_syncs_per_step']:.2f} blocking reads/step", flush=True)
             clear(eng, rids)
 
+    del eng
+    torch.cuda.empty_cache()
+    if pdl:
+        _pdl_records(lm, [1] if quick else [1, 8, 64], copy_rate, steps, records, save)
     save()
     print(f"[bench] wrote {path}", flush=True)
     return records
+
+
+def _pdl_records(lm: LoadedModel, batches: list[int], copy_rate: float, steps: int, records: list[dict],
+                 save_records) -> None:
+    """The same decode (graphs, context 1k) and speculative overlap measurements with the decode-path kernels
+    launched with programmatic dependent launch (HYLO_PDL=1), appended to ``records``: a comparison inside one
+    run."""
+    old = os.environ.get("HYLO_PDL")
+    os.environ["HYLO_PDL"] = "1"
+    try:
+        ec = EngineConfig(max_num_seqs=max(batches), kv_cache_tokens=max(batches) * 1400, chunk_size=8192,
+                          cuda_graph_sizes=tuple(batches), max_model_len=1300, verbose=False)
+        eng = Engine(lm, device="cuda", dtype="bfloat16", engine_config=ec)
+        fp = Footprint.of(lm.model, None, eng.caches)
+        for bs in batches:
+            rids = fake_prefill(eng, bs, 1024)
+            floor = fp.decode_bytes(bs, 1024) / copy_rate * 1e3
+            ms = time_steps(eng, steps)
+            rec = dict(phase="decode", batch_size=bs, context=1024, cuda_graph=True, spec=None, pdl=True,
+                       ms_per_step=ms, ms_per_token=ms / bs, floor_ms=floor, ratio_to_floor=ms / floor)
+            records += [rec, dict(_device_decode_record(eng, bs, 1024, floor), pdl=True)]
+            save_records()
+            print(f"[bench] PDL decode bs={bs}: {ms:.2f} ms/step ({ms / floor:.2f}x floor), graph alone "
+                  f"{records[-1]['ms_per_step']:.2f} ms", flush=True)
+            clear(eng, rids)
+        del eng
+        ec = EngineConfig(max_num_seqs=1, kv_cache_tokens=1400, chunk_size=8192, speculative="mtp",
+                          num_speculative_tokens=3, simulate_accept_length=3.0, cuda_graph_sizes=(1,),
+                          max_model_len=1300, verbose=False)
+        eng = Engine(lm, device="cuda", dtype="bfloat16", engine_config=ec, spec_setup=SpecSetup("mtp"))
+        rids = fake_prefill(eng, 1, 1024)
+        prof = overlap_profile(eng, steps)
+        req = eng._reqs[rids[0]]
+        measured_len = req.spec.emitted_tokens / max(req.spec.verify_steps, 1)
+        records.append(dict(phase="decode", batch_size=1, context=1024, cuda_graph=True, spec="mtp",
+                            num_speculative_tokens=3, accept_length=measured_len, overlap=True, pdl=True,
+                            ms_per_token=prof["ms_per_step"] / measured_len, **prof))
+        save_records()
+        print(f"[bench] PDL overlap spec mtp bs=1: {prof['ms_per_step']:.2f} ms/step, GPU busy "
+              f"{prof['gpu_busy_fraction']:.3f}", flush=True)
+        clear(eng, rids)
+    finally:
+        if old is None:
+            os.environ.pop("HYLO_PDL", None)
+        else:
+            os.environ["HYLO_PDL"] = old
 
 
 def _device_decode_record(eng: Engine, bs: int, ctx: int, floor: float) -> dict:

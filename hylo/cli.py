@@ -83,7 +83,7 @@ def _bench(args) -> int:
         return 0
     from .bench import run_bench
 
-    run_bench(args.model_name, vs_hf=args.vs_hf, quick=args.quick, out_dir=args.out)
+    run_bench(args.model_name, vs_hf=args.vs_hf, quick=args.quick, out_dir=args.out, pdl=args.pdl)
     return 0
 
 
@@ -135,6 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also time decode sharded across this many GPUs (and the collectives' share)")
     b.add_argument("--vs-hf", action="store_true", help="also time HF transformers generate on the same weights")
     b.add_argument("--quick", action="store_true", help="fewer sizes and steps")
+    b.add_argument("--pdl", action="store_true",
+                   help="also time decode with programmatic dependent launch (HYLO_PDL=1, Hopper+) in the same run")
     b.add_argument("--out", default="bench/results", help="folder for the JSON results")
     b.set_defaults(func=_bench)
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")

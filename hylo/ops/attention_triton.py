@@ -14,7 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_utils import INTERPRET, next_pow2
+from .triton_pdl import pdl_enter
+from .triton_utils import INTERPRET, next_pow2, pdl_launch
 
 NUM_SPLITS = 16
 
@@ -47,7 +48,9 @@ def _paged_attn_split_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_r2t, scale,
     S: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     SPLITS: tl.constexpr, USE_WHILE: tl.constexpr, PREC: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)
     row = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -92,7 +95,8 @@ def _paged_attn_split_kernel(
 
 @triton.jit
 def _merge_splits_kernel(part_o_ptr, part_lse_ptr, out_ptr, stride_ot, stride_oh, H,
-                         D: tl.constexpr, BD: tl.constexpr, SPLITS: tl.constexpr):
+                         D: tl.constexpr, BD: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     tok = tl.program_id(0)
     head = tl.program_id(1)
     base = (tok * H + head) * SPLITS
@@ -130,8 +134,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         q, k_cache, v_cache, req_to_token, req_slots, seq_lens, part_o, part_lse,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), req_to_token.stride(0), scaling,
         S=tokens_per_row, G=group, D=dim, BD=bd, BM=bm, BN=bn, SPLITS=NUM_SPLITS, USE_WHILE=INTERPRET,
-        PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4,
+        PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, **pdl_launch(q),
     )
     _merge_splits_kernel[(num_tokens, heads)](part_o, part_lse, out, out.stride(0), out.stride(1), heads,
-                                              D=dim, BD=bd, SPLITS=NUM_SPLITS, num_warps=4)
+                                              D=dim, BD=bd, SPLITS=NUM_SPLITS, num_warps=4, **pdl_launch(q))
     return out

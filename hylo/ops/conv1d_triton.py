@@ -12,13 +12,18 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_pdl import pdl_enter
+from .triton_utils import pdl_launch
+
 
 @triton.jit
 def _conv_steps_kernel(
     x_ptr, w_ptr, pool_ptr, slots_ptr, out_ptr, verify_ptr,
     stride_x, stride_out, stride_pool, stride_vrow, stride_vstep, C,
     S: tl.constexpr, K: tl.constexpr, BC: tl.constexpr, VERIFY: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)
     row = tl.program_id(0)
     offs = tl.program_id(1) * BC + tl.arange(0, BC)
     mc = offs < C
@@ -75,7 +80,7 @@ def conv_steps(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor, slots:
         x, weight, pool, slots, out, vbuf,
         x.stride(0), out.stride(0), pool.stride(0),
         vbuf.stride(0) if verify is not None else 0, vbuf.stride(1) if verify is not None else 0, channels,
-        S=steps, K=k, BC=bc, VERIFY=verify is not None, num_warps=4,
+        S=steps, K=k, BC=bc, VERIFY=verify is not None, num_warps=4, **pdl_launch(x),
     )
     return out
 

@@ -12,7 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_utils import next_pow2
+from .triton_pdl import pdl_enter
+from .triton_utils import next_pow2, pdl_launch
 
 
 @triton.jit
@@ -21,7 +22,9 @@ def _gdn_steps_kernel(
     stride_x, stride_ab, stride_pool, stride_vrow, stride_vstep, scale,
     S: tl.constexpr, HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, VERIFY: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)
     row = tl.program_id(0)
     h = tl.program_id(1)
     vb = tl.program_id(2)
@@ -86,7 +89,7 @@ def gdn_steps(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Te
         vbuf.stride(0) if verify is not None else 0, vbuf.stride(1) if verify is not None else 0,
         head_k_dim ** -0.5,
         S=steps, HK=num_k_heads, HV=hv, DK=head_k_dim, DV=head_v_dim, BK=bk, BV=bv, VERIFY=verify is not None,
-        num_warps=4,
+        num_warps=4, **pdl_launch(x),
     )
     return out
 

@@ -15,7 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_utils import next_pow2
+from .triton_pdl import pdl_enter
+from .triton_utils import next_pow2, pdl_launch
 
 GEMV_MAX_ROWS = 16
 
@@ -23,7 +24,9 @@ GEMV_MAX_ROWS = 16
 @triton.jit
 def _gemv_kernel(x_ptr, g_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, M, N, K: tl.constexpr, stride_x, stride_g, eps,
                  K_SPLIT: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                 BK: tl.constexpr, GATE: tl.constexpr, HAS_BIAS: tl.constexpr, PREC: tl.constexpr):
+                 BK: tl.constexpr, GATE: tl.constexpr, HAS_BIAS: tl.constexpr, PREC: tl.constexpr,
+                 PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     split = tl.program_id(1)
     offs_m = tl.arange(0, BM)
     offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
@@ -94,5 +97,5 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, gat
         x, g, norm_weight if norm_weight is not None else w, w, bias if bias is not None else w, y, m, n, k,
         x.stride(0), g.stride(0), eps, K_SPLIT=k_split, SPLIT=split, BM=16, BN=bn, BK=bk,
         GATE=0 if gate is None else 2 if norm_weight is not None else 1, HAS_BIAS=bias is not None,
-        PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages)
+        PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages, **pdl_launch(x))
     return y

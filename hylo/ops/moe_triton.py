@@ -17,7 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_utils import next_pow2
+from .triton_pdl import pdl_enter
+from .triton_utils import next_pow2, pdl_launch
 
 # up to 16 tokens of 10 experts + the shared one: at 8 and 16 tokens the pair kernels beat the grouped GEMM and
 # its alignment (94.6 vs 127 us and 153 vs 158 us per layer on bench-6b, tools/tune_kernels.py)
@@ -27,8 +28,9 @@ PAIR_GEMV_MAX_PAIRS = 176
 # ---- few pairs: one GEMV per pair ------------------------------------------------------------------------------
 @triton.jit
 def _pair_gate_up_kernel(x_ptr, w13_ptr, ids_ptr, act_ptr, H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
-                         BN: tl.constexpr, BK: tl.constexpr):
+                         BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr = False):
     """Program (pair, block of BN intermediate columns): silu(x W_gate^T) * (x W_up^T) of that pair's expert."""
+    pdl_enter(PDL)
     pair = tl.program_id(0)
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
     mn = offs_n < I
@@ -52,10 +54,11 @@ def _pair_gate_up_kernel(x_ptr, w13_ptr, ids_ptr, act_ptr, H: tl.constexpr, I: t
 
 @triton.jit
 def _pair_down_kernel(act_ptr, w2_ptr, ids_ptr, wts_ptr, out_ptr, H: tl.constexpr, I: tl.constexpr,
-                      BN: tl.constexpr, BK: tl.constexpr):
+                      BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr = False):
     """Program (pair, block of BN outputs): the pair's weighted down projection, one float32 row per pair. The
     rows of a token are summed by whoever reads them (the residual add), so every pair's weights stream in
     parallel instead of one program walking a token's pairs in turn."""
+    pdl_enter(PDL)
     pair = tl.program_id(0)
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
     mn = offs_n < H
@@ -184,12 +187,12 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         bn, bk, warps, stages = PAIR_GATE_UP_CFG
         _pair_gate_up_kernel[(num_pairs, triton.cdiv(inter, bn))](
             x, w13, ids, act, hidden, inter, TOP_K=top_k, BN=bn, BK=min(bk, next_pow2(hidden)), num_warps=warps,
-            num_stages=stages)
+            num_stages=stages, **pdl_launch(x))
         bn, bk, warps, stages = next(cfg for limit, cfg in PAIR_DOWN_CFG if num_pairs <= limit)
         out = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
         _pair_down_kernel[(num_pairs, triton.cdiv(hidden, bn))](
             act, w2, ids, wts, out, hidden, inter, BN=bn, BK=min(bk, next_pow2(inter)), num_warps=warps,
-            num_stages=stages)
+            num_stages=stages, **pdl_launch(x))
     else:
         # BM = 64 at every size: each block re-reads its expert's weights, so at decode batches (where the
         # shared expert and popular experts have tens of pairs) smaller blocks multiply the bytes read.
@@ -241,8 +244,9 @@ def _select_topk(x, offs, t, w_ptr, ids_ptr, E: tl.constexpr, K: tl.constexpr, K
 
 @triton.jit
 def _route_kernel(logits_ptr, w_ptr, ids_ptr, stride_l, E: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
-                  BE: tl.constexpr, NORM: tl.constexpr, SHARED: tl.constexpr):
+                  BE: tl.constexpr, NORM: tl.constexpr, SHARED: tl.constexpr, PDL: tl.constexpr = False):
     """Routing from precomputed logits [T, E (+1)]: one program per token."""
+    pdl_enter(PDL)
     t = tl.program_id(0)
     offs = tl.arange(0, BE)
     x = tl.load(logits_ptr + t * stride_l + offs, mask=offs < E + SHARED, other=0.0).to(tl.float32)
@@ -265,5 +269,6 @@ def route(logits: torch.Tensor, num_experts: int, top_k: int, normalize: bool, s
     kp, w, ids = _route_out(tokens, top_k, shared, logits.dtype, logits.device)
     if tokens:
         _route_kernel[(tokens,)](logits, w, ids, logits.stride(0), E=num_experts, K=top_k, KP=kp,
-                                 BE=_experts_block(num_experts, shared), NORM=normalize, SHARED=shared, num_warps=1)
+                                 BE=_experts_block(num_experts, shared), NORM=normalize, SHARED=shared, num_warps=1,
+                                 **pdl_launch(logits))
     return w, ids

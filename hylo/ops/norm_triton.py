@@ -7,13 +7,15 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_utils import next_pow2
+from .triton_pdl import pdl_enter
+from .triton_utils import next_pow2, pdl_launch
 
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, res_out_ptr, y_ptr, gate_ptr, N: tl.constexpr, eps,
                      ADD: tl.constexpr, GATED: tl.constexpr, BN: tl.constexpr, GATE_ROWS: tl.constexpr = 1,
-                     gate_stride=0, J: tl.constexpr = 1):
+                     gate_stride=0, J: tl.constexpr = 1, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     row = tl.program_id(0)
     offs = tl.arange(0, BN)
     m = offs < N
@@ -50,7 +52,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
     y = torch.empty_like(x2)
     if x2.shape[0]:
         _rms_norm_kernel[(x2.shape[0],)](x2, x2, weight, x2, y, x2, n, eps, ADD=False, GATED=False,
-                                         BN=next_pow2(n), num_warps=4 if n <= 2048 else 8)
+                                         BN=next_pow2(n), num_warps=4 if n <= 2048 else 8, **pdl_launch(x2))
     return y.view(x.shape)
 
 
@@ -64,7 +66,7 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
     if x2.shape[0]:
         _rms_norm_kernel[(x2.shape[0],)](x2, d2, weight, res, y, x2, n, eps, ADD=True, GATED=False,
                                          BN=next_pow2(n), J=per_row,
-                                         num_warps=16 if per_row > 1 else 4 if n <= 2048 else 8)
+                                         num_warps=16 if per_row > 1 else 4 if n <= 2048 else 8, **pdl_launch(x2))
     return res.view(x.shape), y.view(x.shape)
 
 
@@ -78,16 +80,18 @@ def gated_rms_norm_triton(x: torch.Tensor, gate: torch.Tensor, weight: torch.Ten
     y = torch.empty_like(x2)
     if x2.shape[0]:
         _rms_norm_kernel[(x2.shape[0],)](x2, x2, weight, x2, y, g2, n, eps, ADD=False, GATED=True,
-                                         BN=next_pow2(n), GATE_ROWS=per_token, gate_stride=g_stride, num_warps=4)
+                                         BN=next_pow2(n), GATE_ROWS=per_token, gate_stride=g_stride, num_warps=4,
+                                         **pdl_launch(x2))
     return y.view(x.shape)
 
 
 @triton.jit
 def _qk_norm_rope_kernel(proj_ptr, pos_ptr, qw_ptr, kw_ptr, inv_freq_ptr, q_ptr, k_ptr, stride_p, eps,
                          H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BD: tl.constexpr,
-                         K_OFF: tl.constexpr):
+                         K_OFF: tl.constexpr, PDL: tl.constexpr = False):
     """Per (token, head): zero-centred RMSNorm of the head (q_norm or k_norm), then rotary on its first R channels
     (rotate-half layout), reading q and k straight out of the fused projection."""
+    pdl_enter(PDL)
     tok = tl.program_id(0)
     head = tl.program_id(1)
     is_q = head < H
@@ -129,5 +133,5 @@ def qk_norm_rope(proj: torch.Tensor, positions: torch.Tensor, q_norm: torch.Tens
     if tokens:
         _qk_norm_rope_kernel[(tokens, heads + kv_heads)](
             proj, positions, q_norm, k_norm, inv_freq, q, k, proj.stride(0), eps, H=heads, KVH=kv_heads,
-            D=dim, R=rotary_dim, BD=next_pow2(dim), K_OFF=k_offset, num_warps=2)
+            D=dim, R=rotary_dim, BD=next_pow2(dim), K_OFF=k_offset, num_warps=2, **pdl_launch(proj))
     return q, k

@@ -7,6 +7,7 @@ kernels on CPU tensors through Triton's interpreter.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -30,3 +31,18 @@ def use_triton(t: torch.Tensor) -> bool:
 
 def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
+
+
+@functools.lru_cache(maxsize=None)
+def _pdl_supported() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+
+
+def pdl_launch(t: torch.Tensor) -> dict:
+    """Launch options of the decode-path kernels for programmatic dependent launch (Hopper and later), switched on
+    by ``HYLO_PDL=1`` (experimental until measured): such a kernel may be scheduled while the previous kernel in
+    the stream drains, and waits for it (``griddepcontrol.wait``, first thing in the kernel) before it reads or
+    writes any memory. Empty (a plain launch) elsewhere."""
+    if os.environ.get("HYLO_PDL") == "1" and t.is_cuda and _pdl_supported():
+        return {"PDL": True, "launch_pdl": True}
+    return {}
