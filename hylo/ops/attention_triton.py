@@ -3,12 +3,16 @@ per row, causal among themselves), GQA, any head size.
 
 Split-K ("flash decoding"): the program for (row, KV head, split) attends all G query heads of that KV head for the
 row's S queries over its share of the row's keys, and writes a partial result with its log-sum-exp; a second kernel
-merges the splits. The number of splits is fixed, so grids never depend on sequence lengths: each program reads the
-row's length on the device and sizes its own share (empty shares exit at once). This is what makes the kernel safe
-to capture in a CUDA graph and free of host reads.
+merges the splits. The number of splits depends only on the batch shape (enough programs to fill the GPU: 128
+splits for one row, so a 32k-token context streams through 256 programs instead of 32), never on sequence
+lengths: each program reads the row's length on the device and sizes its own share (empty shares exit at once),
+and the merge reads only the splits a row's length used. This is what makes the kernels safe to capture in a CUDA
+graph and free of host reads.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -17,7 +21,8 @@ import triton.language as tl
 from .triton_pdl import pdl_enter
 from .triton_utils import INTERPRET, next_pow2, pdl_launch
 
-NUM_SPLITS = 16
+MIN_SPLITS, MAX_SPLITS = 16, 128
+MERGE_CHUNK = 16  # splits merged per step (a [16, D] float32 tile in registers)
 
 
 @triton.jit
@@ -94,23 +99,47 @@ def _paged_attn_split_kernel(
 
 
 @triton.jit
-def _merge_splits_kernel(part_o_ptr, part_lse_ptr, out_ptr, stride_ot, stride_oh, H,
-                         D: tl.constexpr, BD: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr = False):
+def _merge_splits_kernel(part_o_ptr, part_lse_ptr, seq_lens_ptr, out_ptr, stride_ot, stride_oh, H,
+                         S: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, SPLITS: tl.constexpr,
+                         CH: tl.constexpr, PDL: tl.constexpr = False):
+    """Per (token, head): the log-sum-exp weighted sum of the splits the row's length used (the split kernel's
+    share rule), CH splits at a time."""
     pdl_enter(PDL)
     tok = tl.program_id(0)
     head = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + tok // S)
+    share = tl.cdiv(tl.cdiv(seq_len, SPLITS), BN) * BN
+    used = tl.cdiv(seq_len, tl.maximum(share, 1))
     base = (tok * H + head) * SPLITS
     offs_s = tl.arange(0, SPLITS)
-    lse = tl.load(part_lse_ptr + base + offs_s)
+    lse = tl.load(part_lse_ptr + base + offs_s, mask=offs_s < used, other=float("-inf"))
     m = tl.max(lse, 0)
     m = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp(lse - m)
-    w = w / tl.maximum(tl.sum(w, 0), 1e-30)
+    total = tl.maximum(tl.sum(tl.exp(lse - m), 0), 1e-30)
     offs_d = tl.arange(0, BD)
     md = offs_d < D
-    o = tl.load(part_o_ptr + (base + offs_s)[:, None] * D + offs_d[None, :], mask=md[None, :], other=0.0)
-    res = tl.sum(o * w[:, None], 0)
+    res = tl.zeros([BD], dtype=tl.float32)
+    for c in tl.static_range(0, SPLITS, CH):
+        offs_c = c + tl.arange(0, CH)
+        mc = offs_c < used
+        w = tl.exp(tl.load(part_lse_ptr + base + offs_c, mask=mc, other=float("-inf")) - m) / total
+        o = tl.load(part_o_ptr + (base + offs_c)[:, None] * D + offs_d[None, :], mask=mc[:, None] & md[None, :],
+                    other=0.0)
+        res += tl.sum(o * w[:, None], 0)
     tl.store(out_ptr + tok * stride_ot + head * stride_oh + offs_d, res.to(out_ptr.dtype.element_ty), mask=md)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+
+
+def num_splits(batch: int, kv_heads: int, device: torch.device) -> int:
+    """Splits of each row's keys: about two programs per SM over the batch's (row, KV head) pairs, a power of two in
+    [MIN_SPLITS, MAX_SPLITS]. Depends on the batch shape only (a captured graph fixes it)."""
+    sms = _sm_count(device)
+    want = max(1, 2 * sms // max(1, batch * kv_heads))
+    return min(MAX_SPLITS, max(MIN_SPLITS, next_pow2(want)))
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_token: torch.Tensor,
@@ -125,17 +154,19 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     out = torch.empty_like(q)
     if batch == 0:
         return out
-    part_o = torch.empty(num_tokens, heads, NUM_SPLITS, dim, dtype=torch.float32, device=q.device)
-    part_lse = torch.empty(num_tokens, heads, NUM_SPLITS, dtype=torch.float32, device=q.device)
+    splits = num_splits(batch, kv_heads, q.device)
+    part_o = torch.empty(num_tokens, heads, splits, dim, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(num_tokens, heads, splits, dtype=torch.float32, device=q.device)
     bd = next_pow2(dim)
     bm = max(16, next_pow2(tokens_per_row * group))
     bn = 32 if bd > 128 else 64
-    _paged_attn_split_kernel[(batch, kv_heads, NUM_SPLITS)](
+    _paged_attn_split_kernel[(batch, kv_heads, splits)](
         q, k_cache, v_cache, req_to_token, req_slots, seq_lens, part_o, part_lse,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), req_to_token.stride(0), scaling,
-        S=tokens_per_row, G=group, D=dim, BD=bd, BM=bm, BN=bn, SPLITS=NUM_SPLITS, USE_WHILE=INTERPRET,
+        S=tokens_per_row, G=group, D=dim, BD=bd, BM=bm, BN=bn, SPLITS=splits, USE_WHILE=INTERPRET,
         PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, **pdl_launch(q),
     )
-    _merge_splits_kernel[(num_tokens, heads)](part_o, part_lse, out, out.stride(0), out.stride(1), heads,
-                                              D=dim, BD=bd, SPLITS=NUM_SPLITS, num_warps=4, **pdl_launch(q))
+    _merge_splits_kernel[(num_tokens, heads)](part_o, part_lse, seq_lens, out, out.stride(0), out.stride(1), heads,
+                                              S=tokens_per_row, D=dim, BD=bd, BN=bn, SPLITS=splits,
+                                              CH=min(MERGE_CHUNK, splits), num_warps=4, **pdl_launch(q))
     return out

@@ -33,3 +33,21 @@ def test_paged_attention_matches_reference(dev, heads, kv_heads, dim, steps, dty
                           dim ** -0.5, steps)
     tol = 2e-3 if dtype == torch.float32 else 3e-2
     assert torch.allclose(out.cpu().float(), ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("steps", [1, 4])
+def test_one_long_row_uses_many_splits(dev, steps):
+    """Batch 1: the keys are split 128 ways (some shares empty) and the merge reads only the used ones."""
+    from hylo.ops.attention_triton import MAX_SPLITS, num_splits, paged_attention
+
+    assert num_splits(1, 2, torch.device("cuda") if dev.type == "cuda" else dev) == MAX_SPLITS
+    g = torch.Generator().manual_seed(3)
+    heads, kv_heads, dim, n_loc, seq = 4, 2, 32, 3000, 2500
+    kc, vc = torch.randn(n_loc, kv_heads, dim, generator=g), torch.randn(n_loc, kv_heads, dim, generator=g)
+    r2t = (torch.randperm(n_loc - 1, generator=g)[:seq] + 1)[None]
+    seq_lens, req_slots = torch.tensor([seq]), torch.tensor([0])
+    q = torch.randn(steps, heads, dim, generator=g)
+    ref = decode_attention_ref(q, kc, vc, r2t, req_slots, seq_lens, seq, dim ** -0.5, steps)
+    out = paged_attention(q.to(dev), kc.to(dev), vc.to(dev), r2t.to(dev), req_slots.to(dev), seq_lens.to(dev),
+                          dim ** -0.5, steps)
+    assert torch.allclose(out.cpu(), ref, atol=2e-3, rtol=2e-3)
