@@ -7,9 +7,17 @@ from __future__ import annotations
 
 import torch
 
+from .triton_utils import use_triton
+
 
 def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-    """Write new keys/values ([T, KVH, D]) at their pool locations ([T]) of one layer's cache ([N, KVH, D])."""
+    """Write new keys/values ([T, KVH, D]) at their pool locations ([T]) of one layer's cache ([N, KVH, D]); on
+    CUDA one launch for both (the values may be read in place from a wider projection)."""
+    if use_triton(k) and k.dtype == k_cache.dtype and v.dtype == v_cache.dtype:
+        from .attention_triton import store_kv_triton
+
+        if store_kv_triton(k_cache, v_cache, loc, k, v):
+            return
     k_cache[loc] = k.to(k_cache.dtype)
     v_cache[loc] = v.to(v_cache.dtype)
 

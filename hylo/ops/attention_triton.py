@@ -129,6 +129,37 @@ def _merge_splits_kernel(part_o_ptr, part_lse_ptr, seq_lens_ptr, out_ptr, stride
     tl.store(out_ptr + tok * stride_ot + head * stride_oh + offs_d, res.to(out_ptr.dtype.element_ty), mask=md)
 
 
+@triton.jit
+def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, loc_ptr, stride_k, stride_v, N: tl.constexpr, BN: tl.constexpr,
+                     PDL: tl.constexpr = False):
+    """Program (token, 0 for the key / 1 for the value): copy its KVH * D row to the token's pool location."""
+    pdl_enter(PDL)
+    t = tl.program_id(0)
+    is_v = tl.program_id(1)
+    dst = tl.load(loc_ptr + t).to(tl.int64) * N
+    offs = tl.arange(0, BN)
+    m = offs < N
+    if is_v == 0:
+        tl.store(kc_ptr + dst + offs, tl.load(k_ptr + t * stride_k + offs, mask=m), mask=m)
+    else:
+        tl.store(vc_ptr + dst + offs, tl.load(v_ptr + t * stride_v + offs, mask=m), mask=m)
+
+
+def store_kv_triton(k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor, k: torch.Tensor,
+                    v: torch.Tensor) -> bool:
+    """One launch for keys and values; False (nothing written) when a layout is not the expected one (each token's
+    [KVH, D] block contiguous, contiguous caches)."""
+    tokens, kv_heads, dim = k.shape
+    n = kv_heads * dim
+    dense_rows = all(x.stride(2) == 1 and x.stride(1) == dim for x in (k, v))
+    if not (dense_rows and k_cache.is_contiguous() and v_cache.is_contiguous() and loc.is_contiguous()):
+        return False
+    if tokens:
+        _store_kv_kernel[(tokens, 2)](k, v, k_cache, v_cache, loc, k.stride(0), v.stride(0), N=n, BN=next_pow2(n),
+                                      num_warps=4, **pdl_launch(k))
+    return True
+
+
 @functools.lru_cache(maxsize=None)
 def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132

@@ -51,3 +51,20 @@ def test_one_long_row_uses_many_splits(dev, steps):
     out = paged_attention(q.to(dev), kc.to(dev), vc.to(dev), r2t.to(dev), req_slots.to(dev), seq_lens.to(dev),
                           dim ** -0.5, steps)
     assert torch.allclose(out.cpu(), ref, atol=2e-3, rtol=2e-3)
+
+
+def test_store_kv_writes_both_caches_from_strided_values(dev):
+    """Keys and values in one launch: v read in place from a wider projection; other locations untouched."""
+    from hylo.ops.attention import store_kv
+
+    g = torch.Generator().manual_seed(4)
+    tokens, kv_heads, dim, n_loc = 5, 2, 24, 40
+    kc, vc = torch.randn(n_loc, kv_heads, dim, generator=g), torch.randn(n_loc, kv_heads, dim, generator=g)
+    proj = torch.randn(tokens, 7 + kv_heads * dim, generator=g)
+    k, v = torch.randn(tokens, kv_heads, dim, generator=g), proj[:, 7:].reshape(tokens, kv_heads, dim)
+    loc = torch.tensor([3, 0, 17, 39, 8])
+    want_k, want_v = kc.clone(), vc.clone()
+    want_k[loc], want_v[loc] = k, v
+    kd, vd = kc.to(dev), vc.to(dev)
+    store_kv(kd, vd, loc.to(dev), k.to(dev), proj.to(dev)[:, 7:].reshape(tokens, kv_heads, dim))
+    assert torch.equal(kd.cpu(), want_k) and torch.equal(vd.cpu(), want_v)
