@@ -19,6 +19,8 @@ import torch.nn.functional as F
 import triton
 
 from hylo.ops import moe_triton as M
+from hylo.ops.conv1d_triton import conv_steps
+from hylo.ops.gdn_triton import gdn_steps
 from hylo.ops.linear_triton import gemv
 
 LAYERS, H, I, E, TOP_K = 24, 2048, 512, 64, 10
@@ -65,7 +67,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
     ap.add_argument("--only", nargs="+", default=["moe", "gemv", "split"],
-                    choices=["moe", "gemv", "split", "prefill"])
+                    choices=["moe", "gemv", "split", "prefill", "steps"])
     args = ap.parse_args()
     torch.manual_seed(0)
     dev, dt = torch.device("cuda"), torch.bfloat16
@@ -78,6 +80,8 @@ def main():
         tune_split(dev, dt, results)
     if "prefill" in args.only:
         tune_prefill_moe(dev, dt, results)
+    if "steps" in args.only:
+        tune_steps(dev, dt, results)
     with open(os.path.join(args.out, "tune_kernels.json"), "w") as f:
         json.dump(results, f, indent=1)
 
@@ -254,3 +258,42 @@ def tune_prefill_moe(dev, dt, results, tokens=8192, layers=4):
               flush=True)
         for ms, cfg in rows[:5]:
             print(f"    {ms:7.3f} ms  {cfg}")
+
+
+def tune_steps(dev, dt, results, gdn_layers=18, hk=16, hv=32, d=128, width=4):
+    """The GDN decode / verify step kernels (conv, then the recurrent step with its float32 state by slot) at
+    bench-6b's shapes (16 key / 32 value heads of 128, conv over 8192 channels of width 4), one state pool per
+    layer. cfg: (value channels or conv channels per program, warps)."""
+    conv_dim = (2 * hk + hv) * d
+    for bs, steps in ((1, 1), (8, 1), (64, 1), (1, 4), (8, 4)):
+        rows = bs * steps
+        slots = torch.arange(bs, device=dev)
+        rec = [torch.zeros(bs, hv, d, d, device=dev, dtype=torch.float32) for _ in range(gdn_layers)]
+        conv = [torch.zeros(bs, conv_dim, width - 1, device=dev, dtype=dt) for _ in range(gdn_layers)]
+        verify_rec = torch.empty(bs, steps, hv, d, d, device=dev, dtype=torch.float32) if steps > 1 else None
+        verify_conv = torch.empty(bs, steps, conv_dim, width - 1, device=dev, dtype=dt) if steps > 1 else None
+        x = torch.randn(rows, conv_dim, device=dev, dtype=dt)
+        a, b = torch.randn(rows, hv, device=dev, dtype=dt), torch.randn(rows, hv, device=dev, dtype=dt)
+        A_log, dt_bias = torch.randn(hv, device=dev, dtype=dt), torch.randn(hv, device=dev, dtype=dt)
+        cw = torch.randn(conv_dim, width, device=dev, dtype=dt)
+        state_bytes = bs * hv * d * d * 4 * (1 + steps)  # read once, written once (decode) or per step (verify)
+
+        def gdn(cfg):
+            def fn():
+                for layer in range(gdn_layers):
+                    gdn_steps(x, a, b, A_log, dt_bias, rec[layer], slots, hk, d, d, steps, verify_rec, cfg=cfg)
+            return fn
+
+        def cv(cfg):
+            def fn():
+                for layer in range(gdn_layers):
+                    conv_steps(x, cw, conv[layer], slots, steps, verify_conv, cfg=cfg)
+            return fn
+
+        global LAYERS
+        saved, LAYERS = LAYERS, gdn_layers  # time_graph divides by LAYERS
+        sweep(f"gdn_steps_b{bs}_s{steps}", list(itertools.product((16, 32, 64, 128), (2, 4, 8))), gdn,
+              state_bytes / COPY_TBPS / 1e6, results)
+        sweep(f"conv_steps_b{bs}_s{steps}", list(itertools.product((64, 128, 256, 512), (1, 2, 4))), cv,
+              max(rows * conv_dim * 2 * 2 / COPY_TBPS / 1e6, 1e-3), results)
+        LAYERS = saved

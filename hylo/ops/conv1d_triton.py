@@ -64,8 +64,12 @@ def _conv_steps_kernel(
             tl.store(state_base + j, sv.to(pool_ptr.dtype.element_ty), mask=mc & valid)
 
 
+# (channels per program, warps); tools/tune_kernels.py --only steps sweeps them
+CONV_STEPS_CFG = (256, 4)
+
+
 def conv_steps(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, steps: int = 1,
-               verify: torch.Tensor | None = None) -> torch.Tensor:
+               verify: torch.Tensor | None = None, cfg: tuple[int, int] | None = None) -> torch.Tensor:
     """x: [B * steps, C] (may be a strided view); weight: [C, K]; pool: [slots, C, K-1] (one layer);
     verify: [max_B, steps, C, K-1] (one layer) or None. Returns silu(conv) [B * steps, C] in x's dtype."""
     num_tokens, channels = x.shape
@@ -74,13 +78,13 @@ def conv_steps(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor, slots:
     batch = num_tokens // steps
     if batch == 0:
         return out
-    bc = 256
+    bc, warps = cfg or CONV_STEPS_CFG
     vbuf = verify if verify is not None else pool
     _conv_steps_kernel[(batch, triton.cdiv(channels, bc))](
         x, weight, pool, slots, out, vbuf,
         x.stride(0), out.stride(0), pool.stride(0),
         vbuf.stride(0) if verify is not None else 0, vbuf.stride(1) if verify is not None else 0, channels,
-        S=steps, K=k, BC=bc, VERIFY=verify is not None, num_warps=4, **pdl_launch(x),
+        S=steps, K=k, BC=bc, VERIFY=verify is not None, num_warps=warps, **pdl_launch(x),
     )
     return out
 

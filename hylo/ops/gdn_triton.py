@@ -67,9 +67,13 @@ def _gdn_steps_kernel(
                  mask=m2 & valid)
 
 
+# (value channels per program, warps); tools/tune_kernels.py --only steps sweeps them
+STEPS_CFG = (32, 4)
+
+
 def gdn_steps(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
               pool: torch.Tensor, slots: torch.Tensor, num_k_heads: int, head_k_dim: int, head_v_dim: int,
-              steps: int = 1, verify: torch.Tensor | None = None) -> torch.Tensor:
+              steps: int = 1, verify: torch.Tensor | None = None, cfg: tuple[int, int] | None = None) -> torch.Tensor:
     """x: [B * steps, conv_dim] (conv output: q | k | v); a, b: [B * steps, Hv]; pool: [slots, Hv, Dk, Dv] (one
     layer); verify: [max_B, steps, Hv, Dk, Dv] (one layer) or None for decode. Returns o [B * steps, Hv, Dv] in x's
     dtype (the layer casts to it next anyway).
@@ -80,7 +84,8 @@ def gdn_steps(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Te
     out = torch.empty(num_tokens, hv, head_v_dim, dtype=x.dtype, device=x.device)
     if batch == 0:
         return out
-    bk, bv = next_pow2(head_k_dim), min(next_pow2(head_v_dim), 32)
+    bv, warps = cfg or STEPS_CFG
+    bk, bv = next_pow2(head_k_dim), min(next_pow2(head_v_dim), bv)
     grid = (batch, hv, triton.cdiv(head_v_dim, bv))
     vbuf = verify if verify is not None else pool
     _gdn_steps_kernel[grid](
@@ -89,7 +94,7 @@ def gdn_steps(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Te
         vbuf.stride(0) if verify is not None else 0, vbuf.stride(1) if verify is not None else 0,
         head_k_dim ** -0.5,
         S=steps, HK=num_k_heads, HV=hv, DK=head_k_dim, DV=head_v_dim, BK=bk, BV=bv, VERIFY=verify is not None,
-        num_warps=4, **pdl_launch(x),
+        num_warps=warps, **pdl_launch(x),
     )
     return out
 
