@@ -165,8 +165,9 @@ def run_bench(model_name: str = "bench-6b", vs_hf: bool = False, quick: bool = F
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, f"{model_name}-{time.strftime('%Y%m%d-%H%M%S')}.json")
     meta = dict(model=model_name, gpu=torch.cuda.get_device_name(), torch=torch.__version__, host=platform.node(),
-                quick=quick, pdl_for_all=os.environ.get("HYLO_PDL") == "1", hf_note=("HF transformers cannot do speculative decoding on this model: generate() "
-                                      "refuses assisted generation for stateful models"))
+                quick=quick, pdl_for_all=os.environ.get("HYLO_PDL") == "1",
+                hf_note=("HF transformers cannot do speculative decoding on this model: generate() refuses assisted "
+                         "generation for stateful models"))
 
     def save():  # after every record, so a run cut short still leaves its numbers
         with open(path, "w") as f:
@@ -314,8 +315,9 @@ def _pdl_records(lm: LoadedModel, batches: list[int], copy_rate: float, steps: i
     """The same decode (graphs, context 1k) and speculative overlap measurements with the decode-path kernels
     launched with programmatic dependent launch (HYLO_PDL=1), appended to ``records``: a comparison inside one
     run."""
-    old = os.environ.get("HYLO_PDL")
-    os.environ["HYLO_PDL"] = "1"
+    from .ops.triton_utils import set_pdl
+
+    previous = set_pdl(True)
     try:
         ec = EngineConfig(max_num_seqs=max(batches), kv_cache_tokens=max(batches) * 1400, chunk_size=8192,
                           cuda_graph_sizes=tuple(batches), max_model_len=1300, verbose=False)
@@ -349,10 +351,7 @@ def _pdl_records(lm: LoadedModel, batches: list[int], copy_rate: float, steps: i
               f"{prof['gpu_busy_fraction']:.3f}", flush=True)
         clear(eng, rids)
     finally:
-        if old is None:
-            os.environ.pop("HYLO_PDL", None)
-        else:
-            os.environ["HYLO_PDL"] = old
+        set_pdl(previous)
 
 
 def _device_decode_record(eng: Engine, bs: int, ctx: int, floor: float) -> dict:

@@ -38,11 +38,24 @@ def _pdl_supported() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
 
 
+# programmatic dependent launch of the decode-path kernels: HYLO_PDL=1 at start-up (experimental until measured),
+# or set_pdl() (the benchmark's comparison). Read once, not per launch: launches are on the host's hot path.
+_PDL = os.environ.get("HYLO_PDL") == "1"
+
+
+def set_pdl(enabled: bool) -> bool:
+    """Switch programmatic dependent launch for kernels launched (or graphs captured) from now on; returns the
+    previous setting."""
+    global _PDL
+    previous, _PDL = _PDL, enabled
+    return previous
+
+
 def pdl_launch(t: torch.Tensor) -> dict:
-    """Launch options of the decode-path kernels for programmatic dependent launch (Hopper and later), switched on
-    by ``HYLO_PDL=1`` (experimental until measured): such a kernel may be scheduled while the previous kernel in
-    the stream drains, and waits for it (``griddepcontrol.wait``, first thing in the kernel) before it reads or
-    writes any memory. Empty (a plain launch) elsewhere."""
-    if os.environ.get("HYLO_PDL") == "1" and t.is_cuda and _pdl_supported():
+    """Launch options of the decode-path kernels for programmatic dependent launch (Hopper and later): such a
+    kernel may be scheduled while the previous kernel in the stream drains, and waits for it
+    (``griddepcontrol.wait``, first thing in the kernel) before it reads or writes any memory. Empty (a plain
+    launch) when switched off or elsewhere."""
+    if _PDL and t.is_cuda and _pdl_supported():
         return {"PDL": True, "launch_pdl": True}
     return {}

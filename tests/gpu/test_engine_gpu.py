@@ -194,7 +194,7 @@ def test_gpu_speculative_is_lossless(gpu_ckpt, spec):
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
                     reason="programmatic dependent launch needs Hopper or later")
 @pytest.mark.parametrize("spec", [None, "mtp"])
-def test_programmatic_dependent_launch_changes_no_result(gpu_ckpt, spec, monkeypatch):
+def test_programmatic_dependent_launch_changes_no_result(gpu_ckpt, spec):
     """HYLO_PDL=1 launches the decode-path kernels with programmatic dependent launch (captured into the graphs):
     scheduling only, so the tokens must be exactly those of plain launches, speculative decoding included."""
     from hylo import SamplingParams
@@ -209,7 +209,12 @@ def test_programmatic_dependent_launch_changes_no_result(gpu_ckpt, spec, monkeyp
             eng.step()
         return [eng.pop_finished(r).token_ids for r in rids]
 
-    monkeypatch.delenv("HYLO_PDL", raising=False)
-    plain = run()
-    monkeypatch.setenv("HYLO_PDL", "1")
-    assert run() == plain
+    from hylo.ops.triton_utils import set_pdl
+
+    previous = set_pdl(False)
+    try:
+        plain = run()
+        set_pdl(True)
+        assert run() == plain
+    finally:
+        set_pdl(previous)

@@ -54,7 +54,8 @@ def test_add_rms_norm_sums_unreduced_rows(dev, rows, j, dim):
     from hylo.ops.norm_triton import add_rms_norm as add_rms_norm_triton
 
     g = torch.Generator().manual_seed(13)
-    x, parts, w = torch.randn(rows, dim, generator=g), torch.randn(rows, j, dim, generator=g), torch.randn(dim, generator=g)
+    x, parts = torch.randn(rows, dim, generator=g), torch.randn(rows, j, dim, generator=g)
+    w = torch.randn(dim, generator=g)
     res, y = add_rms_norm_triton(x.to(dev), parts.to(dev), w.to(dev), 1e-6)
     ref_res = x + parts.sum(1)
     assert torch.allclose(res.cpu(), ref_res, atol=1e-5)
