@@ -45,18 +45,7 @@ def main():
                 for _ in range(steps):
                     eng.step()
                 torch.cuda.synchronize()
-            rows = []
-            for e in prof.key_averages():
-                if e.device_time_total > 0:
-                    rows.append((e.key, e.device_time_total / steps / 1e3, e.count / steps))
-            rows.sort(key=lambda r: -r[1])
-            total = sum(r[1] for r in rows)
-            name = f"{'spec' if spec else 'decode'}_bs{bs}"
-            report[name] = {"total_gpu_ms": total, "kernels": rows[:40],
-                            "launches": sum(r[2] for r in rows)}
-            print(f"== {name}: {total:.2f} ms GPU per step, {sum(r[2] for r in rows):.0f} kernels per step")
-            for k, ms, n in rows[:30]:
-                print(f"  {ms:8.3f} ms  {n:6.0f}x  {k[:90]}")
+            summarize(prof, steps, f"{'spec' if spec else 'decode'}_bs{bs}", report)
             clear(eng, rids)
         del eng
         torch.cuda.empty_cache()

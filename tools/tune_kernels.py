@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
+from hylo.bench_floors import _time_cuda, measure_matmul_rate
 from hylo.ops import moe_triton as M
 from hylo.ops.conv1d_triton import conv_steps
 from hylo.ops.gdn_triton import gdn_steps
@@ -189,23 +190,15 @@ if __name__ == "__main__":
 
 
 def time_eager(fn, reps=3) -> float:
-    """Milliseconds per call of ``fn`` (one call: no graph, the kernels are long)."""
+    """Milliseconds per call of ``fn`` after one warm-up call (no graph: the kernels are long)."""
     fn()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(reps):
-        fn()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) / reps
+    return _time_cuda(fn, reps)
 
 
 def tune_prefill_moe(dev, dt, results, tokens=8192, layers=4):
     """The grouped gate/up and down GEMMs of one MoE layer at ``tokens`` tokens; cfg = (BM, BN, BK, warps, stages).
     Floor: 2 x pairs x 3 x I x H FLOPs of the expert matmuls at the measured bf16 matmul rate."""
-    square = torch.randn(8192, 8192, device=dev, dtype=dt)
-    tflops = 2 * 8192 ** 3 / time_eager(lambda: square @ square) / 1e9
+    tflops = measure_matmul_rate(dev) / 1e12
     P = tokens * (TOP_K + 1)
     w13 = [torch.randn(E + 1, 2 * I, H, device=dev, dtype=dt) * 0.02 for _ in range(layers)]
     w2 = [torch.randn(E + 1, H, I, device=dev, dtype=dt) * 0.02 for _ in range(layers)]
