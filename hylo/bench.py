@@ -232,8 +232,7 @@ def run_bench(model_name: str = "bench-6b", vs_hf: bool = False, quick: bool = F
                     eng.model_worker.graphs = None
                 ms = time_steps(eng, steps if graphs else max(3, steps // 3))
                 eng.model_worker.graphs = saved
-                rec = dict(phase="decode", batch_size=bs, context=ctx, cuda_graph=graphs, spec=None, ms_per_step=ms,
-                           ms_per_token=ms / bs, floor_ms=floor, ratio_to_floor=ms / floor)
+                rec = _decode_record(bs, ctx, graphs, ms, floor)
                 if graphs and ctx == 1024 and bs in hf_steps:
                     rec["hf_ms_per_step"] = hf_steps[bs]
                     rec["speedup_vs_hf"] = hf_steps[bs] / ms
@@ -287,19 +286,12 @@ def run_bench(model_name: str = "bench-6b", vs_hf: bool = False, quick: bool = F
         for overlap in (True, False):
             eng.ec = replace(eng.ec, overlap=overlap)
             eng.worker.simulate_accept_length = 3.0
-            rids = fake_prefill(eng, bs, 1024)
-            prof = overlap_profile(eng, steps)
-            reqs = [eng._reqs[r] for r in rids]
-            measured_len = sum(r.spec.emitted_tokens for r in reqs) / max(sum(r.spec.verify_steps for r in reqs), 1)
-            rec = dict(phase="decode", batch_size=bs, context=1024, cuda_graph=True, spec="mtp",
-                       num_speculative_tokens=k, accept_length=measured_len, overlap=overlap,
-                       ms_per_token=prof["ms_per_step"] / (bs * measured_len), **prof)
+            rec = _overlap_record(eng, bs, k, steps)
             records.append(rec)
             save()
-            print(f"[bench] overlap={overlap} spec mtp bs={bs}: {prof['ms_per_step']:.2f} ms/step, "
-                  f"{rec['ms_per_token']:.3f} ms/token, GPU busy {prof['gpu_busy_fraction']:.3f}, "
-                  f"{prof['blocking_syncs_per_step']:.2f} blocking reads/step", flush=True)
-            clear(eng, rids)
+            print(f"[bench] overlap={overlap} spec mtp bs={bs}: {rec['ms_per_step']:.2f} ms/step, "
+                  f"{rec['ms_per_token']:.3f} ms/token, GPU busy {rec['gpu_busy_fraction']:.3f}, "
+                  f"{rec['blocking_syncs_per_step']:.2f} blocking reads/step", flush=True)
 
     del eng
     torch.cuda.empty_cache()
@@ -327,9 +319,8 @@ def _pdl_records(lm: LoadedModel, batches: list[int], copy_rate: float, steps: i
             rids = fake_prefill(eng, bs, 1024)
             floor = fp.decode_bytes(bs, 1024) / copy_rate * 1e3
             ms = time_steps(eng, steps)
-            rec = dict(phase="decode", batch_size=bs, context=1024, cuda_graph=True, spec=None, pdl=True,
-                       ms_per_step=ms, ms_per_token=ms / bs, floor_ms=floor, ratio_to_floor=ms / floor)
-            records += [rec, dict(_device_decode_record(eng, bs, 1024, floor), pdl=True)]
+            records += [dict(_decode_record(bs, 1024, True, ms, floor), pdl=True),
+                        dict(_device_decode_record(eng, bs, 1024, floor), pdl=True)]
             save_records()
             print(f"[bench] PDL decode bs={bs}: {ms:.2f} ms/step ({ms / floor:.2f}x floor), graph alone "
                   f"{records[-1]['ms_per_step']:.2f} ms", flush=True)
@@ -339,19 +330,30 @@ def _pdl_records(lm: LoadedModel, batches: list[int], copy_rate: float, steps: i
                           num_speculative_tokens=3, simulate_accept_length=3.0, cuda_graph_sizes=(1,),
                           max_model_len=1300, verbose=False)
         eng = Engine(lm, device="cuda", dtype="bfloat16", engine_config=ec, spec_setup=SpecSetup("mtp"))
-        rids = fake_prefill(eng, 1, 1024)
-        prof = overlap_profile(eng, steps)
-        req = eng._reqs[rids[0]]
-        measured_len = req.spec.emitted_tokens / max(req.spec.verify_steps, 1)
-        records.append(dict(phase="decode", batch_size=1, context=1024, cuda_graph=True, spec="mtp",
-                            num_speculative_tokens=3, accept_length=measured_len, overlap=True, pdl=True,
-                            ms_per_token=prof["ms_per_step"] / measured_len, **prof))
+        records.append(dict(_overlap_record(eng, 1, 3, steps), pdl=True))
         save_records()
-        print(f"[bench] PDL overlap spec mtp bs=1: {prof['ms_per_step']:.2f} ms/step, GPU busy "
-              f"{prof['gpu_busy_fraction']:.3f}", flush=True)
-        clear(eng, rids)
+        print(f"[bench] PDL overlap spec mtp bs=1: {records[-1]['ms_per_step']:.2f} ms/step, GPU busy "
+              f"{records[-1]['gpu_busy_fraction']:.3f}", flush=True)
     finally:
         set_pdl(previous)
+
+
+def _decode_record(bs: int, ctx: int, graphs: bool, ms: float, floor: float) -> dict:
+    return dict(phase="decode", batch_size=bs, context=ctx, cuda_graph=graphs, spec=None, ms_per_step=ms,
+                ms_per_token=ms / bs, floor_ms=floor, ratio_to_floor=ms / floor)
+
+
+def _overlap_record(eng: Engine, bs: int, k: int, steps: int) -> dict:
+    """``steps`` profiled speculative steps of ``bs`` fresh requests at context 1k, with the engine's overlap
+    setting: wall time, GPU busy fraction, blocking reads, measured accept length."""
+    rids = fake_prefill(eng, bs, 1024)
+    prof = overlap_profile(eng, steps)
+    reqs = [eng._reqs[r] for r in rids]
+    measured_len = sum(r.spec.emitted_tokens for r in reqs) / max(sum(r.spec.verify_steps for r in reqs), 1)
+    clear(eng, rids)
+    return dict(phase="decode", batch_size=bs, context=1024, cuda_graph=True, spec="mtp", num_speculative_tokens=k,
+                accept_length=measured_len, overlap=eng.ec.overlap,
+                ms_per_token=prof["ms_per_step"] / (bs * measured_len), **prof)
 
 
 def _device_decode_record(eng: Engine, bs: int, ctx: int, floor: float) -> dict:
