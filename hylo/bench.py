@@ -311,31 +311,34 @@ def _pdl_records(lm: LoadedModel, batches: list[int], copy_rate: float, steps: i
 
     previous = set_pdl(True)
     try:
-        ec = EngineConfig(max_num_seqs=max(batches), kv_cache_tokens=max(batches) * 1400, chunk_size=8192,
-                          cuda_graph_sizes=tuple(batches), max_model_len=1300, verbose=False)
-        eng = Engine(lm, device="cuda", dtype="bfloat16", engine_config=ec)
-        fp = Footprint.of(lm.model, None, eng.caches)
-        for bs in batches:
-            rids = fake_prefill(eng, bs, 1024)
-            floor = fp.decode_bytes(bs, 1024) / copy_rate * 1e3
-            ms = time_steps(eng, steps)
-            records += [dict(_decode_record(bs, 1024, True, ms, floor), pdl=True),
-                        dict(_device_decode_record(eng, bs, 1024, floor), pdl=True)]
-            save_records()
-            print(f"[bench] PDL decode bs={bs}: {ms:.2f} ms/step ({ms / floor:.2f}x floor), graph alone "
-                  f"{records[-1]['ms_per_step']:.2f} ms", flush=True)
-            clear(eng, rids)
-        del eng
+        for prefetch in (False, True):
+            set_pdl(True, prefetch)
+            ec = EngineConfig(max_num_seqs=max(batches), kv_cache_tokens=max(batches) * 1400, chunk_size=8192,
+                              cuda_graph_sizes=tuple(batches), max_model_len=1300, verbose=False)
+            eng = Engine(lm, device="cuda", dtype="bfloat16", engine_config=ec)
+            fp = Footprint.of(lm.model, None, eng.caches)
+            for bs in batches:
+                rids = fake_prefill(eng, bs, 1024)
+                floor = fp.decode_bytes(bs, 1024) / copy_rate * 1e3
+                ms = time_steps(eng, steps)
+                tags = dict(pdl=True, pdl_prefetch=prefetch)
+                records += [dict(_decode_record(bs, 1024, True, ms, floor), **tags),
+                            dict(_device_decode_record(eng, bs, 1024, floor), **tags)]
+                save_records()
+                print(f"[bench] PDL (prefetch {prefetch}) decode bs={bs}: {ms:.2f} ms/step ({ms / floor:.2f}x "
+                      f"floor), graph alone {records[-1]['ms_per_step']:.2f} ms", flush=True)
+                clear(eng, rids)
+            del eng
         ec = EngineConfig(max_num_seqs=1, kv_cache_tokens=1400, chunk_size=8192, speculative="mtp",
                           num_speculative_tokens=3, simulate_accept_length=3.0, cuda_graph_sizes=(1,),
                           max_model_len=1300, verbose=False)
         eng = Engine(lm, device="cuda", dtype="bfloat16", engine_config=ec, spec_setup=SpecSetup("mtp"))
-        records.append(dict(_overlap_record(eng, 1, 3, steps), pdl=True))
+        records.append(dict(_overlap_record(eng, 1, 3, steps), pdl=True, pdl_prefetch=True))
         save_records()
         print(f"[bench] PDL overlap spec mtp bs=1: {records[-1]['ms_per_step']:.2f} ms/step, GPU busy "
               f"{records[-1]['gpu_busy_fraction']:.3f}", flush=True)
     finally:
-        set_pdl(previous)
+        set_pdl(*previous)
 
 
 def _decode_record(bs: int, ctx: int, graphs: bool, ms: float, floor: float) -> dict:

@@ -15,8 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_pdl import pdl_enter
-from .triton_utils import next_pow2, pdl_launch
+from .triton_pdl import l2_prefetch, pdl_enter
+from .triton_utils import next_pow2, pdl_launch, pdl_prefetch
 
 GEMV_MAX_ROWS = 16
 
@@ -25,11 +25,14 @@ GEMV_MAX_ROWS = 16
 def _gemv_kernel(x_ptr, g_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, M, N, K: tl.constexpr, stride_x, stride_g, eps,
                  K_SPLIT: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                  BK: tl.constexpr, GATE: tl.constexpr, HAS_BIAS: tl.constexpr, PREC: tl.constexpr,
-                 PDL: tl.constexpr = False):
-    pdl_enter(PDL)
+                 PF_LINES: tl.constexpr = 0, PF_STRIDE: tl.constexpr = 64, PDL: tl.constexpr = False):
     split = tl.program_id(1)
     offs_m = tl.arange(0, BM)
     offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
+    if PDL and PF_LINES > 0:  # this program's slice of W does not depend on the previous kernel: start fetching it now
+        offs_l = tl.minimum(split * K_SPLIT + tl.arange(0, PF_LINES) * PF_STRIDE, K - 1)
+        l2_prefetch(w_ptr + tl.minimum(offs_n, N - 1)[:, None] * K + offs_l[None, :])
+    pdl_enter(PDL)
     mm, mn = offs_m < M, offs_n < N
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     for k0 in range(0, K_SPLIT, BK):
@@ -93,9 +96,11 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, gat
     else:
         y = torch.empty(m, split, n, dtype=torch.float32, device=x.device)
     g = gate if gate is not None else x
+    line = 128 // w.element_size()  # elements per 128-byte cache line, for the PDL prefetch of W
     _gemv_kernel[(triton.cdiv(n, bn), split)](
         x, g, norm_weight if norm_weight is not None else w, w, bias if bias is not None else w, y, m, n, k,
         x.stride(0), g.stride(0), eps, K_SPLIT=k_split, SPLIT=split, BM=16, BN=bn, BK=bk,
         GATE=0 if gate is None else 2 if norm_weight is not None else 1, HAS_BIAS=bias is not None,
+        PF_LINES=next_pow2(triton.cdiv(k_split, line)) if pdl_prefetch() else 0, PF_STRIDE=line,
         PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages, **pdl_launch(x))
     return y

@@ -12,3 +12,13 @@ def pdl_enter(PDL: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def l2_prefetch(ptrs):
+    """Ask for the cache lines at ``ptrs`` (one address per line is enough) to be brought into L2, writing no
+    register. For a kernel launched early by PDL: it prefetches the weights it is about to stream, which do not
+    depend on the previous kernel, before its ``pdl_enter``, so that the memory system works while the previous
+    kernel's latency-bound tail (a norm, a recurrent step) runs."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs.to(tl.int64)],
+                              dtype=tl.int32, is_pure=False, pack=1)

@@ -41,14 +41,26 @@ def _pdl_supported() -> bool:
 # programmatic dependent launch of the decode-path kernels: HYLO_PDL=1 at start-up (experimental until measured),
 # or set_pdl() (the benchmark's comparison). Read once, not per launch: launches are on the host's hot path.
 _PDL = os.environ.get("HYLO_PDL") == "1"
+# with PDL, the weight-streaming kernels prefetch their weights into L2 before waiting on the previous kernel
+# (``triton_pdl.l2_prefetch``); HYLO_PDL_PREFETCH=0 turns that off, to measure it
+_PREFETCH = os.environ.get("HYLO_PDL_PREFETCH", "1") == "1"
 
 
-def set_pdl(enabled: bool) -> bool:
-    """Switch programmatic dependent launch for kernels launched (or graphs captured) from now on; returns the
-    previous setting."""
-    global _PDL
-    previous, _PDL = _PDL, enabled
+def set_pdl(enabled: bool, prefetch: bool | None = None) -> tuple[bool, bool]:
+    """Switch programmatic dependent launch (and with it the weight prefetch, unless ``prefetch`` says otherwise)
+    for kernels launched (or graphs captured) from now on; returns the previous (enabled, prefetch), which
+    ``set_pdl(*previous)`` restores."""
+    global _PDL, _PREFETCH
+    previous = (_PDL, _PREFETCH)
+    _PDL = enabled
+    if prefetch is not None:
+        _PREFETCH = prefetch
     return previous
+
+
+def pdl_prefetch() -> bool:
+    """Whether kernels launched with PDL prefetch their weights before they wait."""
+    return _PDL and _PREFETCH
 
 
 def pdl_launch(t: torch.Tensor) -> dict:

@@ -217,4 +217,4 @@ def test_programmatic_dependent_launch_changes_no_result(gpu_ckpt, spec):
         set_pdl(True)
         assert run() == plain
     finally:
-        set_pdl(previous)
+        set_pdl(*previous)
