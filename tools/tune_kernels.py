@@ -251,6 +251,18 @@ def tune_prefill_moe(dev, dt, results, tokens=8192, layers=4):
               flush=True)
         for ms, cfg in rows[:5]:
             print(f"    {ms:7.3f} ms  {cfg}")
+    # the same MoE layer through torch._grouped_mm (what the engine runs for large prefill chunks on Hopper)
+    from hylo.ops.moe_grouped_mm import fused_moe_grouped_mm
+
+    wts2, ids2 = wts.view(tokens, TOP_K + 1), ids.view(tokens, TOP_K + 1)
+
+    def grouped_mm():
+        for layer in range(layers):
+            fused_moe_grouped_mm(x, w13[layer], w2[layer], wts2, ids2)
+    ms = time_eager(grouped_mm) / layers
+    results[f"prefill_grouped_mm_t{tokens}"] = {"floor_ms": floor13 + floor2, "ms": ms}
+    print(f"prefill torch._grouped_mm MoE layer (sort, gather, both GEMMs, scatter): {ms:.3f} ms; floor "
+          f"{floor13 + floor2:.3f} ms ({ms / (floor13 + floor2):.2f}x)", flush=True)
 
 
 def tune_steps(dev, dt, results, gdn_layers=18, hk=16, hv=32, d=128, width=4):

@@ -4,7 +4,8 @@ experts' weights.
 Two layouts of the (token, expert) pairs, picked by their number P = tokens * top_k:
 - few pairs (decode): one program row per pair, a GEMV over that pair's expert. No sorting at all, so the whole
   MoE is two launches; an expert chosen by several pairs is re-read from L2.
-- many pairs (prefill, large batches): pairs sorted by expert into blocks of BM that each belong to one expert
+- many pairs (large prefill chunks on Hopper and later): ``torch._grouped_mm`` (``moe_grouped_mm``).
+- many pairs elsewhere (decode batches beyond the pair kernels, older GPUs, float32): pairs sorted by expert into blocks of BM that each belong to one expert
   (padding with a sentinel pair), then a grouped GEMM with tensor-core dots. The sort runs on the device with
   fixed-size outputs, so it needs no host sync and can be captured in a CUDA graph.
 Both write one row per pair (weighted by its routing weight); the k rows of a token are summed at the end, or,
@@ -17,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .moe_grouped_mm import fused_moe_grouped_mm, grouped_mm_usable
 from .triton_pdl import pdl_enter
 from .triton_utils import next_pow2, pdl_launch
 
@@ -182,8 +184,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     wts = topk_weights.reshape(-1).contiguous()
     if num_pairs == 0:
         return torch.zeros_like(x) if reduce else x.new_zeros(num_tokens, top_k, hidden)
-    act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     if num_pairs <= PAIR_GEMV_MAX_PAIRS:
+        act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
         bn, bk, warps, stages = PAIR_GATE_UP_CFG
         _pair_gate_up_kernel[(num_pairs, triton.cdiv(inter, bn))](
             x, w13, ids, act, hidden, inter, TOP_K=top_k, BN=bn, BK=min(bk, next_pow2(hidden)), num_warps=warps,
@@ -193,12 +195,15 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         _pair_down_kernel[(num_pairs, triton.cdiv(hidden, bn))](
             act, w2, ids, wts, out, hidden, inter, BN=bn, BK=min(bk, next_pow2(inter)), num_warps=warps,
             num_stages=stages, **pdl_launch(x))
+    elif grouped_mm_usable(x, w13, w2, num_pairs):
+        out = fused_moe_grouped_mm(x, w13, w2, wts.view(num_tokens, top_k), ids.view(num_tokens, top_k))
     else:
         # BM = 64 at every size: each block re-reads its expert's weights, so at decode batches (where the
         # shared expert and popular experts have tens of pairs) smaller blocks multiply the bytes read.
         # Measured on the H200: BN = 128 with 8 warps made the 8192-token prefill 4x slower than this.
         bm, bn, bk, warps, stages = 64, 64, 64, 4, 3
         prec = "ieee" if x.dtype == torch.float32 else "tf32"
+        act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
         sorted_pairs, block_expert = align_pairs(ids, num_experts, bm)
         out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
         grid_blocks = block_expert.shape[0]

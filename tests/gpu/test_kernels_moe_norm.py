@@ -25,6 +25,31 @@ def test_fused_moe_matches_reference(dev, tokens, experts, top_k, hidden, inter)
     assert (out.double().cpu() - ref).norm() / ref.norm() < tol
 
 
+@pytest.mark.parametrize("grouped_mm", [True, False])
+def test_prefill_sized_moe_matches_reference(dev, grouped_mm, monkeypatch):
+    """A prefill chunk's worth of pairs: through torch._grouped_mm where the GPU has it, and through the Triton
+    grouped kernel (what older GPUs and float32 use); both against the float64 reference."""
+    from hylo.ops import moe_grouped_mm
+    from hylo.ops.moe_triton import fused_moe
+
+    if not grouped_mm:
+        monkeypatch.setattr(moe_grouped_mm, "GROUPED_MM_MIN_PAIRS", 1 << 40)
+    g = torch.Generator().manual_seed(4)
+    tokens, experts, top_k, hidden, inter = 600, 64, 10, 256, 128
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    x = torch.randn(tokens, hidden, generator=g)
+    w13 = torch.randn(experts, 2 * inter, hidden, generator=g) / hidden ** 0.5
+    w2 = torch.randn(experts, hidden, inter, generator=g) / inter ** 0.5
+    weights, ids = route_topk(torch.randn(tokens, experts, generator=g), top_k, True)
+    args = (x.to(dev, dtype), w13.to(dev, dtype), w2.to(dev, dtype), weights.to(dev, dtype), ids.to(dev))
+    if grouped_mm and dev.type == "cuda" and torch.cuda.get_device_capability()[0] in (9, 10):
+        assert moe_grouped_mm.grouped_mm_usable(args[0], args[1], args[2], tokens * top_k)
+    ref = fused_moe_ref(x.double(), w13.double(), w2.double(), weights.double(), ids)
+    out = fused_moe(*args)
+    tol = 3e-2 if dtype == torch.bfloat16 else 1e-4
+    assert (out.double().cpu() - ref).norm() / ref.norm() < tol
+
+
 def test_align_pairs_blocks_hold_one_expert_each(dev):
     from hylo.ops.moe_triton import align_pairs
 
