@@ -7,13 +7,12 @@ projection laid out ``[q | gate | k | v]``.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
 from ..core import ForwardBatch
 from .weights import TensorReader, copy_into
-from ..ops.linear import out_proj
+from ..ops.linear import dense, out_proj
 from ..ops.norm import rms_norm
 from ..ops.triton_utils import use_triton
 from .rotary import RotaryEmbedding
@@ -42,7 +41,7 @@ class GatedAttention(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch, backend, reduce: bool = True) -> torch.Tensor:
         """[T, hidden]; with ``reduce=False`` possibly unreduced rows [T, S, hidden] (see ``ops.linear``)."""
         num_tokens = x.shape[0]
-        proj = F.linear(x, self.qkv_proj, self.qkv_bias)
+        proj = dense(x, self.qkv_proj, self.qkv_bias)
         q, gate, k, v = proj.split([self.q_size, self.q_size, self.kv_size, self.kv_size], dim=-1)
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         if use_triton(proj):  # norms and rotary in one kernel, straight from the projection

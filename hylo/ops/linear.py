@@ -19,12 +19,21 @@ def _few_rows(x: torch.Tensor) -> bool:
     return x.shape[0] <= GEMV_MAX_ROWS and x.stride(-1) == 1
 
 
-def dense(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x W^T for a wide projection (the GDN input projection)."""
+def dense(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T + bias for a wide projection (the GDN input projection, the attention qkv projection)."""
     if _few_rows(x):
         from .linear_triton import gemv
 
-        return gemv(x, w)
+        return gemv(x, w, bias=bias)
+    return F.linear(x, w, bias)
+
+
+def narrow(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x W^T for a projection with few outputs (the MoE router: 2 blocks of 64 outputs from 2048 inputs). On the
+    few-row path K is split so that enough loads are in flight, and the float32 partial rows [M, S, N] come back
+    unreduced for the consumer to sum (the routing kernel does); elsewhere the plain [M, N]."""
+    if _few_rows(x):
+        return _split_gemv(x, w, reduce=False)
     return F.linear(x, w)
 
 

@@ -11,14 +11,21 @@ import torch.nn.functional as F
 from .triton_utils import use_triton
 
 
-def route(router_logits: torch.Tensor, num_experts: int, top_k: int, normalize: bool, shared: bool):
+def route(router_logits: torch.Tensor, num_experts: int, top_k: int, normalize: bool, shared: bool,
+          dtype: torch.dtype | None = None):
     """Routing of every token: its top-k experts and their weights; with ``shared``, the logits carry one more
     column, the shared expert's gate, and the shared expert (id ``num_experts``) is appended as one more pair with
-    weight sigmoid(gate). Returns (weights [T, k (+1)], ids [T, k (+1)])."""
+    weight sigmoid(gate). The logits may also come as float32 split-K partials [T, S, E (+1)] (``ops.linear.narrow``),
+    summed and rounded to ``dtype`` first. Returns (weights [T, k (+1)] in ``dtype``, default the logits', ids
+    [T, k (+1)])."""
     if use_triton(router_logits):
         from .moe_triton import route as route_triton
 
-        return route_triton(router_logits, num_experts, top_k, normalize, shared)
+        return route_triton(router_logits, num_experts, top_k, normalize, shared, dtype)
+    if router_logits.dim() == 3:
+        router_logits = router_logits.sum(1)
+    if dtype is not None:
+        router_logits = router_logits.to(dtype)
     weights, ids = route_topk(router_logits[:, :num_experts], top_k, normalize)
     if shared:
         gate = torch.sigmoid(router_logits[:, num_experts:])

@@ -248,13 +248,21 @@ def _select_topk(x, offs, t, w_ptr, ids_ptr, E: tl.constexpr, K: tl.constexpr, K
 
 
 @triton.jit
-def _route_kernel(logits_ptr, w_ptr, ids_ptr, stride_l, E: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
-                  BE: tl.constexpr, NORM: tl.constexpr, SHARED: tl.constexpr, PDL: tl.constexpr = False):
-    """Routing from precomputed logits [T, E (+1)]: one program per token."""
+def _route_kernel(logits_ptr, w_ptr, ids_ptr, stride_l, stride_s, E: tl.constexpr, K: tl.constexpr,
+                  KP: tl.constexpr, BE: tl.constexpr, NORM: tl.constexpr, SHARED: tl.constexpr, SPLIT: tl.constexpr,
+                  PDL: tl.constexpr = False):
+    """Routing from precomputed logits [T, E (+1)], or from the float32 split-K partials [T, SPLIT, E (+1)] of the
+    router GEMV (summed here, then rounded to the model's dtype as a plain matmul's logits are): one program per
+    token."""
     pdl_enter(PDL)
     t = tl.program_id(0)
     offs = tl.arange(0, BE)
-    x = tl.load(logits_ptr + t * stride_l + offs, mask=offs < E + SHARED, other=0.0).to(tl.float32)
+    m = offs < E + SHARED
+    x = tl.load(logits_ptr + t * stride_l + offs, mask=m, other=0.0).to(tl.float32)
+    if SPLIT > 1:
+        for s in tl.static_range(1, SPLIT):
+            x += tl.load(logits_ptr + t * stride_l + s * stride_s + offs, mask=m, other=0.0)
+        x = x.to(w_ptr.dtype.element_ty).to(tl.float32)
     _select_topk(x, offs, t, w_ptr, ids_ptr, E, K, KP, NORM, SHARED)
 
 
@@ -268,12 +276,17 @@ def _experts_block(num_experts: int, shared: bool) -> int:
     return max(16, next_pow2(num_experts + int(shared)))
 
 
-def route(logits: torch.Tensor, num_experts: int, top_k: int, normalize: bool, shared: bool):
-    """logits: [T, E (+1 shared-gate column)]. Returns (weights [T, k (+1)] in logits' dtype, ids int64)."""
+def route(logits: torch.Tensor, num_experts: int, top_k: int, normalize: bool, shared: bool,
+          dtype: torch.dtype | None = None):
+    """logits: [T, E (+1 shared-gate column)], or float32 partial sums [T, S, E (+1)] whose sum is the logits.
+    Returns (weights [T, k (+1)] in ``dtype`` (default: the logits' dtype), ids int64)."""
     tokens = logits.shape[0]
-    kp, w, ids = _route_out(tokens, top_k, shared, logits.dtype, logits.device)
+    split = logits.shape[1] if logits.dim() == 3 else 1
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    kp, w, ids = _route_out(tokens, top_k, shared, dtype or logits.dtype, logits.device)
     if tokens:
-        _route_kernel[(tokens,)](logits, w, ids, logits.stride(0), E=num_experts, K=top_k, KP=kp,
-                                 BE=_experts_block(num_experts, shared), NORM=normalize, SHARED=shared, num_warps=1,
-                                 **pdl_launch(logits))
+        _route_kernel[(tokens,)](logits, w, ids, logits.stride(0), logits.stride(1) if split > 1 else 0,
+                                 E=num_experts, K=top_k, KP=kp, BE=_experts_block(num_experts, shared),
+                                 NORM=normalize, SHARED=shared, SPLIT=split, num_warps=1, **pdl_launch(logits))
     return w, ids

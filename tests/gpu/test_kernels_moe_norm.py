@@ -134,3 +134,36 @@ def test_gated_norm_reads_a_strided_gate(dev):
     out = gated_rms_norm_triton(x.to(dev), proj.to(dev)[:, 10:90].reshape(3, 4, 20), w.to(dev), 1e-6)
     assert torch.allclose(out.cpu(), gated_rms_norm(x, gate, w, 1e-6), atol=1e-5)
 
+
+
+@pytest.mark.parametrize("tokens,split", [(1, 8), (5, 2), (16, 4)])
+def test_router_gemv_partials_route_like_the_plain_logits(dev, tokens, split):
+    """The decode router: split-K partials from ``ops.linear.narrow`` route exactly as the rounded logits do."""
+    from hylo.ops.linear import narrow
+    from hylo.ops.moe_triton import route
+
+    experts, top_k, hidden = 64, 10, 2048
+    dt = torch.bfloat16 if dev.type == "cuda" else torch.float32  # the interpreter has no bfloat16 dot
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(tokens, hidden, generator=g).to(dev, dt)
+    router = (torch.randn(experts + 1, hidden, generator=g) * 0.05).to(dev, dt)
+    partials = narrow(x, router)
+    assert partials.dim() == 3 and partials.dtype == torch.float32
+    logits = partials[:, 0]
+    for i in range(1, partials.shape[1]):  # in the kernel's order, so that the rounding to dt is the same
+        logits = logits + partials[:, i]
+    logits = logits.to(dt)
+    assert torch.allclose(logits.float(), (x.float() @ router.float().T), atol=0.05, rtol=0.02)
+    w, ids = route(partials, experts, top_k, True, True, dt)
+    rw, rids = route(logits, experts, top_k, True, True)
+    assert w.dtype == dt
+    assert torch.equal(ids, rids)
+    assert torch.allclose(w.float(), rw.float(), atol=1e-2)
+    # the split itself: same partials laid out with a non-default split count still sum to the logits
+    sp = torch.randn(tokens, split, experts + 1, generator=g).to(dev)
+    w2, ids2 = route(sp, experts, top_k, False, True, dt)
+    summed = sp[:, 0]
+    for i in range(1, split):  # in the kernel's order, so that the rounding to dt is the same
+        summed = summed + sp[:, i]
+    rw2, rids2 = route(summed.to(dt), experts, top_k, False, True)
+    assert torch.equal(ids2, rids2) and torch.equal(w2, rw2)
