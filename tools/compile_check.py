@@ -106,6 +106,8 @@ def compile_all(path: str, arch: int) -> int:
                     consts["PREC"] = "tf32"
                 if pdl:
                     consts["PDL"] = True
+                    if consts.get("PF_LINES") == 0:  # the L2 prefetch that PDL switches on (recorded without PDL)
+                        consts["PF_LINES"] = 4
                 opts = {k: v for k, v in entry["options"].items() if k != "launch_pdl"}
                 opts["launch_pdl"] = pdl
                 key = json.dumps([entry["module"], entry["kernel"], sig, consts, opts], sort_keys=True, default=str)

@@ -19,8 +19,8 @@ import triton
 import triton.language as tl
 
 from .moe_grouped_mm import fused_moe_grouped_mm, grouped_mm_usable
-from .triton_pdl import pdl_enter
-from .triton_utils import next_pow2, pdl_launch
+from .triton_pdl import l2_prefetch, pdl_enter
+from .triton_utils import next_pow2, pdl_launch, pdl_prefetch
 
 # up to 16 tokens of 10 experts + the shared one: at 8 and 16 tokens the pair kernels beat the grouped GEMM and
 # its alignment (94.6 vs 127 us and 153 vs 158 us per layer on bench-6b, tools/tune_kernels.py)
@@ -56,14 +56,23 @@ def _pair_gate_up_kernel(x_ptr, w13_ptr, ids_ptr, act_ptr, H: tl.constexpr, I: t
 
 @triton.jit
 def _pair_down_kernel(act_ptr, w2_ptr, ids_ptr, wts_ptr, out_ptr, H: tl.constexpr, I: tl.constexpr,
-                      BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr = False):
+                      BN: tl.constexpr, BK: tl.constexpr, PF_LINES: tl.constexpr = 0, PF_STRIDE: tl.constexpr = 64,
+                      PDL: tl.constexpr = False):
     """Program (pair, block of BN outputs): the pair's weighted down projection, one float32 row per pair. The
     rows of a token are summed by whoever reads them (the residual add), so every pair's weights stream in
-    parallel instead of one program walking a token's pairs in turn."""
-    pdl_enter(PDL)
+    parallel instead of one program walking a token's pairs in turn.
+
+    With PDL the expert ids are complete before this kernel starts: it is launched only once every program of the
+    gate/up kernel has passed its own wait, i.e. after the routing kernel finished. So the program reads its
+    expert and prefetches its weight rows into L2 before it waits for the gate/up activations."""
     pair = tl.program_id(0)
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
     mn = offs_n < H
+    if PDL and PF_LINES > 0:
+        e = tl.load(ids_ptr + pair, cache_modifier=".cg").to(tl.int64)
+        offs_l = tl.minimum(tl.arange(0, PF_LINES) * PF_STRIDE, I - 1)
+        l2_prefetch(w2_ptr + e * (H * I) + tl.minimum(offs_n, H - 1)[:, None] * I + offs_l[None, :])
+    pdl_enter(PDL)
     e = tl.load(ids_ptr + pair).to(tl.int64)
     w_base = w2_ptr + e * (H * I)
     acc = tl.zeros([BN], dtype=tl.float32)
@@ -192,8 +201,10 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
             num_stages=stages, **pdl_launch(x))
         bn, bk, warps, stages = next(cfg for limit, cfg in PAIR_DOWN_CFG if num_pairs <= limit)
         out = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
+        line = 128 // w2.element_size()  # elements per 128-byte cache line, for the PDL prefetch
         _pair_down_kernel[(num_pairs, triton.cdiv(hidden, bn))](
-            act, w2, ids, wts, out, hidden, inter, BN=bn, BK=min(bk, next_pow2(inter)), num_warps=warps,
+            act, w2, ids, wts, out, hidden, inter, BN=bn, BK=min(bk, next_pow2(inter)),
+            PF_LINES=next_pow2(triton.cdiv(inter, line)) if pdl_prefetch() else 0, PF_STRIDE=line, num_warps=warps,
             num_stages=stages, **pdl_launch(x))
     elif grouped_mm_usable(x, w13, w2, num_pairs):
         out = fused_moe_grouped_mm(x, w13, w2, wts.view(num_tokens, top_k), ids.view(num_tokens, top_k))
