@@ -23,6 +23,7 @@ from .engine.engine import Engine, LoadedModel
 from .bench_floors import Footprint, _time_cuda, measure_copy_rate, measure_matmul_rate
 from .models.qwen3_next import Qwen3NextForCausalLM
 from .models.random_init import RandomReader
+from .ops.triton_utils import pdl_settings
 from .spec.setup import SpecSetup
 
 GB = 1e9
@@ -165,7 +166,8 @@ def run_bench(model_name: str = "bench-6b", vs_hf: bool = False, quick: bool = F
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, f"{model_name}-{time.strftime('%Y%m%d-%H%M%S')}.json")
     meta = dict(model=model_name, gpu=torch.cuda.get_device_name(), torch=torch.__version__, host=platform.node(),
-                quick=quick, pdl_for_all=os.environ.get("HYLO_PDL") == "1",
+                quick=quick, pdl=pdl_settings()[0] and torch.cuda.get_device_capability()[0] >= 9,
+                pdl_prefetch=pdl_settings()[1],
                 hf_note=("HF transformers cannot do speculative decoding on this model: generate() refuses assisted "
                          "generation for stateful models"))
 
@@ -304,15 +306,16 @@ def run_bench(model_name: str = "bench-6b", vs_hf: bool = False, quick: bool = F
 
 def _pdl_records(lm: LoadedModel, batches: list[int], copy_rate: float, steps: int, records: list[dict],
                  save_records) -> None:
-    """The same decode (graphs, context 1k) and speculative overlap measurements with the decode-path kernels
-    launched with programmatic dependent launch (HYLO_PDL=1), appended to ``records``: a comparison inside one
+    """The decode (graphs, context 1k) measurements again with the kernel launches the main run did not use:
+    programmatic dependent launch off, and on with the L2 weight prefetch; plus the batch-1 speculative overlap
+    profile with PDL off. Appended to ``records`` (tagged ``pdl``, ``pdl_prefetch``): a comparison inside one
     run."""
     from .ops.triton_utils import set_pdl
 
-    previous = set_pdl(True)
+    previous = set_pdl(*pdl_settings())
     try:
-        for prefetch in (False, True):
-            set_pdl(True, prefetch)
+        for pdl, prefetch in ((False, False), (True, True)):
+            set_pdl(pdl, prefetch)
             ec = EngineConfig(max_num_seqs=max(batches), kv_cache_tokens=max(batches) * 1400, chunk_size=8192,
                               cuda_graph_sizes=tuple(batches), max_model_len=1300, verbose=False)
             eng = Engine(lm, device="cuda", dtype="bfloat16", engine_config=ec)
@@ -321,21 +324,22 @@ def _pdl_records(lm: LoadedModel, batches: list[int], copy_rate: float, steps: i
                 rids = fake_prefill(eng, bs, 1024)
                 floor = fp.decode_bytes(bs, 1024) / copy_rate * 1e3
                 ms = time_steps(eng, steps)
-                tags = dict(pdl=True, pdl_prefetch=prefetch)
+                tags = dict(pdl=pdl, pdl_prefetch=prefetch)
                 records += [dict(_decode_record(bs, 1024, True, ms, floor), **tags),
                             dict(_device_decode_record(eng, bs, 1024, floor), **tags)]
                 save_records()
-                print(f"[bench] PDL (prefetch {prefetch}) decode bs={bs}: {ms:.2f} ms/step ({ms / floor:.2f}x "
+                print(f"[bench] PDL {pdl} (prefetch {prefetch}) decode bs={bs}: {ms:.2f} ms/step ({ms / floor:.2f}x "
                       f"floor), graph alone {records[-1]['ms_per_step']:.2f} ms", flush=True)
                 clear(eng, rids)
             del eng
+        set_pdl(False, False)
         ec = EngineConfig(max_num_seqs=1, kv_cache_tokens=1400, chunk_size=8192, speculative="mtp",
                           num_speculative_tokens=3, simulate_accept_length=3.0, cuda_graph_sizes=(1,),
                           max_model_len=1300, verbose=False)
         eng = Engine(lm, device="cuda", dtype="bfloat16", engine_config=ec, spec_setup=SpecSetup("mtp"))
-        records.append(dict(_overlap_record(eng, 1, 3, steps), pdl=True, pdl_prefetch=True))
+        records.append(dict(_overlap_record(eng, 1, 3, steps), pdl=False, pdl_prefetch=False))
         save_records()
-        print(f"[bench] PDL overlap spec mtp bs=1: {records[-1]['ms_per_step']:.2f} ms/step, GPU busy "
+        print(f"[bench] PDL off overlap spec mtp bs=1: {records[-1]['ms_per_step']:.2f} ms/step, GPU busy "
               f"{records[-1]['gpu_busy_fraction']:.3f}", flush=True)
     finally:
         set_pdl(*previous)

@@ -136,7 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--vs-hf", action="store_true", help="also time HF transformers generate on the same weights")
     b.add_argument("--quick", action="store_true", help="fewer sizes and steps")
     b.add_argument("--pdl", action="store_true",
-                   help="also time decode with programmatic dependent launch (HYLO_PDL=1, Hopper+) in the same run")
+                   help="also time decode with programmatic dependent launch off, and on with its L2 weight prefetch "
+                        "(HYLO_PDL, HYLO_PDL_PREFETCH; PDL is on by default on Hopper+) in the same run")
     b.add_argument("--out", default="bench/results", help="folder for the JSON results")
     b.set_defaults(func=_bench)
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")

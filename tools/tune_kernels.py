@@ -185,10 +185,6 @@ def tune_split(dev, dt, results):
         sweep(f"split_gemv_{n}x{k}_m{rows}", cfgs, tri, floor, results)
 
 
-if __name__ == "__main__":
-    main()
-
-
 def time_eager(fn, reps=3) -> float:
     """Milliseconds per call of ``fn`` after one warm-up call (no graph: the kernels are long)."""
     fn()
@@ -302,3 +298,7 @@ def tune_steps(dev, dt, results, gdn_layers=18, hk=16, hv=32, d=128, width=4):
         sweep(f"conv_steps_b{bs}_s{steps}", list(itertools.product((64, 128, 256, 512), (1, 2, 4))), cv,
               max(rows * conv_dim * 2 * 2 / COPY_TBPS / 1e6, 1e-3), results)
         LAYERS = saved
+
+
+if __name__ == "__main__":
+    main()

@@ -3,8 +3,11 @@ Hopper and later), which runs the expert matmuls at tile sizes our Triton groupe
 
 Pairs (token, expert) are sorted by expert on the device, their token rows gathered, and each expert's rows
 multiplied by its weights in one launch per projection; the group boundaries are a device tensor, so nothing here
-waits for the host. The routing weight scales the activation before the (linear) down projection, and the rows
-are put back in pair order, as the Triton paths return them: [T, k, H], for the residual add to sum.
+waits for the host. Around the two GEMMs only two Triton passes remain: ``silu(gate) * up`` of the sorted rows,
+and, at the end, each token's weighted sum of its k down-projected rows, gathered from the sorted order (the
+un-sort and the reduction in one read; an ``index_copy`` back to pair order alone took 0.55 ms per layer on the
+H200 at 8192 tokens, more than both GEMMs' share of the routing overhead). The result is one float32 row per token,
+[T, 1, H], which the residual add takes like any unreduced rows.
 """
 
 from __future__ import annotations
@@ -12,7 +15,8 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 # below this many pairs the Triton grouped kernel (tuned for decode batches, graph-captured) is used
 GROUPED_MM_MIN_PAIRS = 4096
@@ -34,21 +38,58 @@ def grouped_mm_usable(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, num_
     return hidden % 8 == 0 and inter % 8 == 0 and _device_supports(x.device.index or 0)
 
 
+@triton.jit
+def _silu_mul_kernel(h_ptr, act_ptr, P, I: tl.constexpr, BR: tl.constexpr, BI: tl.constexpr):
+    """Rows [BR] of h [P, 2I] (gate | up) -> silu(gate) * up [P, I], in float32, rounded once."""
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    cols = tl.arange(0, BI)
+    m = (rows < P)[:, None] & (cols < I)[None, :]
+    base = rows.to(tl.int64)[:, None] * (2 * I) + cols[None, :]
+    g = tl.load(h_ptr + base, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(h_ptr + base + I, mask=m, other=0.0).to(tl.float32)
+    act = g / (1.0 + tl.exp(-g)) * u
+    tl.store(act_ptr + rows.to(tl.int64)[:, None] * I + cols[None, :], act.to(act_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _gather_sum_kernel(ys_ptr, pos_ptr, wts_ptr, out_ptr, H: tl.constexpr, TOP_K: tl.constexpr, BH: tl.constexpr):
+    """Program (token, block of BH outputs): sum over the token's pairs j of weight_j * ys[pos_j] in float32, where
+    pos_j is pair j's row in the expert-sorted order."""
+    t = tl.program_id(0)
+    offs = tl.program_id(1) * BH + tl.arange(0, BH)
+    m = offs < H
+    acc = tl.zeros([BH], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        row = tl.load(pos_ptr + t * TOP_K + j).to(tl.int64)
+        w = tl.load(wts_ptr + t * TOP_K + j).to(tl.float32)
+        acc += w * tl.load(ys_ptr + row * H + offs, mask=m, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t.to(tl.int64) * H + offs, acc, mask=m)
+
+
 def fused_moe_grouped_mm(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                          topk_ids: torch.Tensor) -> torch.Tensor:
-    """x: [T, H]; w13: [E, 2I, H]; w2: [E, H, I]; topk_*: [T, k]. Returns the weighted rows of every pair,
-    [T, k, H], in x's dtype."""
+    """x: [T, H]; w13: [E, 2I, H]; w2: [E, H, I]; topk_*: [T, k]. Returns each token's weighted sum of its experts'
+    outputs as one float32 row, [T, 1, H]."""
     num_tokens, top_k = topk_ids.shape
     num_experts, inter = w13.shape[0], w2.shape[-1]
+    hidden = x.shape[1]
     flat = topk_ids.reshape(-1)
+    num_pairs = flat.numel()
     order = flat.argsort(stable=True)  # pairs grouped by expert
+    pos = torch.empty_like(order).scatter_(0, order, torch.arange(num_pairs, device=x.device))  # pair -> sorted row
     counts = torch.zeros(num_experts, dtype=torch.int32, device=x.device).scatter_add_(
         0, flat, torch.ones_like(flat, dtype=torch.int32))
     ends = counts.cumsum(0, dtype=torch.int32)  # group g holds sorted rows [ends[g-1], ends[g])
     xs = x.index_select(0, order // top_k)
     h = torch._grouped_mm(xs, w13.transpose(1, 2), offs=ends)  # [P, 2I]
-    wts = topk_weights.reshape(-1).index_select(0, order).to(h.dtype)
-    act = F.silu(h[:, :inter]) * h[:, inter:] * wts[:, None]
-    ys = torch._grouped_mm(act, w2.transpose(1, 2), offs=ends)  # [P, H]
-    rows = torch.empty_like(ys).index_copy_(0, order, ys)
-    return rows.view(num_tokens, top_k, -1)
+    act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
+    br, bi = 16, triton.next_power_of_2(inter)
+    _silu_mul_kernel[(triton.cdiv(num_pairs, br),)](h, act, num_pairs, inter, BR=br, BI=bi,
+                                                     num_warps=4 if bi <= 512 else 8)
+    del h
+    ys = torch._grouped_mm(act, w2.transpose(1, 2), offs=ends)  # [P, H], sorted order, unweighted
+    out = torch.empty(num_tokens, 1, hidden, dtype=torch.float32, device=x.device)
+    bh = min(1024, triton.next_power_of_2(hidden))
+    _gather_sum_kernel[(num_tokens, triton.cdiv(hidden, bh))](ys, pos, topk_weights.reshape(-1).contiguous(), out,
+                                                              hidden, TOP_K=top_k, BH=bh, num_warps=4)
+    return out

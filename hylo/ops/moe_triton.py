@@ -1,15 +1,18 @@
 """Triton fused MoE: the routed experts' SwiGLU MLPs without a per-expert Python loop, reading only the chosen
 experts' weights.
 
-Two layouts of the (token, expert) pairs, picked by their number P = tokens * top_k:
+Three layouts of the (token, expert) pairs, picked by their number P = tokens * top_k:
 - few pairs (decode): one program row per pair, a GEMV over that pair's expert. No sorting at all, so the whole
   MoE is two launches; an expert chosen by several pairs is re-read from L2.
-- many pairs (large prefill chunks on Hopper and later): ``torch._grouped_mm`` (``moe_grouped_mm``).
-- many pairs elsewhere (decode batches beyond the pair kernels, older GPUs, float32): pairs sorted by expert into blocks of BM that each belong to one expert
-  (padding with a sentinel pair), then a grouped GEMM with tensor-core dots. The sort runs on the device with
-  fixed-size outputs, so it needs no host sync and can be captured in a CUDA graph.
-Both write one row per pair (weighted by its routing weight); the k rows of a token are summed at the end, or,
-in the model, by the residual add that follows (``norm_triton.add_rms_norm`` takes them unreduced).
+- many pairs (large prefill chunks on Hopper and later): ``torch._grouped_mm`` (``moe_grouped_mm``), which returns
+  each token's sum as one float32 row [T, 1, H].
+- many pairs elsewhere (decode batches beyond the pair kernels, older GPUs, float32): pairs sorted by expert into
+  blocks of BM that each belong to one expert (padding with a sentinel pair), then a grouped GEMM with
+  tensor-core dots. The sort runs on the device with fixed-size outputs, so it needs no host sync and can be
+  captured in a CUDA graph.
+The pair and grouped kernels write one row per pair (weighted by its routing weight); the k rows of a token are
+summed at the end, or, in the model, by the residual add that follows (``norm_triton.add_rms_norm`` takes them
+unreduced).
 """
 
 from __future__ import annotations
@@ -206,8 +209,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
             act, w2, ids, wts, out, hidden, inter, BN=bn, BK=min(bk, next_pow2(inter)),
             PF_LINES=next_pow2(triton.cdiv(inter, line)) if pdl_prefetch() else 0, PF_STRIDE=line, num_warps=warps,
             num_stages=stages, **pdl_launch(x))
-    elif grouped_mm_usable(x, w13, w2, num_pairs):
+    elif grouped_mm_usable(x, w13, w2, num_pairs):  # already summed per token: [T, 1, H] float32
         out = fused_moe_grouped_mm(x, w13, w2, wts.view(num_tokens, top_k), ids.view(num_tokens, top_k))
+        return out.view(num_tokens, hidden).to(x.dtype) if reduce else out
     else:
         # BM = 64 at every size: each block re-reads its expert's weights, so at decode batches (where the
         # shared expert and popular experts have tens of pairs) smaller blocks multiply the bytes read.

@@ -38,12 +38,14 @@ def _pdl_supported() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
 
 
-# programmatic dependent launch of the decode-path kernels: HYLO_PDL=1 at start-up (experimental until measured),
-# or set_pdl() (the benchmark's comparison). Read once, not per launch: launches are on the host's hot path.
-_PDL = os.environ.get("HYLO_PDL") == "1"
-# with PDL, the weight-streaming kernels prefetch their weights into L2 before waiting on the previous kernel
-# (``triton_pdl.l2_prefetch``); HYLO_PDL_PREFETCH=0 turns that off, to measure it
-_PREFETCH = os.environ.get("HYLO_PDL_PREFETCH", "1") == "1"
+# programmatic dependent launch of the decode-path kernels, on by default on Hopper and later (bench-6b batch 1:
+# 1.73 against 1.86 ms per step, run -060034); HYLO_PDL=0 at start-up turns it off, set_pdl() switches it (the
+# benchmark's comparison). Read once, not per launch: launches are on the host's hot path.
+_PDL = os.environ.get("HYLO_PDL", "1") == "1"
+# with PDL, the weight-streaming kernels may prefetch their weights into L2 before waiting on the previous kernel
+# (``triton_pdl.l2_prefetch``). Off unless HYLO_PDL_PREFETCH=1: measured slower (batch 1 1.87 against 1.73 ms,
+# batch 8 3.98 against 3.74): the prefetches compete with the running kernel's own loads.
+_PREFETCH = os.environ.get("HYLO_PDL_PREFETCH", "0") == "1"
 
 
 def set_pdl(enabled: bool, prefetch: bool | None = None) -> tuple[bool, bool]:
@@ -56,6 +58,11 @@ def set_pdl(enabled: bool, prefetch: bool | None = None) -> tuple[bool, bool]:
     if prefetch is not None:
         _PREFETCH = prefetch
     return previous
+
+
+def pdl_settings() -> tuple[bool, bool]:
+    """(PDL on, weight prefetch on), as ``set_pdl`` takes them."""
+    return _PDL, _PREFETCH
 
 
 def pdl_prefetch() -> bool:
