@@ -3,8 +3,12 @@ summed by kernel name. With --prefill N, the same for one N-token prefill step i
 Usage: python tools/profile_step.py [--bs 1 64] [--prefill 8192] [--out DIR]"""
 
 import argparse
+import collections
 import json
 import os
+import time
+import traceback
+import warnings
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -82,6 +86,36 @@ def profile_prefill(lm, tokens: int, report: dict) -> None:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         one_prefill()
     summarize(prof, 1, f"prefill_{tokens}", report)
+    # where the host waits: the wall time of step() against the time the GPU is done, and every synchronising
+    # CUDA call inside the step, counted by the innermost hylo / fla frame that made it
+    rid = eng.add_request(prompt, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+    torch.cuda.synchronize()
+    sites = collections.Counter()
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        frames = [f for f in traceback.extract_stack()[:-1] if "/hylo/" in f.filename or "/fla/" in f.filename]
+        site = (f"{'/'.join(frames[-1].filename.split('/')[-2:])}:{frames[-1].lineno} {frames[-1].name}" if frames
+                else f"{filename}:{lineno}")
+        sites[site] += 1
+
+    t0 = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            eng.step()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    host_ms = (time.perf_counter() - t0) * 1e3
+    torch.cuda.synchronize()
+    done_ms = (time.perf_counter() - t0) * 1e3
+    clear(eng, [rid])
+    report[f"prefill_{tokens}"].update(step_host_ms=host_ms, step_done_ms=done_ms, sync_sites=dict(sites))
+    print(f"prefill {tokens}: step() returned after {host_ms:.1f} ms, GPU done at {done_ms:.1f} ms; "
+          f"{sum(sites.values())} synchronising calls:", flush=True)
+    for site, n in sites.most_common():
+        print(f"  {n:4d}  {site}", flush=True)
 
 
 if __name__ == "__main__":
