@@ -13,13 +13,15 @@ H200 at 8192 tokens, more than both GEMMs' share of the routing overhead). The r
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
 import triton.language as tl
 
-# below this many pairs the Triton grouped kernel (tuned for decode batches, graph-captured) is used
-GROUPED_MM_MIN_PAIRS = 4096
+# below this many pairs the Triton grouped kernel (tuned for decode batches, graph-captured) is used;
+# HYLO_GROUPED_MM_MIN_PAIRS moves the threshold (a huge value keeps every chunk on the Triton kernel)
+GROUPED_MM_MIN_PAIRS = int(os.environ.get("HYLO_GROUPED_MM_MIN_PAIRS", "4096"))
 
 
 @functools.lru_cache(maxsize=None)
