@@ -235,3 +235,15 @@ def test_output_projections_on_the_cpu_are_the_unfused_ops():
                           F.linear(flat * torch.sigmoid(gflat), w, b))
     assert torch.allclose(linear.norm_out_proj(x, gate, nw, 1e-6, w, reduce=False),
                           F.linear(norm.gated_rms_norm(x, gate, nw, 1e-6).reshape(4, 16), w))
+
+
+def test_prefill_index_of_the_gdn_backend():
+    """The per-forward index tensors of a prefill: token rows, slot gathers with -1 rows masked, and the rows
+    whose final states are written back; host offsets equal to the device ones."""
+    from hylo.backends.gdn import PrefillIndex
+
+    ix = PrefillIndex.build([3, -1, 0], [2, 1, 3], torch.device("cpu"))
+    assert ix.token_row.tolist() == [0, 0, 1, 2, 2, 2]
+    assert ix.slot_or_zero.tolist() == [3, 0, 0] and ix.has_slot.tolist() == [True, False, True]
+    assert ix.kept_rows.tolist() == [0, 2] and ix.kept_slots.tolist() == [3, 0]
+    assert ix.cu_seqlens.tolist() == ix.cu_seqlens_cpu.tolist() == [0, 2, 3, 6]

@@ -135,17 +135,19 @@ def _conv_prefill_state_kernel(x_ptr, pool_ptr, slots_ptr, qsl_ptr, stride_x, st
 
 
 def conv_prefill(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor,
-                 query_start_loc: torch.Tensor, extend_lens: list[int]) -> torch.Tensor:
+                 query_start_loc: torch.Tensor, extend_lens: list[int],
+                 token_row: torch.Tensor | None = None) -> torch.Tensor:
     """Varlen prefill: x [T, C] packed by row; each row continues from its slot's conv state (-1: zeros, nothing
-    written) and leaves its last K-1 inputs there. Returns silu(conv) [T, C] in x's dtype."""
+    written) and leaves its last K-1 inputs there. ``token_row`` [T] (each token's row, on the device) is derived
+    from ``extend_lens`` when not given. Returns silu(conv) [T, C] in x's dtype."""
     num_tokens, channels = x.shape
     k = weight.shape[-1]
     out = torch.empty(num_tokens, channels, dtype=x.dtype, device=x.device)
     if num_tokens == 0:
         return out
     batch = len(extend_lens)
-    tok_row = torch.repeat_interleave(torch.arange(batch, device=x.device),
-                                      torch.tensor(extend_lens, device=x.device), output_size=num_tokens)
+    tok_row = token_row if token_row is not None else torch.repeat_interleave(
+        torch.arange(batch), torch.tensor(extend_lens, dtype=torch.long)).to(x.device)
     bc = 256
     grid_c = triton.cdiv(channels, bc)
     _conv_prefill_kernel[(num_tokens, grid_c)](x, weight, pool, slots, query_start_loc, tok_row, out, x.stride(0),
