@@ -183,10 +183,8 @@ class GDNBackend(Backend):
     def _chunk_fla(self, rec_pool, x, g, beta, shape, batch):
         """One varlen chunked delta rule (fla) for all rows, starting from and ending in their slots."""
         ix = self._prefill_index(batch)
+        # more value than key heads go in as they are: fla maps value head h to key head h // (Hv / Hk) itself
         q, k, v = shape.split(x)
-        rep = shape.num_v_heads // shape.num_k_heads
-        if rep > 1:
-            q, k = q.repeat_interleave(rep, dim=1), k.repeat_interleave(rep, dim=1)
         init = rec_pool[ix.slot_or_zero].float() * ix.has_slot[:, None, None, None]
         o, final = self.fla_chunk(q[None], k[None], v[None], g=g[None], beta=beta[None], initial_state=init,
                                   output_final_state=True, cu_seqlens=ix.cu_seqlens,
