@@ -247,3 +247,13 @@ def test_prefill_index_of_the_gdn_backend():
     assert ix.slot_or_zero.tolist() == [3, 0, 0] and ix.has_slot.tolist() == [True, False, True]
     assert ix.kept_rows.tolist() == [0, 2] and ix.kept_slots.tolist() == [3, 0]
     assert ix.cu_seqlens.tolist() == ix.cu_seqlens_cpu.tolist() == [0, 2, 3, 6]
+
+
+def test_route_takes_split_partials_of_the_logits():
+    """The router GEMV's split-K partials [T, S, E + 1] route as their sum rounded to the model's dtype."""
+    g = torch.Generator().manual_seed(8)
+    partials = torch.randn(5, 4, 9, generator=g)
+    w, ids = moe.route(partials, 8, 3, True, True, torch.bfloat16)
+    rw, rids = moe.route(partials.sum(1).to(torch.bfloat16), 8, 3, True, True)
+    assert w.dtype == torch.bfloat16 and torch.equal(ids, rids) and torch.equal(w, rw)
+    assert (ids[:, 3] == 8).all()
