@@ -65,9 +65,9 @@ class GDNParams:
 @dataclass
 class PrefillIndex:
     """The index tensors of one prefill forward on the fast path, built once from the host-side lists and shared by
-    every GDN layer. Built per layer they cost five host-device synchronisations per layer (pageable copies,
-    list-indexed tensors, fla reading its sequence offsets back): an 8192-token prefill of bench-6b spent 147 ms on
-    the wall for 90 ms of GPU time."""
+    every GDN layer. Built per layer they cost eight host-device synchronisations per layer (blocking copies of
+    Python lists, list-indexed writes, fla reading its sequence offsets back): an 8192-token prefill of bench-6b
+    spent 147 ms on the wall for 90 ms of GPU time."""
 
     token_row: torch.Tensor  # [T] row of every token (the conv kernel's)
     slot_or_zero: torch.Tensor  # [B] state slot, -1 replaced by 0 (a valid address to gather from)
@@ -96,14 +96,13 @@ class GDNBackend(Backend):
         self.state_pool = state_pool
         self.fast = use_triton(state_pool.recurrent)
         self.fla_chunk = _load_fla_chunk() if self.fast else None
-        self.prefill_index: PrefillIndex | None = None
+        self._prefill: tuple[ForwardBatch, PrefillIndex] | None = None  # the batch it was built for, and it
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         """An eager forward: a prefill on the fast path gets its index tensors once, for every layer."""
-        self.prefill_index = None
+        self._prefill = None
         if self.fast and batch.mode.is_extend:
-            self.prefill_index = PrefillIndex.build(batch.state_slots_cpu, batch.extend_lens_cpu,
-                                                    self.state_pool.recurrent.device)
+            self._prefill_index(batch)
 
     def init_forward_metadata_replay(self, batch: ForwardBatch) -> None:
         """Padded rows get state slot -1: every GDN kernel skips them (they write only their own verify rows)."""
@@ -175,10 +174,12 @@ class GDNBackend(Backend):
                          shape.head_k_dim, shape.head_v_dim, steps, pool.verify_recurrent[layer] if verify else None)
 
     def _prefill_index(self, batch: ForwardBatch) -> PrefillIndex:
-        if self.prefill_index is None:  # a forward that skipped init_forward_metadata (a direct call)
-            self.prefill_index = PrefillIndex.build(batch.state_slots_cpu, batch.extend_lens_cpu,
-                                                    self.state_pool.recurrent.device)
-        return self.prefill_index
+        """This batch's index tensors, built on first use (by ``init_forward_metadata``, or by the first layer of
+        a forward that was called directly)."""
+        if self._prefill is None or self._prefill[0] is not batch:
+            self._prefill = (batch, PrefillIndex.build(batch.state_slots_cpu, batch.extend_lens_cpu,
+                                                       self.state_pool.recurrent.device))
+        return self._prefill[1]
 
     def _chunk_fla(self, rec_pool, x, g, beta, shape, batch):
         """One varlen chunked delta rule (fla) for all rows, starting from and ending in their slots."""
