@@ -46,28 +46,36 @@ class MTPDrafter:
             return {"hidden": m, "logits": self.mtp.compute_logits(m)}
         return fn
 
-    def _pick(self, logits: torch.Tensor, req_slots: torch.Tensor, sb: SamplingBatch, base_steps: torch.Tensor,
-              i: int) -> torch.Tensor:
-        """Draft i from MTP logits: argmax for greedy rows, a draw from q for the others."""
+    def _pick(self, logits: torch.Tensor, req_slots: torch.Tensor, sb: SamplingBatch | None,
+              base_steps: torch.Tensor | None, i: int) -> torch.Tensor:
+        """Draft i from MTP logits: argmax for greedy rows (every row when ``sb`` is None), a draw from q for the
+        others."""
         token = logits.argmax(-1)
-        if not sb.all_greedy:
+        if sb is not None and not sb.all_greedy:
             q = sampling_probs(logits, sb)
             token = torch.where(sb.temperatures > 0, draw(q, sb.seeds, base_steps + i, STREAM_DRAFT), token)
             self.draft_probs[req_slots, i] = q
         self.drafts[req_slots, i] = token
         return token
 
-    def _chain(self, worker, hidden, token, positions0, req_slots, state_slots, max_seq_len, sb, base_steps):
-        """Drafts 2..k: each step feeds (previous MTP output, previous draft) at the next position."""
-        rows = torch.arange(req_slots.shape[0], device=req_slots.device)
-        req_to_token = worker.caches.req_slots.req_to_token
+    def _chain(self, run_head, worker, hidden, token, positions0, req_slots, state_slots, max_seq_len, sb,
+               base_steps):
+        """Drafts 2..k: each step feeds (previous MTP output, previous draft) at the next position. ``run_head``:
+        ``forward``, or inside a captured graph the head itself."""
+        bs = req_slots.shape[0]
+        if self.k < 2:
+            return
+        # every step's positions, lengths and KV locations at once: no launches between the steps
+        pos = positions0[:, None] + torch.arange(self.k - 1, device=req_slots.device)[None, :]  # [B, k-1]
+        locs = worker.caches.req_slots.req_to_token[req_slots[:, None], pos]
+        qsl = torch.arange(bs + 1, device=req_slots.device)
         for i in range(1, self.k):
-            pos = positions0 + (i - 1)
+            p = pos[:, i - 1]
             batch = ForwardBatch(
-                mode=ForwardMode.DRAFT_DECODE, input_ids=token, positions=pos, req_slots=req_slots,
-                state_slots=state_slots, seq_lens=pos + 1, query_start_loc=torch.cat([rows, rows[-1:] + 1]),
-                out_cache_loc=req_to_token[req_slots, pos], max_seq_len=max_seq_len + i)
-            hidden, logits = self.forward(worker, batch, hidden, "draft_decode")
+                mode=ForwardMode.DRAFT_DECODE, input_ids=token, positions=p, req_slots=req_slots,
+                state_slots=state_slots, seq_lens=p + 1, query_start_loc=qsl, out_cache_loc=locs[:, i - 1],
+                max_seq_len=max_seq_len + i)
+            hidden, logits = run_head(worker, batch, hidden, "draft_decode")
             token = self._pick(logits, req_slots, sb, base_steps, i)
 
     def after_prefill(self, worker, batch: ForwardBatch, hidden: torch.Tensor, next_ids: torch.Tensor,
@@ -83,19 +91,48 @@ class MTPDrafter:
         last = out[tok_idx]
         base = sb.steps + 1
         first = self._pick(self.mtp.compute_logits(last), req_slots, sb, base, 0)
-        self._chain(worker, last, first, batch.positions[tok_idx] + 1, req_slots, state_slots, max_seq_len, sb, base)
+        self._chain(self.forward, worker, last, first, batch.positions[tok_idx] + 1, req_slots, state_slots,
+                    max_seq_len, sb, base)
 
     def after_verify(self, worker, batch: ForwardBatch, hidden: torch.Tensor, emitted: torch.Tensor,
                      accepted: torch.Tensor, sb: SamplingBatch) -> None:
-        """batch: the TARGET_VERIFY batch ([B * (k+1)] tokens); emitted/accepted: the acceptance result."""
-        k1 = self.k + 1
+        """batch: the TARGET_VERIFY batch ([B * (k+1)] tokens); emitted/accepted: the acceptance result.
+
+        When every row is greedy and the DRAFT graph is captured, the whole draft phase (the extend pass, the k
+        picks, the k - 1 chained steps) is one replay; otherwise each pass replays its own graph, with the picks
+        and the next step's inputs launched in between."""
         mtp_batch = replace(batch, mode=ForwardMode.DRAFT_EXTEND, input_ids=emitted.reshape(-1))
-        out, logits = self.forward(worker, mtp_batch, hidden, "draft_extend")
-        bs = emitted.shape[0]
+        graphs = worker.graphs
+        if sb.all_greedy and graphs is not None and "draft" in graphs.passes and graphs.can_run(
+                "draft", batch.batch_size):
+            graphs.run("draft", mtp_batch, {"hidden": hidden, "accepted": accepted})
+            return
+        self._draft_phase(self.forward, worker, mtp_batch, hidden, accepted, sb)
+
+    def draft_phase_fn(self, worker):
+        """What the captured DRAFT graph runs: the draft phase after a verify, for greedy rows. Its static batch is
+        the DRAFT_EXTEND one (k + 1 tokens per row: the emitted tokens at the verified positions); inputs
+        ``hidden`` (per token) and ``accepted`` (per row)."""
+        def eager_head(w, b, h, graph):  # inside the capture: the head itself, not its own graphs
+            return self.forward(w, b, h)
+
+        def fn(batch, extras):
+            self._draft_phase(eager_head, worker, batch, extras["hidden"], extras["accepted"], None)
+            return {}
+        return fn
+
+    def _draft_phase(self, run_head, worker, mtp_batch: ForwardBatch, hidden: torch.Tensor, accepted: torch.Tensor,
+                     sb: SamplingBatch | None) -> None:
+        """The extend pass over the verified positions, then drafts 1..k from the newest accepted one. ``sb`` None:
+        every row greedy."""
+        k1 = self.k + 1
+        out, logits = run_head(worker, mtp_batch, hidden, "draft_extend")
+        bs = accepted.shape[0]
         rows = torch.arange(bs, device=out.device)
         # the pair (target hidden, token) at the newest committed position gives draft 1
         last = out.view(bs, k1, -1)[rows, accepted]
-        base = sb.steps + accepted + 1
-        first = self._pick(logits.view(bs, k1, -1)[rows, accepted], batch.req_slots, sb, base, 0)
-        positions0 = batch.seq_lens - k1 + accepted + 1
-        self._chain(worker, last, first, positions0, batch.req_slots, batch.state_slots, batch.max_seq_len, sb, base)
+        base = None if sb is None else sb.steps + accepted + 1
+        first = self._pick(logits.view(bs, k1, -1)[rows, accepted], mtp_batch.req_slots, sb, base, 0)
+        positions0 = mtp_batch.seq_lens - k1 + accepted + 1
+        self._chain(run_head, worker, last, first, positions0, mtp_batch.req_slots, mtp_batch.state_slots,
+                    mtp_batch.max_seq_len, sb, base)

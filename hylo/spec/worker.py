@@ -30,7 +30,8 @@ class SpecWorker:
 
     def capture_graphs(self, capture_sizes: list[int], verbose: bool = True) -> None:
         """Capture TARGET_VERIFY (k + 1 tokens per row) and, for the MTP drafter, its DRAFT_EXTEND (k + 1 per row)
-        and DRAFT_DECODE (1 per row) passes, at these batch sizes."""
+        and DRAFT_DECODE (1 per row) passes and the whole greedy draft phase after a verify (DRAFT: the extend pass,
+        the picks and the chained steps), at these batch sizes."""
         tw = self.target
         graphs = GraphRunner(tw.backend, tw.device, capture_sizes, tw.caches.req_slots.max_context, verbose)
         tw.graphs = graphs
@@ -47,6 +48,9 @@ class SpecWorker:
             graphs.capture("draft_extend", ForwardMode.DRAFT_EXTEND, self.k + 1, fn, {"hidden": hidden})
             if self.k > 1:
                 graphs.capture("draft_decode", ForwardMode.DRAFT_DECODE, 1, fn, {"hidden": hidden})
+            # the whole draft phase after a verify of greedy rows in one graph (fewer host launches per step)
+            graphs.capture("draft", ForwardMode.DRAFT_EXTEND, self.k + 1, self.drafter.draft_phase_fn(tw),
+                           {"hidden": hidden}, {"accepted": ((), torch.int64)})
 
     @property
     def backend(self):

@@ -136,6 +136,37 @@ def test_verify_graph_equals_eager(gpu_ckpt, n):
         eng.abort(rid)
 
 
+@pytest.mark.parametrize("n", [3, 8])
+def test_draft_phase_graph_equals_eager(gpu_ckpt, n):
+    """The one-replay MTP draft phase after a verify (extend pass, picks, chained steps) writes the drafts and the
+    head's KV that the same phase run eagerly writes; padded rows (3 -> 4) change no real row."""
+    from dataclasses import replace
+
+    eng = _engine(gpu_ckpt, spec="mtp", overlap=False)
+    rids = _to_decoding(eng, n)
+    sched = eng.scheduler.schedule()
+    assert sched.mode is ForwardMode.TARGET_VERIFY
+    w, drafter, k = eng.model_worker, eng.worker.drafter, 3
+    g = torch.Generator(device="cuda").manual_seed(3)
+    emitted = torch.randint(0, 1000, (n, k + 1), device="cuda", generator=g)
+    accepted = torch.randint(0, k + 1, (n,), device="cuda", generator=g)
+    batch = w.build_batch(sched, input_ids=emitted.reshape(-1))
+    hidden = w.graphs.run("verify", batch)["hidden"].clone()
+    mtp_batch = replace(batch, mode=ForwardMode.DRAFT_EXTEND)
+    snap = _snapshot(eng)
+    with torch.inference_mode():
+        drafter._draft_phase(lambda wk, b, h, graph: drafter.forward(wk, b, h), w, mtp_batch, hidden, accepted, None)
+    eager_drafts = drafter.drafts[batch.req_slots].clone()
+    eager_kv = eng.caches.kv_pool.k.clone()
+    _restore(eng, snap)
+    drafter.drafts.zero_()
+    w.graphs.run("draft", mtp_batch, {"hidden": hidden, "accepted": accepted})
+    assert torch.equal(drafter.drafts[batch.req_slots], eager_drafts)
+    assert torch.allclose(eng.caches.kv_pool.k, eager_kv, atol=1e-4, rtol=1e-4)
+    for rid in rids:
+        eng.abort(rid)
+
+
 def test_gpu_engine_matches_cpu_reference(gpu_ckpt):
     from hylo import LLM, SamplingParams
 
