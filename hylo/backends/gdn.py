@@ -112,7 +112,7 @@ class GDNBackend(Backend):
     def forward(self, layer: int, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, params: GDNParams,
                 shape: GDNShape, batch: ForwardBatch) -> torch.Tensor:
         """mixed_qkv: [T, conv_dim]; a, b: [T, Hv]. ``layer`` indexes the linear layers only.
-        Returns the core output [T, Hv, Dv] in float32."""
+        Returns the core output [T, Hv, Dv] in float32 (from fla's prefill kernel: in the activations' dtype)."""
         conv_pool = self.state_pool.conv[layer]
         rec_pool = self.state_pool.recurrent[layer]
         if self.fast and not batch.mode.is_extend:
@@ -133,8 +133,10 @@ class GDNBackend(Backend):
         if self.fast:
             from ..ops.conv1d_triton import conv_prefill
 
+            # for fla: q, k and v as three contiguous planes, so that its kernels need no copies of them
+            planes = (shape.key_dim, shape.key_dim) if self.fla_chunk is not None else None
             x = conv_prefill(mixed_qkv, params.conv_weight, conv_pool, batch.state_slots, batch.query_start_loc,
-                             batch.extend_lens_cpu, self._prefill_index(batch).token_row)
+                             batch.extend_lens_cpu, self._prefill_index(batch).token_row, planes)
         else:
             xs, start = [], 0
             for slot, length in zip(batch.state_slots_cpu, batch.extend_lens_cpu):
@@ -181,17 +183,21 @@ class GDNBackend(Backend):
                                                        self.state_pool.recurrent.device))
         return self._prefill[1]
 
-    def _chunk_fla(self, rec_pool, x, g, beta, shape, batch):
-        """One varlen chunked delta rule (fla) for all rows, starting from and ending in their slots."""
+    def _chunk_fla(self, rec_pool, planes, g, beta, shape, batch):
+        """One varlen chunked delta rule (fla) for all rows, starting from and ending in their slots. ``planes``:
+        the conv output's q, k, v, each contiguous."""
         ix = self._prefill_index(batch)
         # more value than key heads go in as they are: fla maps value head h to key head h // (Hv / Hk) itself
-        q, k, v = shape.split(x)
+        tokens = planes[0].shape[0]
+        q = planes[0].view(tokens, shape.num_k_heads, shape.head_k_dim)
+        k = planes[1].view(tokens, shape.num_k_heads, shape.head_k_dim)
+        v = planes[2].view(tokens, shape.num_v_heads, shape.head_v_dim)
         init = rec_pool[ix.slot_or_zero].float() * ix.has_slot[:, None, None, None]
         o, final = self.fla_chunk(q[None], k[None], v[None], g=g[None], beta=beta[None], initial_state=init,
                                   output_final_state=True, cu_seqlens=ix.cu_seqlens,
                                   cu_seqlens_cpu=ix.cu_seqlens_cpu, use_qk_l2norm_in_kernel=True)
         rec_pool[ix.kept_slots] = final[ix.kept_rows].to(rec_pool.dtype)
-        return o[0].float()
+        return o[0]  # in the inputs' dtype: the layer casts the core output to it anyway (no float32 round trip)
 
     def _verify(self, layer, conv_pool, rec_pool, mixed_qkv, g, beta, params, shape, batch):
         """k + 1 steps per row from the slot's state; every step's state goes to the verify buffers."""

@@ -90,10 +90,13 @@ def conv_steps(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor, slots:
 
 
 @triton.jit
-def _conv_prefill_kernel(x_ptr, w_ptr, pool_ptr, slots_ptr, qsl_ptr, tok_row_ptr, out_ptr, stride_x, stride_out,
+def _conv_prefill_kernel(x_ptr, w_ptr, pool_ptr, slots_ptr, qsl_ptr, tok_row_ptr, out_ptr, stride_x, T, P0, P1,
                          stride_pool, C, K: tl.constexpr, BC: tl.constexpr):
     """One program per (token, block of channels) of a varlen batch: the window of token i of its row is
-    [state[i:], x[row start .. i]] (positions before the row come from the row's conv state)."""
+    [state[i:], x[row start .. i]] (positions before the row come from the row's conv state).
+
+    The output is three contiguous planes of T rows each, of channels [0, P0), [P0, P0 + P1) and [P0 + P1, C)
+    (P0 = C, P1 = 0: one plain [T, C] matrix)."""
     t = tl.program_id(0)
     offs = tl.program_id(1) * BC + tl.arange(0, BC)
     mc = offs < C
@@ -111,7 +114,10 @@ def _conv_prefill_kernel(x_ptr, w_ptr, pool_ptr, slots_ptr, qsl_ptr, tok_row_ptr
         sv = tl.load(state_base + (K - 1) + p, mask=mc & valid & (p < 0), other=0.0).to(tl.float32)
         acc += tl.where(from_x, xv, sv) * tl.load(w_ptr + offs * K + j, mask=mc, other=0.0).to(tl.float32)
     out = acc / (1.0 + tl.exp(-acc))
-    tl.store(out_ptr + t * stride_out + offs, out.to(out_ptr.dtype.element_ty), mask=mc)
+    plane_start = tl.where(offs >= P0 + P1, P0 + P1, tl.where(offs >= P0, P0, 0)).to(tl.int64)
+    width = tl.where(offs >= P0 + P1, C - P0 - P1, tl.where(offs >= P0, P1, P0)).to(tl.int64)
+    dst = plane_start * T + t.to(tl.int64) * width + (offs - plane_start)
+    tl.store(out_ptr + dst, out.to(out_ptr.dtype.element_ty), mask=mc)
 
 
 @triton.jit
@@ -135,23 +141,30 @@ def _conv_prefill_state_kernel(x_ptr, pool_ptr, slots_ptr, qsl_ptr, stride_x, st
 
 
 def conv_prefill(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor,
-                 query_start_loc: torch.Tensor, extend_lens: list[int],
-                 token_row: torch.Tensor | None = None) -> torch.Tensor:
+                 query_start_loc: torch.Tensor, extend_lens: list[int], token_row: torch.Tensor | None = None,
+                 planes: tuple[int, int] | None = None):
     """Varlen prefill: x [T, C] packed by row; each row continues from its slot's conv state (-1: zeros, nothing
     written) and leaves its last K-1 inputs there. ``token_row`` [T] (each token's row, on the device) is derived
-    from ``extend_lens`` when not given. Returns silu(conv) [T, C] in x's dtype."""
+    from ``extend_lens`` when not given. Returns silu(conv) [T, C] in x's dtype; with ``planes`` (P0, P1), the
+    same as three contiguous tensors [T, P0], [T, P1], [T, C - P0 - P1] (the GDN q, k, v: fla's kernels take them
+    contiguous, and would otherwise copy each)."""
     num_tokens, channels = x.shape
     k = weight.shape[-1]
-    out = torch.empty(num_tokens, channels, dtype=x.dtype, device=x.device)
-    if num_tokens == 0:
-        return out
-    batch = len(extend_lens)
-    tok_row = token_row if token_row is not None else torch.repeat_interleave(
-        torch.arange(batch), torch.tensor(extend_lens, dtype=torch.long)).to(x.device)
-    bc = 256
-    grid_c = triton.cdiv(channels, bc)
-    _conv_prefill_kernel[(num_tokens, grid_c)](x, weight, pool, slots, query_start_loc, tok_row, out, x.stride(0),
-                                               out.stride(0), pool.stride(0), channels, K=k, BC=bc, num_warps=4)
-    _conv_prefill_state_kernel[(batch, grid_c)](x, pool, slots, query_start_loc, x.stride(0), pool.stride(0),
-                                                channels, K=k, BC=bc, num_warps=4)
-    return out
+    p0, p1 = planes if planes is not None else (channels, 0)
+    flat = torch.empty(num_tokens * channels, dtype=x.dtype, device=x.device)
+    if num_tokens:
+        batch = len(extend_lens)
+        tok_row = token_row if token_row is not None else torch.repeat_interleave(
+            torch.arange(batch), torch.tensor(extend_lens, dtype=torch.long)).to(x.device)
+        bc = 256
+        grid_c = triton.cdiv(channels, bc)
+        _conv_prefill_kernel[(num_tokens, grid_c)](x, weight, pool, slots, query_start_loc, tok_row, flat,
+                                                   x.stride(0), num_tokens, p0, p1, pool.stride(0), channels, K=k,
+                                                   BC=bc, num_warps=4)
+        _conv_prefill_state_kernel[(batch, grid_c)](x, pool, slots, query_start_loc, x.stride(0), pool.stride(0),
+                                                    channels, K=k, BC=bc, num_warps=4)
+    if planes is None:
+        return flat.view(num_tokens, channels)
+    a, b = num_tokens * p0, num_tokens * (p0 + p1)
+    return (flat[:a].view(num_tokens, p0), flat[a:b].view(num_tokens, p1),
+            flat[b:].view(num_tokens, channels - p0 - p1))

@@ -126,3 +126,8 @@ def test_conv_prefill_matches_reference(dev, lens, kernel, dtype):
             assert torch.allclose(dpool[s].cpu().float(), rs, atol=tol)
     untouched = [j for j in range(len(lens) + 2) if j not in slots.tolist()]
     assert torch.equal(dpool[untouched].cpu(), pool[untouched])
+    # the same output as three contiguous planes (GDN q | k | v for fla), split at channels that cut blocks
+    planes = conv_prefill(x.to(dev), w.to(dev), pool.clone().to(dev), slots.to(dev), qsl.to(dev), lens,
+                          planes=(70, 110))
+    assert all(p.is_contiguous() for p in planes) and [p.shape[1] for p in planes] == [70, 110, 120]
+    assert torch.equal(torch.cat(planes, dim=1), out)
