@@ -2,7 +2,8 @@
 graphs on the GPU): a CPU-only measure of the host work that the overlap loop must hide behind the GPU step.
 
 Runs the ``tiny`` bench model on the CPU with MTP (k = 3, simulated accept length 3.0), counts every aten op under
-a dispatch mode, and pauses the count inside the target's and the MTP head's forward and logits. On the GPU each
+a dispatch mode, and pauses the count inside what runs as a captured graph on the GPU: the target's and the MTP
+head's forward and logits, and the fused greedy speculative step (``SpecWorker._greedy_step``). On the GPU each
 counted op that is not a view is one eager kernel launch (10-20 us of host time on the device machine's host).
 Usage: python tools/count_host_ops.py [--bs 1 8] [--steps 10]
 """
@@ -20,6 +21,7 @@ from hylo.engine.engine import Engine
 from hylo.models.qwen3_next import Qwen3NextForCausalLM
 from hylo.models.qwen3_next_mtp import Qwen3NextMTP
 from hylo.spec.setup import SpecSetup
+from hylo.spec.worker import SpecWorker
 
 VIEWS = ("view", "unsqueeze", "select", "slice", "reshape", "detach", "unbind", "lift_fresh", "alias", "expand")
 
@@ -57,6 +59,7 @@ def main():
     for cls in (Qwen3NextForCausalLM, Qwen3NextMTP):
         pause_inside(counter, cls, "forward")
         pause_inside(counter, cls, "compute_logits")
+    pause_inside(counter, SpecWorker, "_greedy_step")
     lm = build_model(bench_config("tiny"), torch.device("cpu"))
     for bs in args.bs:
         ec = EngineConfig(max_num_seqs=bs, kv_cache_tokens=bs * 1400, chunk_size=8192, speculative="mtp",

@@ -39,14 +39,8 @@ class _Static:
     seq_lens: torch.Tensor
     query_start_loc: torch.Tensor
     extras: dict[str, torch.Tensor]  # per token
-    row_extras: dict[str, torch.Tensor]  # per row
     graphs: dict[int, torch.cuda.CUDAGraph] = field(default_factory=dict)
     outputs: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
-
-    def inputs(self, bs: int) -> dict[str, torch.Tensor]:
-        """The extra inputs of the first ``bs`` rows."""
-        return ({k: v[:bs * self.tokens_per_row] for k, v in self.extras.items()}
-                | {k: v[:bs] for k, v in self.row_extras.items()})
 
     def view(self, bs: int, num_padding: int, max_seq_len: int) -> ForwardBatch:
         n = bs * self.tokens_per_row
@@ -79,17 +73,15 @@ class GraphRunner:
         return None
 
     def capture(self, name: str, mode: ForwardMode, tokens_per_row: int, fn: Callable,
-                extras: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None,
-                row_extras: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None) -> None:
-        """Capture ``fn`` at every size. ``extras`` / ``row_extras``: more static inputs, as (shape per token /
-        per row, dtype); zeros in padded rows until a replay writes them."""
+                extras: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None) -> None:
+        """Capture ``fn`` at every size. ``extras``: more static inputs, as (shape per token, dtype). ``fn``
+        returns tensors per token ([bs * tokens_per_row, ...]) or, with several tokens per row, per row."""
         dev, n, mb = self.device, self.max_bs * tokens_per_row, self.max_bs
         z = lambda *shape: torch.zeros(*shape, dtype=torch.int64, device=dev)  # noqa: E731
-        zeros = lambda rows, spec: {k: torch.zeros(rows, *shape, dtype=dtype, device=dev)  # noqa: E731
-                                    for k, (shape, dtype) in (spec or {}).items()}
         st = _Static(tokens_per_row, mode, z(n), z(n), z(n), z(mb), torch.full((mb,), -1, dtype=torch.int64,
                      device=dev), torch.full((mb,), tokens_per_row, dtype=torch.int64, device=dev),
-                     torch.arange(mb + 1, device=dev) * tokens_per_row, zeros(n, extras), zeros(mb, row_extras))
+                     torch.arange(mb + 1, device=dev) * tokens_per_row,
+                     {k: torch.zeros(n, *shape, dtype=dtype, device=dev) for k, (shape, dtype) in (extras or {}).items()})
         self.passes[name] = st
         self.fns[name] = fn
         t0 = time.perf_counter()
@@ -97,7 +89,7 @@ class GraphRunner:
         sizes = list(reversed(self.sizes))
         for bs in tqdm(sizes, desc=f"capturing {name}", disable=not self.verbose, leave=False):
             batch = st.view(bs, 0, self.max_context)  # capture uses num_padding = 0
-            ex = st.inputs(bs)
+            ex = {k: v[:bs * tokens_per_row] for k, v in st.extras.items()}
             self.backend.init_forward_metadata_capture(bs, mode)
             fn(batch, ex)  # warm-up: compiles kernels, settles allocations
             torch.cuda.synchronize(dev)
@@ -132,11 +124,9 @@ class GraphRunner:
         st.state_slots[:raw_bs].copy_(batch.state_slots)
         st.seq_lens[:raw_bs].copy_(batch.seq_lens)
         for k, v in (extras or {}).items():
-            if k in st.row_extras:
-                st.row_extras[k][:raw_bs].copy_(v)
-            else:
-                st.extras[k][:n].copy_(v)
+            st.extras[k][:n].copy_(v)
         view = st.view(bs, bs - raw_bs, batch.max_seq_len)
         self.backend.init_forward_metadata_replay(view)
         st.graphs[bs].replay()
-        return {k: v[:n] for k, v in st.outputs[bs].items()}
+        # outputs are per token ([bs * tokens_per_row, ...]) or, when tokens_per_row > 1, may be per row ([bs, ...])
+        return {k: v[:raw_bs] if s > 1 and v.shape[0] == bs else v[:n] for k, v in st.outputs[bs].items()}

@@ -96,24 +96,18 @@ class MTPDrafter:
 
     def after_verify(self, worker, batch: ForwardBatch, hidden: torch.Tensor, emitted: torch.Tensor,
                      accepted: torch.Tensor, sb: SamplingBatch) -> None:
-        """batch: the TARGET_VERIFY batch ([B * (k+1)] tokens); emitted/accepted: the acceptance result.
-
-        When every row is greedy and the DRAFT graph is captured, the whole draft phase (the extend pass, the k
-        picks, the k - 1 chained steps) is one replay; otherwise each pass replays its own graph, with the picks
-        and the next step's inputs launched in between."""
+        """batch: the TARGET_VERIFY batch ([B * (k+1)] tokens); emitted/accepted: the acceptance result. Each pass
+        replays its own graph, with the picks and the next pass's inputs launched in between (a step whose rows
+        are all greedy runs ``draft_phase_fn`` inside the speculative worker's fused step instead)."""
         mtp_batch = replace(batch, mode=ForwardMode.DRAFT_EXTEND, input_ids=emitted.reshape(-1))
-        graphs = worker.graphs
-        if sb.all_greedy and graphs is not None and "draft" in graphs.passes and graphs.can_run(
-                "draft", batch.batch_size):
-            graphs.run("draft", mtp_batch, {"hidden": hidden, "accepted": accepted})
-            return
         self._draft_phase(self.forward, worker, mtp_batch, hidden, accepted, sb)
 
     def draft_phase_fn(self, worker):
-        """What the captured DRAFT graph runs: the draft phase after a verify, for greedy rows. Its static batch is
-        the DRAFT_EXTEND one (k + 1 tokens per row: the emitted tokens at the verified positions); inputs
-        ``hidden`` (per token) and ``accepted`` (per row)."""
-        def eager_head(w, b, h, graph):  # inside the capture: the head itself, not its own graphs
+        """The draft phase after a verify, for greedy rows, with the head run directly (no graph of its own): what
+        the fused speculative step runs, captured or not. ``fn(batch, extras)``: batch is the DRAFT_EXTEND one (k + 1
+        tokens per row: the emitted tokens at the verified positions); extras ``hidden`` (per token) and
+        ``accepted`` (per row)."""
+        def eager_head(w, b, h, graph):  # the head itself, not its own graphs
             return self.forward(w, b, h)
 
         def fn(batch, extras):

@@ -7,14 +7,19 @@ buffers, and only the checkpoint after the last accepted token is copied into th
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from ..core import ForwardMode, SamplingBatch
 from ..engine.scheduler import ScheduledBatch
 from ..engine.graphs import GraphRunner
 from ..engine.worker import ModelWorker, StepResult, _dev, sampling_rows
-from ..ops.sampling import sample, sampling_probs
+from ..ops.sampling import sample, sampling_probs, uniform_noise
 from .verify import commit_states, greedy_accept, rejection_accept
+
+
+STREAM_SIMULATE = 4  # noise stream of the benchmark's simulated acceptance (0-3: ops/sampling, verify, mtp)
 
 
 class SpecWorker:
@@ -24,14 +29,14 @@ class SpecWorker:
         self.drafter = drafter
         self.k = k
         self.simulate_accept_length = simulate_accept_length
-        self._sim_gen = torch.Generator(device=target.device).manual_seed(seed)
+        self._sim_seed = seed
         # test hook: fn(reqs, drafts [B, k], first output index [B]) -> drafts, to force acceptance or rejection
         self.draft_hook = None
 
     def capture_graphs(self, capture_sizes: list[int], verbose: bool = True) -> None:
         """Capture TARGET_VERIFY (k + 1 tokens per row) and, for the MTP drafter, its DRAFT_EXTEND (k + 1 per row)
-        and DRAFT_DECODE (1 per row) passes and the whole greedy draft phase after a verify (DRAFT: the extend pass,
-        the picks and the chained steps), at these batch sizes."""
+        and DRAFT_DECODE (1 per row) passes, and the whole greedy verify step (``spec_step``: verify, acceptance,
+        commit, table updates and the next drafts), at these batch sizes."""
         tw = self.target
         graphs = GraphRunner(tw.backend, tw.device, capture_sizes, tw.caches.req_slots.max_context, verbose)
         tw.graphs = graphs
@@ -48,9 +53,9 @@ class SpecWorker:
             graphs.capture("draft_extend", ForwardMode.DRAFT_EXTEND, self.k + 1, fn, {"hidden": hidden})
             if self.k > 1:
                 graphs.capture("draft_decode", ForwardMode.DRAFT_DECODE, 1, fn, {"hidden": hidden})
-            # the whole draft phase after a verify of greedy rows in one graph (fewer host launches per step)
-            graphs.capture("draft", ForwardMode.DRAFT_EXTEND, self.k + 1, self.drafter.draft_phase_fn(tw),
-                           {"hidden": hidden}, {"accepted": ((), torch.int64)})
+        if self._fused_drafter():
+            # a whole verify step of greedy rows, the next drafts included, in one replay
+            graphs.capture("spec_step", ForwardMode.TARGET_VERIFY, self.k + 1, self._greedy_step)
 
     @property
     def backend(self):
@@ -91,11 +96,44 @@ class SpecWorker:
         self.drafter.after_prefill(tw, batch, hidden, next_ids, tok_idx, row_idx, sb, max_len)
         return StepResult(tokens[:, None], None)
 
+    def _fused_drafter(self) -> bool:
+        """Whether the drafter can run inside the fused greedy step (the MTP head: all on the device)."""
+        return hasattr(self.drafter, "draft_phase_fn")
+
+    def _greedy_step(self, batch, extras=None) -> dict[str, torch.Tensor]:
+        """A verify step whose rows are all greedy, entirely on the device and fixed-shape, so that it can run as
+        one captured graph (``spec_step``) or eagerly: the verify pass, acceptance (simulated when asked), the
+        commit of the accepted states, the request tables, and the drafter's next drafts. Returns the emitted
+        tokens per token ([B * (k+1)]) and the accepted counts per row ([B])."""
+        tw, k = self.target, self.k
+        bs = batch.batch_size
+        hidden = tw.model(batch, tw.backend)
+        logits = tw.model.compute_logits(hidden).view(bs, k + 1, -1)
+        drafts = batch.input_ids.view(bs, k + 1)[:, 1:]
+        emitted, accepted = greedy_accept(drafts, logits)
+        if self.simulate_accept_length is not None:
+            emitted, accepted = self._simulate(drafts, emitted, accepted, batch)
+        commit_states(self.caches.state_pool, batch.state_slots, accepted)
+        rows = torch.arange(bs, device=accepted.device)
+        tw.caches.req_slots.record(batch.req_slots, batch.seq_lens - k + accepted, batch.req_slots,
+                                   emitted[rows, accepted])
+        mtp_batch = replace(batch, mode=ForwardMode.DRAFT_EXTEND, input_ids=emitted.reshape(-1))
+        self.drafter.draft_phase_fn(tw)(mtp_batch, {"hidden": hidden, "accepted": accepted})
+        return {"emitted": emitted.reshape(-1), "accepted": accepted}
+
     def _verify(self, sched: ScheduledBatch) -> StepResult:
         tw, k = self.target, self.k
         dev = tw.device
         batch = tw.build_batch(sched, drafts=self.drafter.drafts)  # rows feed [newest token, d1..dk]
         bs = len(sched.reqs)
+        if (self._fused_drafter() and self.draft_hook is None
+                and all(r.params.temperature == 0 for r in sched.reqs)):
+            if tw.graphs is not None and tw.graphs.can_run("spec_step", bs):
+                out = tw.graphs.run("spec_step", batch)
+            else:
+                tw.backend.init_forward_metadata(batch)
+                out = self._greedy_step(batch)
+            return StepResult(out["emitted"].view(bs, k + 1), out["accepted"] + 1)
         drafts = batch.input_ids.view(bs, k + 1)[:, 1:]
         if self.draft_hook is not None:  # it gets each row's output index from the device lengths
             first_out = batch.seq_lens - k - tw.caches.req_slots.sampling_i[batch.req_slots, 2]
@@ -117,7 +155,7 @@ class SpecWorker:
             emitted = torch.where(sampled[:, None], s_emitted, emitted)
             accepted = torch.where(sampled, s_accepted, accepted)
         if self.simulate_accept_length is not None:
-            emitted, accepted = self._simulate(drafts, emitted, accepted)
+            emitted, accepted = self._simulate(drafts, emitted, accepted, batch)
         commit_states(self.caches.state_pool, batch.state_slots, accepted)
         rows = torch.arange(bs, device=dev)
         tw.caches.req_slots.record(batch.req_slots, batch.seq_lens - k + accepted, batch.req_slots,
@@ -125,14 +163,14 @@ class SpecWorker:
         self.drafter.after_verify(tw, batch, hidden, emitted, accepted, sb)
         return StepResult(emitted, accepted + 1)
 
-    def _simulate(self, drafts, emitted, accepted):
+    def _simulate(self, drafts, emitted, accepted, batch):
         """Force a mean accept length (benchmarks on random weights): a drafts accepted, with a drawn so that
         E[a + 1] equals the target; the emitted tokens are the drafts plus the target's token after them.
-        Breaks losslessness on purpose."""
+        Breaks losslessness on purpose. The draw is keyed by (request slot, length), so it can run in a graph."""
         want = min(max(self.simulate_accept_length - 1.0, 0.0), float(self.k))
         lo = int(want)
         frac = want - lo
-        u = torch.rand(drafts.shape[0], generator=self._sim_gen, device=drafts.device)
+        u = uniform_noise(batch.req_slots + self._sim_seed, batch.seq_lens, 1, STREAM_SIMULATE)[:, 0]
         forced = torch.full_like(accepted, lo) + (u < frac).long()
         forced = forced.clamp(max=self.k)
         rows = torch.arange(drafts.shape[0], device=drafts.device)

@@ -137,32 +137,39 @@ def test_verify_graph_equals_eager(gpu_ckpt, n):
 
 
 @pytest.mark.parametrize("n", [3, 8])
-def test_draft_phase_graph_equals_eager(gpu_ckpt, n):
-    """The one-replay MTP draft phase after a verify (extend pass, picks, chained steps) writes the drafts and the
-    head's KV that the same phase run eagerly writes; padded rows (3 -> 4) change no real row."""
-    from dataclasses import replace
-
+def test_fused_spec_step_graph_equals_eager(gpu_ckpt, n):
+    """The greedy speculative step as one replay (verify, acceptance, commit, request tables, the next drafts)
+    does what the same step run eagerly does; padded rows (3 -> 4) change no real row."""
     eng = _engine(gpu_ckpt, spec="mtp", overlap=False)
     rids = _to_decoding(eng, n)
+    eng.step()  # one plain verify step first: real drafts, some accepted
     sched = eng.scheduler.schedule()
     assert sched.mode is ForwardMode.TARGET_VERIFY
-    w, drafter, k = eng.model_worker, eng.worker.drafter, 3
-    g = torch.Generator(device="cuda").manual_seed(3)
-    emitted = torch.randint(0, 1000, (n, k + 1), device="cuda", generator=g)
-    accepted = torch.randint(0, k + 1, (n,), device="cuda", generator=g)
-    batch = w.build_batch(sched, input_ids=emitted.reshape(-1))
-    hidden = w.graphs.run("verify", batch)["hidden"].clone()
-    mtp_batch = replace(batch, mode=ForwardMode.DRAFT_EXTEND)
-    snap = _snapshot(eng)
+    w, spec = eng.model_worker, eng.worker
+    batch = w.build_batch(sched, drafts=spec.drafter.drafts)
+    tables = eng.caches.req_slots
+    slots = batch.req_slots
+
+    def state():
+        return ([tables.seq_len[slots].clone(), tables.last_token[slots].clone(), spec.drafter.drafts[slots].clone()],
+                _snapshot(eng))
+
+    before_tables, snap = state()
     with torch.inference_mode():
-        drafter._draft_phase(lambda wk, b, h, graph: drafter.forward(wk, b, h), w, mtp_batch, hidden, accepted, None)
-    eager_drafts = drafter.drafts[batch.req_slots].clone()
-    eager_kv = eng.caches.kv_pool.k.clone()
+        w.backend.init_forward_metadata(batch)
+        eager = {k: v.clone() for k, v in spec._greedy_step(batch).items()}
+    eager_tables, eager_pools = state()
     _restore(eng, snap)
-    drafter.drafts.zero_()
-    w.graphs.run("draft", mtp_batch, {"hidden": hidden, "accepted": accepted})
-    assert torch.equal(drafter.drafts[batch.req_slots], eager_drafts)
-    assert torch.allclose(eng.caches.kv_pool.k, eager_kv, atol=1e-4, rtol=1e-4)
+    tables.seq_len[slots], tables.last_token[slots] = before_tables[0], before_tables[1]
+    spec.drafter.drafts[slots] = before_tables[2]
+    graph = w.graphs.run("spec_step", batch)
+    assert graph["accepted"].shape == (n,) and graph["emitted"].shape == (n * 4,)
+    assert torch.equal(graph["accepted"], eager["accepted"]) and torch.equal(graph["emitted"], eager["emitted"])
+    graph_tables, graph_pools = state()
+    for a, b in zip(graph_tables, eager_tables):
+        assert torch.equal(a, b)
+    for a, b in zip(graph_pools, eager_pools):  # KV (the head's included) and the committed GDN states
+        assert torch.allclose(a, b, atol=1e-4, rtol=1e-4, equal_nan=True)
     for rid in rids:
         eng.abort(rid)
 
