@@ -31,6 +31,19 @@ def test_fake_prefill_with_simulated_speculation():
     assert abs(sum(s.emitted_tokens for s in stats) / sum(s.verify_steps for s in stats) - 3.0) < 0.3
 
 
+def test_simulated_fractional_accept_length_through_the_fused_step():
+    """A fractional target (2.5 with k = 3: 1 or 2 drafts accepted, half each) through the fused greedy MTP step,
+    whose draw is keyed by (request slot, length) so that it can be captured: the mean lands on the target."""
+    ec = EngineConfig(verbose=False, max_num_seqs=4, speculative="mtp", num_speculative_tokens=3,
+                      simulate_accept_length=2.5)
+    eng = Engine(None, device="cpu", engine_config=ec, spec_setup=SpecSetup("mtp"))
+    rids = fake_prefill(eng, 4, 30)
+    time_steps(eng, 30, warmup=0)
+    stats = [eng._reqs[r].spec for r in rids]
+    mean = sum(s.emitted_tokens for s in stats) / sum(s.verify_steps for s in stats)
+    assert abs(mean - 2.5) < 0.15, mean  # 120 draws of one half: standard error 0.046
+
+
 def test_bench_6b_footprint_matches_the_issue():
     """bench-6b: 6.3 B parameters, about 3.8 GB read per token at batch 1 (the issue's figures)."""
     from hylo.models.qwen3_next import Qwen3NextForCausalLM
