@@ -161,12 +161,19 @@ class ModelWorker:
             need_top_p=any(r.params.top_p < 1.0 for r, g in zip(reqs, greedy) if not g))
 
     def capture_graphs(self, capture_sizes: list[int], verbose: bool = True) -> None:
-        """Capture the DECODE pass (model forward and LM head) at these batch sizes."""
+        """Capture the DECODE pass at these batch sizes: the model forward, the LM head, and the greedy token of
+        every row recorded in the request tables (a step whose rows are all greedy launches nothing else; one with
+        sampling rows records its drawn tokens over them)."""
         self.graphs = GraphRunner(self.backend, self.device, capture_sizes, self.caches.req_slots.max_context,
                                   verbose)
-        model, backend = self.model, self.backend
-        self.graphs.capture("decode", ForwardMode.DECODE, 1,
-                            lambda b, ex: {"logits": model.compute_logits(model(b, backend))})
+        model, backend, tables = self.model, self.backend, self.caches.req_slots
+
+        def decode(batch, extras):
+            logits = model.compute_logits(model(batch, backend))
+            greedy = logits.argmax(-1)
+            tables.record(batch.req_slots, batch.seq_lens, batch.req_slots, greedy)
+            return {"logits": logits, "greedy": greedy}
+        self.graphs.capture("decode", ForwardMode.DECODE, 1, decode)
 
     def forward_hidden(self, batch: ForwardBatch) -> torch.Tensor:
         self.backend.init_forward_metadata(batch)
@@ -179,8 +186,10 @@ class ModelWorker:
         batch = self.build_batch(sched)
         if batch.mode is ForwardMode.DECODE and self.graphs is not None and self.graphs.can_run("decode",
                                                                                                  batch.batch_size):
-            logits = self.graphs.run("decode", batch)["logits"]
-            tokens = sample(logits, self.sampling_batch(sched, batch))
+            out = self.graphs.run("decode", batch)  # records the greedy tokens and the new lengths itself
+            if all(r.params.temperature == 0 for r in sched.reqs):
+                return StepResult(out["greedy"][:, None])
+            tokens = sample(out["logits"], self.sampling_batch(sched, batch))
             self.caches.req_slots.record(batch.req_slots, batch.seq_lens, batch.req_slots, tokens)
             return StepResult(tokens[:, None])
         hidden = self.forward_hidden(batch)
