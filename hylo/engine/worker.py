@@ -37,6 +37,11 @@ def sampling_rows(sched: ScheduledBatch) -> tuple[list[int], list[int]]:
     return tok_idx, rows
 
 
+def all_greedy(reqs) -> bool:
+    """Whether every request decodes greedily (temperature 0)."""
+    return all(r.params.temperature == 0 for r in reqs)
+
+
 def _dev(values, device, dtype=torch.int64) -> torch.Tensor:
     return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
@@ -187,7 +192,7 @@ class ModelWorker:
         if batch.mode is ForwardMode.DECODE and self.graphs is not None and self.graphs.can_run("decode",
                                                                                                  batch.batch_size):
             out = self.graphs.run("decode", batch)  # records the greedy tokens and the new lengths itself
-            if all(r.params.temperature == 0 for r in sched.reqs):
+            if all_greedy(sched.reqs):
                 return StepResult(out["greedy"][:, None])
             tokens = sample(out["logits"], self.sampling_batch(sched, batch))
             self.caches.req_slots.record(batch.req_slots, batch.seq_lens, batch.req_slots, tokens)

@@ -62,9 +62,9 @@ class MTPDrafter:
                base_steps):
         """Drafts 2..k: each step feeds (previous MTP output, previous draft) at the next position. ``run_head``:
         ``forward``, or inside a captured graph the head itself."""
-        bs = req_slots.shape[0]
         if self.k < 2:
             return
+        bs = req_slots.shape[0]
         # every step's positions, lengths and KV locations at once: no launches between the steps
         pos = positions0[:, None] + torch.arange(self.k - 1, device=req_slots.device)[None, :]  # [B, k-1]
         locs = worker.caches.req_slots.req_to_token[req_slots[:, None], pos]
@@ -98,22 +98,15 @@ class MTPDrafter:
                      accepted: torch.Tensor, sb: SamplingBatch) -> None:
         """batch: the TARGET_VERIFY batch ([B * (k+1)] tokens); emitted/accepted: the acceptance result. Each pass
         replays its own graph, with the picks and the next pass's inputs launched in between (a step whose rows
-        are all greedy runs ``draft_phase_fn`` inside the speculative worker's fused step instead)."""
+        are all greedy runs ``draft_greedy`` inside the speculative worker's fused step instead)."""
         mtp_batch = replace(batch, mode=ForwardMode.DRAFT_EXTEND, input_ids=emitted.reshape(-1))
         self._draft_phase(self.forward, worker, mtp_batch, hidden, accepted, sb)
 
-    def draft_phase_fn(self, worker):
-        """The draft phase after a verify, for greedy rows, with the head run directly (no graph of its own): what
-        the fused speculative step runs, captured or not. ``fn(batch, extras)``: batch is the DRAFT_EXTEND one (k + 1
-        tokens per row: the emitted tokens at the verified positions); extras ``hidden`` (per token) and
-        ``accepted`` (per row)."""
-        def eager_head(w, b, h, graph):  # the head itself, not its own graphs
-            return self.forward(w, b, h)
-
-        def fn(batch, extras):
-            self._draft_phase(eager_head, worker, batch, extras["hidden"], extras["accepted"], None)
-            return {}
-        return fn
+    def draft_greedy(self, worker, mtp_batch: ForwardBatch, hidden: torch.Tensor, accepted: torch.Tensor) -> None:
+        """The draft phase after a verify of greedy rows with the head run directly, no graph of its own: what the
+        speculative worker's fused step runs, captured as one graph or eagerly. ``mtp_batch``: the DRAFT_EXTEND
+        batch (k + 1 tokens per row, the emitted tokens at the verified positions)."""
+        self._draft_phase(lambda w, b, h, graph: self.forward(w, b, h), worker, mtp_batch, hidden, accepted, None)
 
     def _draft_phase(self, run_head, worker, mtp_batch: ForwardBatch, hidden: torch.Tensor, accepted: torch.Tensor,
                      sb: SamplingBatch | None) -> None:

@@ -14,7 +14,7 @@ import torch
 from ..core import ForwardMode, SamplingBatch
 from ..engine.scheduler import ScheduledBatch
 from ..engine.graphs import GraphRunner
-from ..engine.worker import ModelWorker, StepResult, _dev, sampling_rows
+from ..engine.worker import ModelWorker, StepResult, _dev, all_greedy, sampling_rows
 from ..ops.sampling import sample, sampling_probs, uniform_noise
 from .verify import commit_states, greedy_accept, rejection_accept
 
@@ -98,7 +98,7 @@ class SpecWorker:
 
     def _fused_drafter(self) -> bool:
         """Whether the drafter can run inside the fused greedy step (the MTP head: all on the device)."""
-        return hasattr(self.drafter, "draft_phase_fn")
+        return hasattr(self.drafter, "draft_greedy")
 
     def _greedy_step(self, batch, extras=None) -> dict[str, torch.Tensor]:
         """A verify step whose rows are all greedy, entirely on the device and fixed-shape, so that it can run as
@@ -110,24 +110,27 @@ class SpecWorker:
         hidden = tw.model(batch, tw.backend)
         logits = tw.model.compute_logits(hidden).view(bs, k + 1, -1)
         drafts = batch.input_ids.view(bs, k + 1)[:, 1:]
-        emitted, accepted = greedy_accept(drafts, logits)
+        emitted, accepted = self._commit(batch, drafts, *greedy_accept(drafts, logits))
+        mtp_batch = replace(batch, mode=ForwardMode.DRAFT_EXTEND, input_ids=emitted.reshape(-1))
+        self.drafter.draft_greedy(tw, mtp_batch, hidden, accepted)
+        return {"emitted": emitted.reshape(-1), "accepted": accepted}
+
+    def _commit(self, batch, drafts, emitted, accepted):
+        """After acceptance (simulated when asked): the accepted states into the slots, the new lengths and newest
+        tokens into the request tables. Returns the final (emitted, accepted)."""
         if self.simulate_accept_length is not None:
             emitted, accepted = self._simulate(drafts, emitted, accepted, batch)
         commit_states(self.caches.state_pool, batch.state_slots, accepted)
-        rows = torch.arange(bs, device=accepted.device)
-        tw.caches.req_slots.record(batch.req_slots, batch.seq_lens - k + accepted, batch.req_slots,
-                                   emitted[rows, accepted])
-        mtp_batch = replace(batch, mode=ForwardMode.DRAFT_EXTEND, input_ids=emitted.reshape(-1))
-        self.drafter.draft_phase_fn(tw)(mtp_batch, {"hidden": hidden, "accepted": accepted})
-        return {"emitted": emitted.reshape(-1), "accepted": accepted}
+        rows = torch.arange(accepted.shape[0], device=accepted.device)
+        self.caches.req_slots.record(batch.req_slots, batch.seq_lens - self.k + accepted, batch.req_slots,
+                                     emitted[rows, accepted])
+        return emitted, accepted
 
     def _verify(self, sched: ScheduledBatch) -> StepResult:
         tw, k = self.target, self.k
-        dev = tw.device
         batch = tw.build_batch(sched, drafts=self.drafter.drafts)  # rows feed [newest token, d1..dk]
         bs = len(sched.reqs)
-        if (self._fused_drafter() and self.draft_hook is None
-                and all(r.params.temperature == 0 for r in sched.reqs)):
+        if self._fused_drafter() and self.draft_hook is None and all_greedy(sched.reqs):
             if tw.graphs is not None and tw.graphs.can_run("spec_step", bs):
                 out = tw.graphs.run("spec_step", batch)
             else:
@@ -154,12 +157,7 @@ class SpecWorker:
             sampled = sb.temperatures > 0
             emitted = torch.where(sampled[:, None], s_emitted, emitted)
             accepted = torch.where(sampled, s_accepted, accepted)
-        if self.simulate_accept_length is not None:
-            emitted, accepted = self._simulate(drafts, emitted, accepted, batch)
-        commit_states(self.caches.state_pool, batch.state_slots, accepted)
-        rows = torch.arange(bs, device=dev)
-        tw.caches.req_slots.record(batch.req_slots, batch.seq_lens - k + accepted, batch.req_slots,
-                                   emitted[rows, accepted])
+        emitted, accepted = self._commit(batch, drafts, emitted, accepted)
         self.drafter.after_verify(tw, batch, hidden, emitted, accepted, sb)
         return StepResult(emitted, accepted + 1)
 
