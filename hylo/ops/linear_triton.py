@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from .triton_pdl import l2_prefetch, pdl_enter
-from .triton_utils import next_pow2, pdl_launch, pdl_prefetch
+from .triton_utils import next_pow2, pdl_launch, prefetch_args
 
 GEMV_MAX_ROWS = 16
 
@@ -96,11 +96,10 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, gat
     else:
         y = torch.empty(m, split, n, dtype=torch.float32, device=x.device)
     g = gate if gate is not None else x
-    line = 128 // w.element_size()  # elements per 128-byte cache line, for the PDL prefetch of W
     _gemv_kernel[(triton.cdiv(n, bn), split)](
         x, g, norm_weight if norm_weight is not None else w, w, bias if bias is not None else w, y, m, n, k,
         x.stride(0), g.stride(0), eps, K_SPLIT=k_split, SPLIT=split, BM=16, BN=bn, BK=bk,
         GATE=0 if gate is None else 2 if norm_weight is not None else 1, HAS_BIAS=bias is not None,
-        PF_LINES=next_pow2(triton.cdiv(k_split, line)) if pdl_prefetch() else 0, PF_STRIDE=line,
+        **prefetch_args(k_split, w),
         PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages, **pdl_launch(x))
     return y

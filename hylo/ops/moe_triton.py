@@ -23,7 +23,7 @@ import triton.language as tl
 
 from .moe_grouped_mm import fused_moe_grouped_mm, grouped_mm_usable
 from .triton_pdl import l2_prefetch, pdl_enter
-from .triton_utils import next_pow2, pdl_launch, pdl_prefetch
+from .triton_utils import next_pow2, pdl_launch, prefetch_args
 
 # up to 16 tokens of 10 experts + the shared one: at 8 and 16 tokens the pair kernels beat the grouped GEMM and
 # its alignment (94.6 vs 127 us and 153 vs 158 us per layer on bench-6b, tools/tune_kernels.py)
@@ -204,11 +204,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
             num_stages=stages, **pdl_launch(x))
         bn, bk, warps, stages = next(cfg for limit, cfg in PAIR_DOWN_CFG if num_pairs <= limit)
         out = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
-        line = 128 // w2.element_size()  # elements per 128-byte cache line, for the PDL prefetch
         _pair_down_kernel[(num_pairs, triton.cdiv(hidden, bn))](
             act, w2, ids, wts, out, hidden, inter, BN=bn, BK=min(bk, next_pow2(inter)),
-            PF_LINES=next_pow2(triton.cdiv(inter, line)) if pdl_prefetch() else 0, PF_STRIDE=line, num_warps=warps,
-            num_stages=stages, **pdl_launch(x))
+            num_warps=warps, num_stages=stages, **prefetch_args(inter, w2), **pdl_launch(x))
     elif grouped_mm_usable(x, w13, w2, num_pairs):  # already summed per token: [T, 1, H] float32
         out = fused_moe_grouped_mm(x, w13, w2, wts.view(num_tokens, top_k), ids.view(num_tokens, top_k))
         return out.view(num_tokens, hidden).to(x.dtype) if reduce else out

@@ -70,6 +70,14 @@ def pdl_prefetch() -> bool:
     return _PDL and _PREFETCH
 
 
+def prefetch_args(row_elems: int, w: torch.Tensor) -> dict:
+    """The L2-prefetch launch arguments of a kernel that streams rows of ``row_elems`` elements of ``w`` (see
+    ``triton_pdl.l2_prefetch``): ``PF_LINES`` 128-byte lines per row, ``PF_STRIDE`` elements apart; no lines
+    unless the prefetch is on."""
+    line = 128 // w.element_size()
+    return dict(PF_LINES=next_pow2((row_elems + line - 1) // line) if pdl_prefetch() else 0, PF_STRIDE=line)
+
+
 def pdl_launch(t: torch.Tensor) -> dict:
     """Launch options of the decode-path kernels for programmatic dependent launch (Hopper and later): such a
     kernel may be scheduled while the previous kernel in the stream drains, and waits for it
