@@ -165,9 +165,9 @@ def run_bench(model_name: str = "bench-6b", vs_hf: bool = False, quick: bool = F
     records: list[dict] = []
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, f"{model_name}-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    pdl_on, prefetch_on = pdl_settings()
     meta = dict(model=model_name, gpu=torch.cuda.get_device_name(), torch=torch.__version__, host=platform.node(),
-                quick=quick, pdl=pdl_settings()[0] and torch.cuda.get_device_capability()[0] >= 9,
-                pdl_prefetch=pdl_settings()[1],
+                quick=quick, pdl=pdl_on and torch.cuda.get_device_capability()[0] >= 9, pdl_prefetch=prefetch_on,
                 hf_note=("HF transformers cannot do speculative decoding on this model: generate() refuses assisted "
                          "generation for stateful models"))
 

@@ -21,26 +21,25 @@ def test_fake_prefill_decodes_and_frees():
     assert c.kv_pool.num_free == c.kv_pool.num_tokens and c.req_slots.num_free == 4
 
 
-def test_fake_prefill_with_simulated_speculation():
-    ec = EngineConfig(verbose=False, max_num_seqs=2, speculative="mtp", num_speculative_tokens=3,
-                      simulate_accept_length=3.0)
+def _simulated_mean_accept(rows: int, target: float, steps: int) -> float:
+    """Mean tokens per verify step of ``rows`` fake-prefilled MTP requests (k = 3) with simulated acceptance."""
+    ec = EngineConfig(verbose=False, max_num_seqs=rows, speculative="mtp", num_speculative_tokens=3,
+                      simulate_accept_length=target)
     eng = Engine(None, device="cpu", engine_config=ec, spec_setup=SpecSetup("mtp"))
-    rids = fake_prefill(eng, 2, 30)
-    time_steps(eng, 20, warmup=0)
+    rids = fake_prefill(eng, rows, 30)
+    time_steps(eng, steps, warmup=0)
     stats = [eng._reqs[r].spec for r in rids]
-    assert abs(sum(s.emitted_tokens for s in stats) / sum(s.verify_steps for s in stats) - 3.0) < 0.3
+    return sum(s.emitted_tokens for s in stats) / sum(s.verify_steps for s in stats)
+
+
+def test_fake_prefill_with_simulated_speculation():
+    assert abs(_simulated_mean_accept(2, 3.0, 20) - 3.0) < 0.3
 
 
 def test_simulated_fractional_accept_length_through_the_fused_step():
     """A fractional target (2.5 with k = 3: 1 or 2 drafts accepted, half each) through the fused greedy MTP step,
     whose draw is keyed by (request slot, length) so that it can be captured: the mean lands on the target."""
-    ec = EngineConfig(verbose=False, max_num_seqs=4, speculative="mtp", num_speculative_tokens=3,
-                      simulate_accept_length=2.5)
-    eng = Engine(None, device="cpu", engine_config=ec, spec_setup=SpecSetup("mtp"))
-    rids = fake_prefill(eng, 4, 30)
-    time_steps(eng, 30, warmup=0)
-    stats = [eng._reqs[r].spec for r in rids]
-    mean = sum(s.emitted_tokens for s in stats) / sum(s.verify_steps for s in stats)
+    mean = _simulated_mean_accept(4, 2.5, 30)
     assert abs(mean - 2.5) < 0.15, mean  # 120 draws of one half: standard error 0.046
 
 
