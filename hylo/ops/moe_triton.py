@@ -148,31 +148,68 @@ def _grouped_down_kernel(act_ptr, w2_ptr, sorted_ptr, block_expert_ptr, wts_ptr,
              mask=mp[:, None] & mn[None, :])
 
 
+@triton.jit
+def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, P, num_blocks, BM: tl.constexpr, BE: tl.constexpr,
+                  BP: tl.constexpr, BB: tl.constexpr):
+    """Program e: expert e's pairs, in pair order, into its run of blocks. Every program counts all experts' pairs
+    (a [BP, BE] compare per chunk of pairs) so that it knows where its run starts; no other program's result is
+    needed, so the whole alignment is one launch. Program 0 also marks the blocks past the last run unused."""
+    e = tl.program_id(0)
+    offs_e = tl.arange(0, BE)
+    hist = tl.zeros([BE], dtype=tl.int32)
+    p0 = 0
+    while p0 < P:  # while loops throughout: Triton's interpreter cannot run a for loop with run-time bounds
+        offs = p0 + tl.arange(0, BP)
+        ids = tl.load(ids_ptr + offs, mask=offs < P, other=-1).to(tl.int32)
+        hist += tl.sum((ids[:, None] == offs_e[None, :]).to(tl.int32), 0)
+        p0 += BP
+    padded = (hist + BM - 1) // BM * BM
+    start = tl.sum(tl.where(offs_e < e, padded, 0), 0)
+    count = tl.sum(tl.where(offs_e == e, hist, 0), 0)
+    run_len = tl.sum(tl.where(offs_e == e, padded, 0), 0)
+    total = tl.sum(padded, 0)
+    seen = tl.sum(tl.zeros([BE], dtype=tl.int32), 0)
+    p0 = 0
+    while p0 < P:
+        offs = p0 + tl.arange(0, BP)
+        ids = tl.load(ids_ptr + offs, mask=offs < P, other=-1).to(tl.int32)
+        mine = (ids == e).to(tl.int32)
+        rank = seen + tl.cumsum(mine, 0) - 1
+        tl.store(sorted_ptr + start + rank, offs.to(tl.int64), mask=mine > 0)
+        seen += tl.sum(mine, 0)
+        p0 += BP
+    offs_m = tl.arange(0, BM)
+    tl.store(sorted_ptr + start + count + offs_m, tl.full([BM], 0, tl.int64) + P, mask=count + offs_m < run_len)
+    b0 = start // BM
+    while b0 < (start + run_len) // BM:
+        offs_b = b0 + tl.arange(0, BB)
+        tl.store(block_expert_ptr + offs_b, tl.full([BB], 0, tl.int64) + e, mask=offs_b < (start + run_len) // BM)
+        b0 += BB
+    if e == 0:
+        b0 = total // BM
+        while b0 < num_blocks:
+            offs_b = b0 + tl.arange(0, BB)
+            tl.store(block_expert_ptr + offs_b, tl.full([BB], -1, tl.int64), mask=offs_b < num_blocks)
+            b0 += BB
+
+
 def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int):
-    """Sort the (token, expert) pairs by expert into blocks of ``block_m`` that each hold one expert's pairs.
+    """Sort the (token, expert) pairs by expert into blocks of ``block_m`` that each hold one expert's pairs, in
+    one launch (``_align_kernel``).
 
     Returns (sorted_pairs [num_blocks * block_m] with the sentinel P for padding, block_expert [num_blocks] with
-    -1 for unused blocks). Output sizes depend only on (P, E, block_m): no host sync, graph-capturable.
+    -1 for unused blocks; the pair slots of unused blocks are left unwritten: no kernel reads them). Output sizes
+    depend only on (P, E, block_m): no host sync, graph-capturable.
     """
-    flat = topk_ids.reshape(-1)
+    flat = topk_ids.reshape(-1).contiguous()
     num_pairs = flat.numel()
-    dev = flat.device
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(
-        0, flat, torch.ones_like(flat, dtype=torch.int64))
-    padded = (counts + block_m - 1) // block_m * block_m
-    ends = padded.cumsum(0)
-    starts = ends - padded
-    # rank of each pair among the pairs of its expert, by a running count along the pairs (no sort). The scan runs
-    # over the last (contiguous) dimension: a scan over the first one is sequential per column, and made an
-    # 8192-token prefill 4x slower on the H200.
-    onehot = torch.zeros(num_experts, num_pairs, dtype=torch.int32, device=dev).scatter_(0, flat[None, :], 1)
-    rank = onehot.cumsum(1, dtype=torch.int32).gather(0, flat[None, :])[0].long() - 1
     num_blocks = triton.cdiv(num_pairs + num_experts * (block_m - 1), block_m)
-    sorted_pairs = torch.full((num_blocks * block_m,), num_pairs, dtype=torch.int64, device=dev)
-    sorted_pairs[starts[flat] + rank] = torch.arange(num_pairs, device=dev)
-    block_start = torch.arange(num_blocks, device=dev) * block_m
-    block_expert = torch.searchsorted(ends, block_start, right=True)
-    block_expert = torch.where(block_start < ends[-1], block_expert, torch.full_like(block_expert, -1))
+    sorted_pairs = torch.empty(num_blocks * block_m, dtype=torch.int64, device=flat.device)
+    block_expert = torch.empty(num_blocks, dtype=torch.int64, device=flat.device)
+    be = next_pow2(num_experts)
+    bp = max(16, min(next_pow2(num_pairs), 8192 // be))
+    _align_kernel[(num_experts,)](flat, sorted_pairs, block_expert, num_pairs, num_blocks, BM=block_m, BE=be,
+                                  BP=bp, BB=64, num_warps=4)
     return sorted_pairs, block_expert
 
 

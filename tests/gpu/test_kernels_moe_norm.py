@@ -71,23 +71,33 @@ def test_prefill_sized_moe_matches_reference(dev, grouped_mm, monkeypatch):
     assert (out.double().cpu() - ref).norm() / ref.norm() < tol
 
 
-def test_align_pairs_blocks_hold_one_expert_each(dev):
+@pytest.mark.parametrize("tokens,top_k,experts,bm", [(50, 3, 8, 16), (32, 11, 65, 16), (256, 11, 65, 64),
+                                                       (7, 2, 5, 16), (1, 1, 3, 32)])
+def test_align_pairs_blocks_hold_one_expert_each(dev, tokens, top_k, experts, bm):
     from hylo.ops.moe_triton import align_pairs
 
-    ids = torch.randint(0, 8, (50, 3), generator=torch.Generator().manual_seed(4))
-    sorted_pairs, block_expert = align_pairs(ids.to(dev), 8, 16)
+    g = torch.Generator().manual_seed(4)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
+    ids[: tokens // 2, 0] = 0  # one hot expert spanning several blocks
+    sorted_pairs, block_expert = align_pairs(ids.to(dev), experts, bm)
     sp, be = sorted_pairs.cpu(), block_expert.cpu()
     flat = ids.reshape(-1)
-    seen = []
+    seen, last = [], -1
     for b, e in enumerate(be.tolist()):
-        pairs = sp[b * 16:(b + 1) * 16]
-        real = pairs[pairs < flat.numel()]
-        if e < 0:
-            assert real.numel() == 0
+        if e < 0:  # unused blocks come after every used one
+            last = max(last, 10 ** 9)
             continue
+        assert last < 10 ** 9 and e >= last  # runs in expert order, contiguous
+        last = e
+        pairs = sp[b * bm:(b + 1) * bm]
+        real = pairs[pairs < flat.numel()]
+        assert (pairs[real.numel():] == flat.numel()).all()  # a block's pairs first, then the sentinel
         assert (flat[real] == e).all()
+        assert real.tolist() == sorted(real.tolist())  # pair order kept within an expert
         seen.extend(real.tolist())
     assert sorted(seen) == list(range(flat.numel()))
+    counts = torch.bincount(flat, minlength=experts)
+    assert (be >= 0).sum().item() == int(((counts + bm - 1) // bm).sum())
 
 
 @pytest.mark.parametrize("rows,dim", [(5, 48), (130, 2048), (3, 20)])
