@@ -5,8 +5,8 @@ the few-row GEMV against cuBLAS (``F.linear``) for the dense projections and spl
 Decode measurements replay a CUDA graph of 24 calls over 24 different weight sets (one per layer, as in the model,
 so nothing is served from L2) and report microseconds per call against the bytes-over-copy-rate floor of one call;
 prefill ones time eager calls against the matmul-rate floor. Usage:
-python tools/tune_kernels.py [--only moe gemv split prefill] [--out DIR]; prints the best configurations and
-writes tune_kernels.json.
+python tools/tune_kernels.py [--only moe grouped gemv split prefill steps] [--out DIR]; prints the best
+configurations and writes tune_kernels.json.
 """
 
 import argparse
@@ -68,13 +68,15 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
     ap.add_argument("--only", nargs="+", default=["moe", "gemv", "split"],
-                    choices=["moe", "gemv", "split", "prefill", "steps"])
+                    choices=["moe", "grouped", "gemv", "split", "prefill", "steps"])
     args = ap.parse_args()
     torch.manual_seed(0)
     dev, dt = torch.device("cuda"), torch.bfloat16
     results = {}
     if "moe" in args.only:
         tune_moe(dev, dt, results)
+    if "grouped" in args.only:
+        tune_grouped(dev, dt, results)
     if "gemv" in args.only:
         tune_gemv(dev, dt, results)
     if "split" in args.only:
@@ -140,6 +142,37 @@ def tune_moe(dev, dt, results):
                     M.PAIR_GEMV_MAX_PAIRS = saved
                 return fn
             sweep(f"grouped_moe_t{tokens}", [("default",)], grouped, floor13 + floor2, results)
+
+
+def tune_grouped(dev, dt, results):
+    """The grouped path (alignment + both GEMMs, summed by the caller) at decode-batch and verify sizes: 32 tokens
+    (a k = 3 verify at batch 8), 64 (plain batch 64) and 256 (verify at batch 64, plain batch 256); at 32 tokens
+    also the pair kernels pushed past their limit."""
+    w13 = [torch.randn(E + 1, 2 * I, H, device=dev, dtype=dt) * 0.02 for _ in range(LAYERS)]
+    w2 = [torch.randn(E + 1, H, I, device=dev, dtype=dt) * 0.02 for _ in range(LAYERS)]
+    cfgs = [(bm, bn, bk, 4, 3) for bm in (16, 32, 64) for bn, bk in ((32, 128), (64, 64), (64, 128), (128, 64))]
+    for tokens in (32, 64, 256):
+        P = tokens * (TOP_K + 1)
+        ids = [torch.cat([torch.stack([torch.randperm(E, device=dev)[:TOP_K] for _ in range(tokens)]),
+                          torch.full((tokens, 1), E, device=dev)], 1).contiguous() for _ in range(LAYERS)]
+        uniq = sum(int(i.unique().numel()) for i in ids) / LAYERS
+        floor = uniq * 3 * I * H * 2 / COPY_TBPS / 1e6
+        x = torch.randn(tokens, H, device=dev, dtype=dt)
+        tw = torch.rand(tokens, TOP_K + 1, device=dev, dtype=dt)
+
+        def whole(cfg, pair_limit=0):
+            def fn():
+                saved = M.PAIR_GEMV_MAX_PAIRS, M.GROUPED_CFG
+                M.PAIR_GEMV_MAX_PAIRS, M.GROUPED_CFG = pair_limit, ((1 << 62, cfg),)
+                try:
+                    for layer in range(LAYERS):
+                        M.fused_moe(x, w13[layer], w2[layer], tw, ids[layer], reduce=False)
+                finally:
+                    M.PAIR_GEMV_MAX_PAIRS, M.GROUPED_CFG = saved
+            return fn
+        sweep(f"grouped_cfg_t{tokens}", cfgs, whole, floor, results)
+        if tokens == 32:
+            sweep("pair_path_t32", [M.GROUPED_CFG[0][1]], lambda cfg: whole(cfg, pair_limit=P), floor, results)
 
 
 

@@ -218,6 +218,11 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int):
 # blocks took 34 us), down 8.2 us at 1 token and 35 us at 8 (down: by the number of pairs)
 PAIR_GATE_UP_CFG = (4, 256, 4, 1)
 PAIR_DOWN_CFG = ((32, (8, 512, 2, 1)), (PAIR_GEMV_MAX_PAIRS, (16, 512, 2, 1)))
+# grouped kernels (BM, BN, BK, warps, stages) by number of pairs. BM = 64 by default: each block re-reads its
+# expert's weights, so at decode batches (where the shared expert and popular experts have tens of pairs)
+# smaller blocks multiply the bytes read. Measured on the H200: BN = 128 with 8 warps made the 8192-token prefill
+# 4x slower than this. (``tools/tune_kernels.py --only moe`` sweeps the verify and decode-batch sizes.)
+GROUPED_CFG = ((1 << 62, (64, 64, 64, 4, 3)),)
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -239,7 +244,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         _pair_gate_up_kernel[(num_pairs, triton.cdiv(inter, bn))](
             x, w13, ids, act, hidden, inter, TOP_K=top_k, BN=bn, BK=min(bk, next_pow2(hidden)), num_warps=warps,
             num_stages=stages, **pdl_launch(x))
-        bn, bk, warps, stages = next(cfg for limit, cfg in PAIR_DOWN_CFG if num_pairs <= limit)
+        bn, bk, warps, stages = next((cfg for limit, cfg in PAIR_DOWN_CFG if num_pairs <= limit),
+                                     PAIR_DOWN_CFG[-1][1])
         out = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
         _pair_down_kernel[(num_pairs, triton.cdiv(hidden, bn))](
             act, w2, ids, wts, out, hidden, inter, BN=bn, BK=min(bk, next_pow2(inter)),
@@ -248,10 +254,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         out = fused_moe_grouped_mm(x, w13, w2, wts.view(num_tokens, top_k), ids.view(num_tokens, top_k))
         return out.view(num_tokens, hidden).to(x.dtype) if reduce else out
     else:
-        # BM = 64 at every size: each block re-reads its expert's weights, so at decode batches (where the
-        # shared expert and popular experts have tens of pairs) smaller blocks multiply the bytes read.
-        # Measured on the H200: BN = 128 with 8 warps made the 8192-token prefill 4x slower than this.
-        bm, bn, bk, warps, stages = 64, 64, 64, 4, 3
+        bm, bn, bk, warps, stages = next(cfg for limit, cfg in GROUPED_CFG if num_pairs <= limit)
         prec = "ieee" if x.dtype == torch.float32 else "tf32"
         act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
         sorted_pairs, block_expert = align_pairs(ids, num_experts, bm)
