@@ -91,33 +91,45 @@ def conv_steps(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor, slots:
 
 @triton.jit
 def _conv_prefill_kernel(x_ptr, w_ptr, pool_ptr, slots_ptr, qsl_ptr, tok_row_ptr, out_ptr, stride_x, T, P0, P1,
-                         stride_pool, C, K: tl.constexpr, BC: tl.constexpr):
-    """One program per (token, block of channels) of a varlen batch: the window of token i of its row is
-    [state[i:], x[row start .. i]] (positions before the row come from the row's conv state).
+                         stride_pool, C, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    """One program per (block of BT tokens, block of BC channels) of a varlen batch: the window of token i of its
+    row is [state[i:], x[row start .. i]] (positions before the row come from the row's conv state). A block may
+    straddle rows: every token looks up its own row. The K shifted loads of a block overlap and come from cache.
 
     The output is three contiguous planes of T rows each, of channels [0, P0), [P0, P0 + P1) and [P0 + P1, C)
     (P0 = C, P1 = 0: one plain [T, C] matrix)."""
-    t = tl.program_id(0)
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    mt = t < T
     offs = tl.program_id(1) * BC + tl.arange(0, BC)
     mc = offs < C
-    row = tl.load(tok_row_ptr + t)
+    row = tl.load(tok_row_ptr + t, mask=mt, other=0)
     start = tl.load(qsl_ptr + row)
     slot = tl.load(slots_ptr + row)
     valid = slot >= 0
-    state_base = pool_ptr + tl.where(valid, slot, 0) * stride_pool + offs * (K - 1)
+    state_base = pool_ptr + tl.where(valid, slot, 0).to(tl.int64) * stride_pool
     i = t - start
-    acc = tl.zeros([BC], dtype=tl.float32)
+    m2 = mt[:, None] & mc[None, :]
+    acc = tl.zeros([BT, BC], dtype=tl.float32)
     for j in tl.static_range(K):
         p = i + j - (K - 1)  # local position of window element j; negative: from the conv state
-        from_x = p >= 0
-        xv = tl.load(x_ptr + (start + p) * stride_x + offs, mask=mc & from_x, other=0.0).to(tl.float32)
-        sv = tl.load(state_base + (K - 1) + p, mask=mc & valid & (p < 0), other=0.0).to(tl.float32)
-        acc += tl.where(from_x, xv, sv) * tl.load(w_ptr + offs * K + j, mask=mc, other=0.0).to(tl.float32)
+        from_x = (p >= 0)[:, None]
+        xv = tl.load(x_ptr + (start + p).to(tl.int64)[:, None] * stride_x + offs[None, :], mask=m2 & from_x,
+                     other=0.0).to(tl.float32)
+        sv = tl.load(state_base[:, None] + offs[None, :] * (K - 1) + ((K - 1) + p)[:, None],
+                     mask=m2 & valid[:, None] & (p < 0)[:, None], other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + offs * K + j, mask=mc, other=0.0).to(tl.float32)
+        acc += tl.where(from_x, xv, sv) * w[None, :]
     out = acc / (1.0 + tl.exp(-acc))
     plane_start = tl.where(offs >= P0 + P1, P0 + P1, tl.where(offs >= P0, P0, 0)).to(tl.int64)
     width = tl.where(offs >= P0 + P1, C - P0 - P1, tl.where(offs >= P0, P1, P0)).to(tl.int64)
-    dst = plane_start * T + t.to(tl.int64) * width + (offs - plane_start)
-    tl.store(out_ptr + dst, out.to(out_ptr.dtype.element_ty), mask=mc)
+    dst = plane_start[None, :] * T + t.to(tl.int64)[:, None] * width[None, :] + (offs - plane_start)[None, :]
+    tl.store(out_ptr + dst, out.to(out_ptr.dtype.element_ty), mask=m2)
+
+
+# (tokens per program, channels per program, warps) of the prefill conv; tools/tune_kernels.py --only prefill
+# sweeps them. One token per program (the first version) took 273 us per layer at 8192 tokens on the H200, 4x
+# its bytes.
+CONV_PREFILL_CFG = (32, 128, 4)
 
 
 @triton.jit
@@ -142,7 +154,7 @@ def _conv_prefill_state_kernel(x_ptr, pool_ptr, slots_ptr, qsl_ptr, stride_x, st
 
 def conv_prefill(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor,
                  query_start_loc: torch.Tensor, extend_lens: list[int], token_row: torch.Tensor | None = None,
-                 planes: tuple[int, int] | None = None):
+                 planes: tuple[int, int] | None = None, cfg: tuple[int, int, int] | None = None):
     """Varlen prefill: x [T, C] packed by row; each row continues from its slot's conv state (-1: zeros, nothing
     written) and leaves its last K-1 inputs there. ``token_row`` [T] (each token's row, on the device) is derived
     from ``extend_lens`` when not given. Returns silu(conv) [T, C] in x's dtype; with ``planes`` (P0, P1), the
@@ -156,13 +168,12 @@ def conv_prefill(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor, slot
         batch = len(extend_lens)
         tok_row = token_row if token_row is not None else torch.repeat_interleave(
             torch.arange(batch), torch.tensor(extend_lens, dtype=torch.long)).to(x.device)
-        bc = 256
-        grid_c = triton.cdiv(channels, bc)
-        _conv_prefill_kernel[(num_tokens, grid_c)](x, weight, pool, slots, query_start_loc, tok_row, flat,
-                                                   x.stride(0), num_tokens, p0, p1, pool.stride(0), channels, K=k,
-                                                   BC=bc, num_warps=4)
-        _conv_prefill_state_kernel[(batch, grid_c)](x, pool, slots, query_start_loc, x.stride(0), pool.stride(0),
-                                                    channels, K=k, BC=bc, num_warps=4)
+        bt, bc, warps = cfg or CONV_PREFILL_CFG
+        _conv_prefill_kernel[(triton.cdiv(num_tokens, bt), triton.cdiv(channels, bc))](
+            x, weight, pool, slots, query_start_loc, tok_row, flat, x.stride(0), num_tokens, p0, p1, pool.stride(0),
+            channels, K=k, BT=bt, BC=bc, num_warps=warps)
+        _conv_prefill_state_kernel[(batch, triton.cdiv(channels, 256))](
+            x, pool, slots, query_start_loc, x.stride(0), pool.stride(0), channels, K=k, BC=256, num_warps=4)
     if planes is None:
         return flat.view(num_tokens, channels)
     a, b = num_tokens * p0, num_tokens * (p0 + p1)

@@ -12,34 +12,39 @@ from .triton_utils import next_pow2, pdl_launch
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, res_out_ptr, y_ptr, gate_ptr, N: tl.constexpr, eps,
-                     ADD: tl.constexpr, GATED: tl.constexpr, BN: tl.constexpr, GATE_ROWS: tl.constexpr = 1,
-                     gate_stride=0, J: tl.constexpr = 1, PDL: tl.constexpr = False):
+def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, res_out_ptr, y_ptr, gate_ptr, ROWS, N: tl.constexpr, eps,
+                     ADD: tl.constexpr, GATED: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr = 1,
+                     GATE_ROWS: tl.constexpr = 1, gate_stride=0, J: tl.constexpr = 1, PDL: tl.constexpr = False):
+    """BR rows per program (one at decode; more at prefill, where one narrow row per program leaves most of each
+    program's threads idle)."""
     pdl_enter(PDL)
-    row = tl.program_id(0)
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    mr = rows < ROWS
     offs = tl.arange(0, BN)
-    m = offs < N
-    x = tl.load(x_ptr + row * N + offs, mask=m, other=0.0).to(tl.float32)
+    m = mr[:, None] & (offs < N)[None, :]
+    rows64 = rows.to(tl.int64)
+    at = rows64[:, None] * N + offs[None, :]
+    x = tl.load(x_ptr + at, mask=m, other=0.0).to(tl.float32)
     if ADD:
         # J delta rows per row (unreduced MoE pair outputs), summed in float32 with the residual
         for j in tl.static_range(J):
-            x += tl.load(r_ptr + (row * J + j) * N + offs, mask=m, other=0.0).to(tl.float32)
+            x += tl.load(r_ptr + (rows64[:, None] * J + j) * N + offs[None, :], mask=m, other=0.0).to(tl.float32)
         x = x.to(res_out_ptr.dtype.element_ty)
-        tl.store(res_out_ptr + row * N + offs, x, mask=m)
+        tl.store(res_out_ptr + at, x, mask=m)
         x = x.to(tl.float32)  # normalise the rounded sum, as the reference does
-    inv = tl.rsqrt(tl.sum(x * x, 0) / N + eps)
-    w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    inv = tl.rsqrt(tl.sum(x * x, 1) / N + eps)[:, None]
+    w = tl.load(w_ptr + offs, mask=offs < N, other=0.0).to(tl.float32)[None, :]
     if GATED:
         # reference order: normalise in float32, cast, scale by w in the input dtype, gate in float32
         y = (x * inv).to(y_ptr.dtype.element_ty).to(tl.float32) * w
         y = y.to(y_ptr.dtype.element_ty).to(tl.float32)
         # the gate is a strided view: row r is head r % GATE_ROWS of token r // GATE_ROWS
-        g_off = (row // GATE_ROWS) * gate_stride + (row % GATE_ROWS) * N
-        gate = tl.load(gate_ptr + g_off + offs, mask=m, other=0.0).to(tl.float32)
+        g_off = (rows64 // GATE_ROWS) * gate_stride + (rows64 % GATE_ROWS) * N
+        gate = tl.load(gate_ptr + g_off[:, None] + offs[None, :], mask=m, other=0.0).to(tl.float32)
         y = y * (gate / (1.0 + tl.exp(-gate)))
     else:
         y = x * inv * (1.0 + w)
-    tl.store(y_ptr + row * N + offs, y.to(y_ptr.dtype.element_ty), mask=m)
+    tl.store(y_ptr + at, y.to(y_ptr.dtype.element_ty), mask=m)
 
 
 def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -47,12 +52,30 @@ def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
     return x.reshape(-1, n), n
 
 
+def _launch(rows: int, n: int, per_row: int = 1) -> dict:
+    """Grid and launch parameters: one row per program with few rows (decode and verify, up to batch 256:
+    latency-bound, more programs in flight); at prefill, rows packed into tiles of about 4096 elements (8 warps)
+    per program."""
+    bn = next_pow2(n)
+    if rows < 1024:
+        warps = 16 if per_row > 1 else 4 if n <= 2048 else 8
+        return dict(grid=(rows,), BR=1, BN=bn, num_warps=warps)
+    br = max(1, 4096 // bn)
+    return dict(grid=(triton.cdiv(rows, br),), BR=br, BN=bn, num_warps=8)
+
+
+def _run(rows: int, n: int, args: tuple, per_row: int = 1, **kw) -> None:
+    p = _launch(rows, n, per_row)
+    grid = p.pop("grid")
+    _rms_norm_kernel[grid](*args, **p, **kw)
+
+
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x2, n = _rows(x.contiguous())
     y = torch.empty_like(x2)
     if x2.shape[0]:
-        _rms_norm_kernel[(x2.shape[0],)](x2, x2, weight, x2, y, x2, n, eps, ADD=False, GATED=False,
-                                         BN=next_pow2(n), num_warps=4 if n <= 2048 else 8, **pdl_launch(x2))
+        _run(x2.shape[0], n, (x2, x2, weight, x2, y, x2, x2.shape[0], n, eps), ADD=False, GATED=False,
+             **pdl_launch(x2))
     return y.view(x.shape)
 
 
@@ -64,9 +87,8 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
     d2, _ = _rows(delta.contiguous())
     res, y = torch.empty_like(x2), torch.empty_like(x2)
     if x2.shape[0]:
-        _rms_norm_kernel[(x2.shape[0],)](x2, d2, weight, res, y, x2, n, eps, ADD=True, GATED=False,
-                                         BN=next_pow2(n), J=per_row,
-                                         num_warps=16 if per_row > 1 else 4 if n <= 2048 else 8, **pdl_launch(x2))
+        _run(x2.shape[0], n, (x2, d2, weight, res, y, x2, x2.shape[0], n, eps), per_row, ADD=True, GATED=False,
+             J=per_row, **pdl_launch(x2))
     return res.view(x.shape), y.view(x.shape)
 
 
@@ -79,9 +101,8 @@ def gated_rms_norm_triton(x: torch.Tensor, gate: torch.Tensor, weight: torch.Ten
         g2, per_token, g_stride = gate.reshape(-1, n).contiguous(), 1, n
     y = torch.empty_like(x2)
     if x2.shape[0]:
-        _rms_norm_kernel[(x2.shape[0],)](x2, x2, weight, x2, y, g2, n, eps, ADD=False, GATED=True,
-                                         BN=next_pow2(n), GATE_ROWS=per_token, gate_stride=g_stride, num_warps=4,
-                                         **pdl_launch(x2))
+        _run(x2.shape[0], n, (x2, x2, weight, x2, y, g2, x2.shape[0], n, eps), ADD=False, GATED=True,
+             GATE_ROWS=per_token, gate_stride=g_stride, **pdl_launch(x2))
     return y.view(x.shape)
 
 

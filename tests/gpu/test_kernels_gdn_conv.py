@@ -131,3 +131,7 @@ def test_conv_prefill_matches_reference(dev, lens, kernel, dtype):
                           planes=(70, 110))
     assert all(p.is_contiguous() for p in planes) and [p.shape[1] for p in planes] == [70, 110, 120]
     assert torch.equal(torch.cat(planes, dim=1), out)
+    # small token blocks: blocks that straddle rows and end past the last token
+    small = conv_prefill(x.to(dev), w.to(dev), pool.clone().to(dev), slots.to(dev), qsl.to(dev), lens,
+                         cfg=(4, 64, 2))
+    assert torch.equal(small, out)

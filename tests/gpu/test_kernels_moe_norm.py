@@ -100,7 +100,7 @@ def test_align_pairs_blocks_hold_one_expert_each(dev, tokens, top_k, experts, bm
     assert (be >= 0).sum().item() == int(((counts + bm - 1) // bm).sum())
 
 
-@pytest.mark.parametrize("rows,dim", [(5, 48), (130, 2048), (3, 20)])
+@pytest.mark.parametrize("rows,dim", [(5, 48), (130, 2048), (3, 20), (1500, 48), (1030, 300)])
 def test_norm_kernels_match_reference(dev, rows, dim):
     from hylo.ops.norm_triton import add_rms_norm, gated_rms_norm_triton, rms_norm_triton
 
@@ -114,6 +114,11 @@ def test_norm_kernels_match_reference(dev, rows, dim):
     assert torch.allclose(y.cpu(), rms_norm(ref_res, wv, 1e-6), atol=1e-5)
     assert torch.allclose(gated_rms_norm_triton(x.to(dev), z.to(dev), wv.to(dev), 1e-6).cpu(),
                           gated_rms_norm(x, z, wv, 1e-6), atol=1e-5)
+    # unreduced deltas: J rows per row, summed with the residual
+    d = torch.randn(rows, 3, dim, generator=g)
+    res, y = add_rms_norm(x.to(dev), d.to(dev), wv.to(dev), 1e-6)
+    assert torch.allclose(res.cpu(), x + d.sum(1), atol=1e-5)
+    assert torch.allclose(y.cpu(), rms_norm(x + d.sum(1), wv, 1e-6), atol=1e-4)
 
 
 @pytest.mark.parametrize("tokens,experts,top_k,normalize,shared", [(1, 64, 10, True, True), (7, 8, 2, False, False),
