@@ -221,8 +221,10 @@ PAIR_DOWN_CFG = ((32, (8, 512, 2, 1)), (PAIR_GEMV_MAX_PAIRS, (16, 512, 2, 1)))
 # grouped kernels (BM, BN, BK, warps, stages) by number of pairs. BM = 64 by default: each block re-reads its
 # expert's weights, so at decode batches (where the shared expert and popular experts have tens of pairs)
 # smaller blocks multiply the bytes read. Measured on the H200: BN = 128 with 8 warps made the 8192-token prefill
-# 4x slower than this. (``tools/tune_kernels.py --only moe`` sweeps the verify and decode-batch sizes.)
-GROUPED_CFG = ((1 << 62, (64, 64, 64, 4, 3)),)
+# 4x slower than this. But at verify and decode-batch sizes, 16-row blocks with BK = 128 are faster
+# (``tools/tune_kernels.py --only grouped`` on the H200, whole MoE layer: 32 tokens 130 -> 117 us, 64 tokens
+# 146 -> 136 us, against floors of 95; at 256 tokens the 64-row blocks stay best, 243 us).
+GROUPED_CFG = ((1024, (16, 64, 128, 4, 3)), (1 << 62, (64, 64, 64, 4, 3)))
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,

@@ -168,8 +168,12 @@ def test_fused_spec_step_graph_equals_eager(gpu_ckpt, n):
     graph_tables, graph_pools = state()
     for a, b in zip(graph_tables, eager_tables):
         assert torch.equal(a, b)
-    for a, b in zip(graph_pools, eager_pools):  # KV (the head's included) and the committed GDN states
-        assert torch.allclose(a, b, atol=1e-4, rtol=1e-4, equal_nan=True)
+    # KV (the head's included) and the committed GDN states; the padded row's KV goes to the dummy location 0
+    # (its state slot is -1: nothing written), which the eager step of 3 rows never touches
+    for name, a, b in zip(("k", "v", "conv", "recurrent"), graph_pools, eager_pools):
+        if name in ("k", "v"):
+            a, b = a[:, 1:], b[:, 1:]
+        assert torch.allclose(a, b, atol=1e-4, rtol=1e-4, equal_nan=True), name
     for rid in rids:
         eng.abort(rid)
 

@@ -135,3 +135,8 @@ def test_conv_prefill_matches_reference(dev, lens, kernel, dtype):
     small = conv_prefill(x.to(dev), w.to(dev), pool.clone().to(dev), slots.to(dev), qsl.to(dev), lens,
                          cfg=(4, 64, 2))
     assert torch.equal(small, out)
+    # planes at block boundaries and 296 channels (stores a block at a time); the last block runs past them
+    aligned = conv_prefill(x[:, :296].to(dev), w[:296].to(dev), pool.clone().to(dev)[:, :296], slots.to(dev),
+                           qsl.to(dev), lens, planes=(64, 128), cfg=(8, 64, 2))
+    assert [p.shape[1] for p in aligned] == [64, 128, 104]
+    assert torch.equal(torch.cat(aligned, dim=1), out[:, :296])
