@@ -68,7 +68,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
     ap.add_argument("--only", nargs="+", default=["moe", "gemv", "split"],
-                    choices=["moe", "grouped", "gemv", "split", "prefill", "steps"])
+                    choices=["moe", "grouped", "gemv", "split", "prefill", "conv", "steps"])
     args = ap.parse_args()
     torch.manual_seed(0)
     dev, dt = torch.device("cuda"), torch.bfloat16
@@ -83,6 +83,8 @@ def main():
         tune_split(dev, dt, results)
     if "prefill" in args.only:
         tune_prefill_moe(dev, dt, results)
+    if "conv" in args.only:
+        tune_conv_prefill(dev, dt, results)
     if "steps" in args.only:
         tune_steps(dev, dt, results)
     with open(os.path.join(args.out, "tune_kernels.json"), "w") as f:
@@ -292,6 +294,35 @@ def tune_prefill_moe(dev, dt, results, tokens=8192, layers=4):
     results[f"prefill_grouped_mm_t{tokens}"] = {"floor_ms": floor13 + floor2, "ms": ms}
     print(f"prefill torch._grouped_mm MoE layer (sort, gather, both GEMMs, scatter): {ms:.3f} ms; floor "
           f"{floor13 + floor2:.3f} ms ({ms / (floor13 + floor2):.2f}x)", flush=True)
+
+
+def tune_conv_prefill(dev, dt, results, tokens=8192):
+    """The GDN prefill conv (q | k | v planes, read from the fused projection's rows), eager, against its bytes."""
+    from hylo.ops.conv1d_triton import conv_prefill
+
+    kd, vd, width = 2048, 4096, 4
+    channels = 2 * kd + vd
+    proj = torch.randn(tokens, channels + vd + 64, device=dev, dtype=dt)
+    x = proj[:, :channels]
+    w = torch.randn(channels, width, device=dev, dtype=dt)
+    pool = torch.zeros(4, channels, width - 1, device=dev, dtype=dt)
+    slots = torch.tensor([1], device=dev)
+    qsl = torch.tensor([0, tokens], device=dev)
+    rows = torch.zeros(tokens, dtype=torch.long, device=dev)
+    floor = 2 * tokens * channels * 2 / COPY_TBPS / 1e6
+    cfgs = [(bt, bc, w_) for bt in (4, 8, 16, 32) for bc in (64, 128, 256) for w_ in (4, 8)]
+    rows_out = []
+    for cfg in cfgs:
+        try:
+            us = time_eager(lambda: conv_prefill(x, w, pool, slots, qsl, [tokens], rows, (kd, kd), cfg=cfg)) * 1e3
+        except Exception as exc:
+            print(f"  conv {cfg}: failed ({type(exc).__name__})")
+            continue
+        rows_out.append((us, cfg))
+    rows_out.sort()
+    results["conv_prefill"] = {"floor_us": floor, "rows": [{"us": us, "cfg": list(c)} for us, c in rows_out]}
+    print(f"conv_prefill {tokens}: floor {floor:.1f} us; " + "; ".join(f"{c} {us:.1f}" for us, c in rows_out[:6]),
+          flush=True)
 
 
 def tune_steps(dev, dt, results, gdn_layers=18, hk=16, hv=32, d=128, width=4):

@@ -8,6 +8,8 @@ every step to ``verify[row, step]`` and never the slot.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -139,7 +141,7 @@ def _conv_prefill_kernel(x_ptr, w_ptr, pool_ptr, slots_ptr, qsl_ptr, tok_row_ptr
 # (tokens per program, channels per program, warps) of the prefill conv; tools/tune_kernels.py --only prefill
 # sweeps them. One token per program (the first version) took 273 us per layer at 8192 tokens on the H200, 4x
 # its bytes.
-CONV_PREFILL_CFG = (32, 128, 4)
+CONV_PREFILL_CFG = tuple(int(v) for v in os.environ.get("HYLO_CONV_PREFILL_CFG", "32,128,4").split(","))
 
 
 @triton.jit
