@@ -1,5 +1,6 @@
 """The benchmark's harness on CPU: fake-prefilled requests decode like real ones, and the floors add up."""
 
+import pytest
 import torch
 
 from hylo.bench import Footprint, bench_config, fake_prefill, time_steps
@@ -21,11 +22,13 @@ def test_fake_prefill_decodes_and_frees():
     assert c.kv_pool.num_free == c.kv_pool.num_tokens and c.req_slots.num_free == 4
 
 
-def _simulated_mean_accept(rows: int, target: float, steps: int) -> float:
-    """Mean tokens per verify step of ``rows`` fake-prefilled MTP requests (k = 3) with simulated acceptance."""
+def _simulated_mean_accept(rows: int, target: float, steps: int, built_with: float | None = None) -> float:
+    """Mean tokens per verify step of ``rows`` fake-prefilled MTP requests (k = 3) with simulated acceptance
+    (the engine built with ``built_with``, then set to ``target``, as the benchmark does between records)."""
     ec = EngineConfig(verbose=False, max_num_seqs=rows, speculative="mtp", num_speculative_tokens=3,
-                      simulate_accept_length=target)
+                      simulate_accept_length=built_with or target)
     eng = Engine(None, device="cpu", engine_config=ec, spec_setup=SpecSetup("mtp"))
+    eng.worker.simulate_accept_length = target
     rids = fake_prefill(eng, rows, 30)
     time_steps(eng, steps, warmup=0)
     stats = [eng._reqs[r].spec for r in rids]
@@ -83,3 +86,15 @@ def test_hf_comparison_uses_the_same_weights():
     with torch.no_grad():
         ref = hf(torch.tensor([prompt])).logits[0]
     assert torch.allclose(eng.prompt_logits(prompt), ref, atol=1e-4)
+
+
+def test_simulated_target_changes_after_the_engine_is_built():
+    """The target is read from a device tensor at every step (a captured step would otherwise keep the value it
+    was captured with: run -081134 measured 3.0 for targets 2.0 and 4.0); switching simulation off is refused."""
+    assert abs(_simulated_mean_accept(2, 2.0, 20, built_with=3.0) - 2.0) < 0.3
+    assert abs(_simulated_mean_accept(2, 4.0, 20, built_with=3.0) - 4.0) < 1e-9  # every draft accepted
+    ec = EngineConfig(verbose=False, max_num_seqs=1, speculative="mtp", num_speculative_tokens=3,
+                      simulate_accept_length=3.0)
+    eng = Engine(None, device="cpu", engine_config=ec, spec_setup=SpecSetup("mtp"))
+    with pytest.raises(ValueError, match="simulate_accept_length"):
+        eng.worker.simulate_accept_length = None

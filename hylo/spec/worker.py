@@ -28,10 +28,27 @@ class SpecWorker:
         self.target = target
         self.drafter = drafter
         self.k = k
-        self.simulate_accept_length = simulate_accept_length
+        # the simulated target lives on the device: the captured step reads it at every replay, so that it can be
+        # changed between measurements (a Python float would be baked into the graph at capture)
+        self._sim_len = simulate_accept_length
+        self._sim_want = torch.zeros((), dtype=torch.float32, device=target.device)
+        if simulate_accept_length is not None:
+            self.simulate_accept_length = simulate_accept_length
         self._sim_seed = seed
         # test hook: fn(reqs, drafts [B, k], first output index [B]) -> drafts, to force acceptance or rejection
         self.draft_hook = None
+
+    @property
+    def simulate_accept_length(self) -> float | None:
+        return self._sim_len
+
+    @simulate_accept_length.setter
+    def simulate_accept_length(self, value: float | None) -> None:
+        if (value is None) != (self._sim_len is None):
+            raise ValueError("simulated acceptance is chosen when the engine is built (simulate_accept_length); "
+                             "only its value can change afterwards")
+        self._sim_len = value
+        self._sim_want.fill_(min(max(value - 1.0, 0.0), float(self.k)))
 
     def capture_graphs(self, capture_sizes: list[int], verbose: bool = True) -> None:
         """Capture TARGET_VERIFY (k + 1 tokens per row) and, for the MTP drafter, its DRAFT_EXTEND (k + 1 per row)
@@ -165,11 +182,9 @@ class SpecWorker:
         """Force a mean accept length (benchmarks on random weights): a drafts accepted, with a drawn so that
         E[a + 1] equals the target; the emitted tokens are the drafts plus the target's token after them.
         Breaks losslessness on purpose. The draw is keyed by (request slot, length), so it can run in a graph."""
-        want = min(max(self.simulate_accept_length - 1.0, 0.0), float(self.k))
-        lo = int(want)
-        frac = want - lo
+        lo = self._sim_want.floor()
         u = uniform_noise(batch.req_slots + self._sim_seed, batch.seq_lens, 1, STREAM_SIMULATE)[:, 0]
-        forced = torch.full_like(accepted, lo) + (u < frac).long()
+        forced = lo.long() + (u < self._sim_want - lo).long()
         forced = forced.clamp(max=self.k)
         rows = torch.arange(drafts.shape[0], device=drafts.device)
         out = torch.cat([drafts, drafts[:, :1]], dim=1).clone()
