@@ -279,6 +279,9 @@ def run_bench(model_name: str = "bench-6b", vs_hf: bool = False, quick: bool = F
                        verify_steps=verify_steps)
             records.append(rec)
             save()
+            if abs(measured_len - accept) > 0.25:
+                print(f"[bench] WARNING: simulated accept length {measured_len:.2f} measured against a target of "
+                      f"{accept:.2f}", flush=True)
             print(f"[bench] spec mtp k={k} bs={bs} accept={measured_len:.2f}: {ms:.2f} ms/step, {per_token:.3f} "
                   f"ms/token ({rec['vs_plain_decode']:.2f}x plain), floor {floor:.2f} ms/step", flush=True)
             clear(eng, rids)
