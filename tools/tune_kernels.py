@@ -19,6 +19,7 @@ import torch.nn.functional as F
 import triton
 
 from hylo.bench_floors import _time_cuda, measure_matmul_rate
+from hylo.ops import moe_grouped_mm as G
 from hylo.ops import moe_triton as M
 from hylo.ops.conv1d_triton import conv_steps
 from hylo.ops.gdn_triton import gdn_steps
@@ -69,6 +70,7 @@ def main():
     ap.add_argument("--out", default=".")
     ap.add_argument("--only", nargs="+", default=["moe", "gemv", "split"],
                     choices=["moe", "grouped", "gemv", "split", "prefill", "conv", "steps"])
+    ap.add_argument("--env", default=None, help="write the best settings found as shell exports to this file")
     args = ap.parse_args()
     torch.manual_seed(0)
     dev, dt = torch.device("cuda"), torch.bfloat16
@@ -89,6 +91,22 @@ def main():
         tune_steps(dev, dt, results)
     with open(os.path.join(args.out, "tune_kernels.json"), "w") as f:
         json.dump(results, f, indent=1)
+    if args.env:  # the winners as environment settings, for a benchmark run right after the sweep
+        with open(args.env, "w") as f:
+            f.write("\n".join(tuned_env(results)) + "\n")
+
+
+def tuned_env(results) -> list[str]:
+    lines = []
+    if "conv_prefill" in results:
+        lines.append("export HYLO_CONV_PREFILL_CFG=" + ",".join(map(str, results["conv_prefill"]["rows"][0]["cfg"])))
+    best = lambda name: results[name]["rows"][0]["us"] if name in results else float("inf")  # noqa: E731
+    # the smallest swept size at which CUTLASS beats the Triton grouped kernels sets the threshold
+    for tokens, pairs in ((64, 704), (256, 2816)):
+        if best(f"grouped_mm_t{tokens}") < best(f"grouped_cfg_t{tokens}"):
+            lines.append(f"export HYLO_GROUPED_MM_MIN_PAIRS={pairs}")
+            break
+    return lines
 
 
 def tune_moe(dev, dt, results):
@@ -173,6 +191,18 @@ def tune_grouped(dev, dt, results):
                     M.PAIR_GEMV_MAX_PAIRS, M.GROUPED_CFG = saved
             return fn
         sweep(f"grouped_cfg_t{tokens}", cfgs, whole, floor, results)
+        if tokens >= 64:  # torch._grouped_mm (CUTLASS), the prefill path, at this size
+            def cutlass(cfg):
+                def fn():
+                    saved = G.GROUPED_MM_MIN_PAIRS
+                    G.GROUPED_MM_MIN_PAIRS = 0
+                    try:
+                        for layer in range(LAYERS):
+                            M.fused_moe(x, w13[layer], w2[layer], tw, ids[layer], reduce=False)
+                    finally:
+                        G.GROUPED_MM_MIN_PAIRS = saved
+                return fn
+            sweep(f"grouped_mm_t{tokens}", [("cutlass",)], cutlass, floor, results)
         if tokens == 32:
             sweep("pair_path_t32", [M.GROUPED_CFG[0][1]], lambda cfg: whole(cfg, pair_limit=P), floor, results)
 
