@@ -112,16 +112,21 @@ def _conv_prefill_kernel(x_ptr, w_ptr, pool_ptr, slots_ptr, qsl_ptr, tok_row_ptr
     state_base = pool_ptr + tl.where(valid, slot, 0).to(tl.int64) * stride_pool
     i = t - start
     m2 = mt[:, None] & mc[None, :]
+    # only a block holding one of a row's first K-1 tokens reads conv states: the others skip those strided,
+    # per-element loads altogether (masked off, they still cost their address math and load instructions)
+    need_state = tl.min(tl.where(mt, i, K), 0) < K - 1
     acc = tl.zeros([BT, BC], dtype=tl.float32)
     for j in tl.static_range(K):
         p = i + j - (K - 1)  # local position of window element j; negative: from the conv state
         from_x = (p >= 0)[:, None]
-        xv = tl.load(x_ptr + (start + p).to(tl.int64)[:, None] * stride_x + offs[None, :], mask=m2 & from_x,
-                     other=0.0).to(tl.float32)
-        sv = tl.load(state_base[:, None] + offs[None, :] * (K - 1) + ((K - 1) + p)[:, None],
-                     mask=m2 & valid[:, None] & (p < 0)[:, None], other=0.0).to(tl.float32)
+        val = tl.load(x_ptr + (start + p).to(tl.int64)[:, None] * stride_x + offs[None, :], mask=m2 & from_x,
+                      other=0.0).to(tl.float32)
+        if need_state:
+            sv = tl.load(state_base[:, None] + offs[None, :] * (K - 1) + ((K - 1) + p)[:, None],
+                         mask=m2 & valid[:, None] & (p < 0)[:, None], other=0.0).to(tl.float32)
+            val = tl.where(from_x, val, sv)
         w = tl.load(w_ptr + offs * K + j, mask=mc, other=0.0).to(tl.float32)
-        acc += tl.where(from_x, xv, sv) * w[None, :]
+        acc += val * w[None, :]
     out = acc / (1.0 + tl.exp(-acc))
     if BLOCK_PLANE:
         # the block lies in one plane whose start and width are multiples of 8: the row offsets say so, and the
@@ -138,10 +143,10 @@ def _conv_prefill_kernel(x_ptr, w_ptr, pool_ptr, slots_ptr, qsl_ptr, tok_row_ptr
     tl.store(out_ptr + dst, out.to(out_ptr.dtype.element_ty), mask=m2)
 
 
-# (tokens per program, channels per program, warps) of the prefill conv; tools/tune_kernels.py --only prefill
-# sweeps them. One token per program (the first version) took 273 us per layer at 8192 tokens on the H200, 4x
-# its bytes.
-CONV_PREFILL_CFG = tuple(int(v) for v in os.environ.get("HYLO_CONV_PREFILL_CFG", "32,128,4").split(","))
+# (tokens per program, channels per program, warps) of the prefill conv; tools/tune_kernels.py --only conv sweeps
+# them (bench/results/tune-conv-prefill-20261203.json, 8192 tokens x 8192 channels on the H200, before the
+# need_state branch: 269 us for (4, 256, 4), 293 for (32, 128, 4), up to 729 with 8 warps; the bytes take 63).
+CONV_PREFILL_CFG = tuple(int(v) for v in os.environ.get("HYLO_CONV_PREFILL_CFG", "4,256,4").split(","))
 
 
 @triton.jit
