@@ -22,6 +22,9 @@ from ..ops.triton_utils import INTERPRET, use_triton
 from .base import Backend
 
 
+FLA_CHUNK = 64  # the chunk length of fla's chunked gated delta rule (its default), for the chunk index we build
+
+
 def _load_fla_chunk():
     """flash-linear-attention's chunked gated delta rule (the ``fla-core`` package), if installed and on a GPU."""
     if INTERPRET:  # fla's kernels need a real device
@@ -76,16 +79,22 @@ class PrefillIndex:
     kept_slots: torch.Tensor  # [R] their slots: where the final states go
     cu_seqlens: torch.Tensor  # [B + 1] token offsets, on the device, and
     cu_seqlens_cpu: torch.Tensor  # the same on the host, which spares fla its read-back
+    chunk_indices: torch.Tensor  # [chunks, 2] (row, chunk within the row) of fla's chunks: fla would build it
+    # on the host and copy it with a blocking copy (the one synchronisation left in an 8192-token prefill)
 
     @classmethod
     def build(cls, slots: list[int], lens: list[int], device) -> "PrefillIndex":
         kept = [i for i, s in enumerate(slots) if s >= 0]
         cu = torch.tensor([0] + list(lens)).cumsum(0)
+        chunks = [(n + FLA_CHUNK - 1) // FLA_CHUNK for n in lens]
+        chunk_rows = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(chunks, dtype=torch.long))
+        chunk_pos = torch.cat([torch.arange(c) for c in chunks]) if chunks else torch.zeros(0, dtype=torch.long)
         host = dict(token_row=torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens, dtype=torch.long)),
                     slot_or_zero=torch.tensor([max(s, 0) for s in slots]),
                     has_slot=torch.tensor([s >= 0 for s in slots]),
                     kept_rows=torch.tensor(kept, dtype=torch.long),
-                    kept_slots=torch.tensor([slots[i] for i in kept], dtype=torch.long), cu_seqlens=cu)
+                    kept_slots=torch.tensor([slots[i] for i in kept], dtype=torch.long), cu_seqlens=cu,
+                    chunk_indices=torch.stack([chunk_rows, chunk_pos], 1))
         return cls(cu_seqlens_cpu=cu, **{k: v.to(device, non_blocking=True) for k, v in host.items()})
 
 
@@ -195,7 +204,8 @@ class GDNBackend(Backend):
         init = rec_pool[ix.slot_or_zero].float() * ix.has_slot[:, None, None, None]
         o, final = self.fla_chunk(q[None], k[None], v[None], g=g[None], beta=beta[None], initial_state=init,
                                   output_final_state=True, cu_seqlens=ix.cu_seqlens,
-                                  cu_seqlens_cpu=ix.cu_seqlens_cpu, use_qk_l2norm_in_kernel=True)
+                                  cu_seqlens_cpu=ix.cu_seqlens_cpu, chunk_indices=ix.chunk_indices,
+                                  chunk_size=FLA_CHUNK, use_qk_l2norm_in_kernel=True)
         rec_pool[ix.kept_slots] = final[ix.kept_rows].to(rec_pool.dtype)
         return o[0]  # in the inputs' dtype: the layer casts the core output to it anyway (no float32 round trip)
 

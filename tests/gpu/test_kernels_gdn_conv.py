@@ -140,3 +140,14 @@ def test_conv_prefill_matches_reference(dev, lens, kernel, dtype):
                            qsl.to(dev), lens, planes=(64, 128), cfg=(8, 64, 2))
     assert [p.shape[1] for p in aligned] == [64, 128, 104]
     assert torch.equal(torch.cat(aligned, dim=1), out[:, :296])
+
+
+@pytest.mark.parametrize("lens", [[130, 1, 64], [8192], [63, 64, 65, 200]])
+def test_prefill_chunk_index_equals_fla(lens):
+    """The chunk index handed to fla (built on the host with the other prefill indices, copied without a sync) is
+    the one fla would build itself."""
+    index = pytest.importorskip("fla.ops.utils.index")
+    from hylo.backends.gdn import FLA_CHUNK, PrefillIndex
+
+    ix = PrefillIndex.build([0] * len(lens), lens, "cpu")
+    assert torch.equal(index.prepare_chunk_indices(ix.cu_seqlens, FLA_CHUNK), ix.chunk_indices)
