@@ -203,3 +203,22 @@ def test_router_gemv_partials_route_like_the_plain_logits(dev, tokens, split):
         summed = summed + sp[:, i]
     rw2, rids2 = route(summed.to(dt), experts, top_k, False, True)
     assert torch.equal(ids2, rids2) and torch.equal(w2, rw2)
+
+
+def test_prefill_router_logits_through_padded_weight(dev):
+    """Many rows (prefill): ``narrow`` multiplies by a copy of the 65-row router padded to 72 rows (an aligned
+    cuBLAS kernel) and hands back a strided view of the first 65 columns, which routes like the plain logits."""
+    from hylo.ops.linear import narrow
+    from hylo.ops.moe_triton import route
+
+    experts, top_k, hidden, tokens = 64, 10, 256, 700
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(tokens, hidden, generator=g).to(dev)
+    router = (torch.randn(experts + 1, hidden, generator=g) * 0.05).to(dev)
+    logits = narrow(x, router)
+    assert logits.shape == (tokens, experts + 1)
+    plain = x @ router.T
+    assert torch.allclose(logits, plain, atol=1e-3, rtol=1e-3)
+    w, ids = route(logits, experts, top_k, True, True)
+    rw, rids = route(plain.contiguous(), experts, top_k, True, True)
+    assert torch.equal(ids, rids) and torch.allclose(w, rw, atol=1e-5)
