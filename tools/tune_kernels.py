@@ -171,6 +171,10 @@ def tune_grouped(dev, dt, results):
     w13 = [torch.randn(E + 1, 2 * I, H, device=dev, dtype=dt) * 0.02 for _ in range(LAYERS)]
     w2 = [torch.randn(E + 1, H, I, device=dev, dtype=dt) * 0.02 for _ in range(LAYERS)]
     cfgs = [(bm, bn, bk, 4, 3) for bm in (16, 32, 64) for bn, bk in ((32, 128), (64, 64), (64, 128), (128, 64))]
+    # deeper pipelines and more warps: the 2816-pair case (verify at batch 64) sat at 2.5x its bytes with all
+    # of the above
+    cfgs += [(64, 64, 64, 4, 4), (64, 64, 64, 4, 5), (64, 64, 64, 8, 3), (64, 128, 64, 8, 4), (32, 64, 128, 4, 4),
+             (64, 32, 128, 4, 4)]
     for tokens in (32, 64, 256):
         P = tokens * (TOP_K + 1)
         ids = [torch.cat([torch.stack([torch.randperm(E, device=dev)[:TOP_K] for _ in range(tokens)]),
