@@ -57,7 +57,12 @@ def out_proj(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
     if _few_rows(x) and (gate is None or gate.stride(-1) == 1):
         return _split_gemv(x, w, reduce, bias=bias, gate=gate)
     if gate is not None:
-        x = x * torch.sigmoid(gate)
+        if use_triton(x):
+            from .linear_triton import sigmoid_gate
+
+            x = sigmoid_gate(x, gate)
+        else:
+            x = x * torch.sigmoid(gate)
     return F.linear(x, w, bias)
 
 

