@@ -159,15 +159,16 @@ def test_qk_norm_rope_matches_reference(dev, heads, kv_heads, dim, rot):
     assert torch.allclose(q.cpu(), q_ref, atol=1e-4) and torch.allclose(k.cpu(), k_ref, atol=1e-4)
 
 
-def test_gated_norm_reads_a_strided_gate(dev):
+@pytest.mark.parametrize("tokens", [3, 301])  # 12 rows: one per program; 1204 rows: packed tiles (prefill)
+def test_gated_norm_reads_a_strided_gate(dev, tokens):
     from hylo.ops.norm_triton import gated_rms_norm_triton
 
     g = torch.Generator().manual_seed(8)
-    proj = torch.randn(3, 100, generator=g)
-    x = torch.randn(3, 4, 20, generator=g)
-    gate = proj[:, 10:90].reshape(3, 4, 20)  # a view with row stride 100
+    proj = torch.randn(tokens, 100, generator=g)
+    x = torch.randn(tokens, 4, 20, generator=g)
+    gate = proj[:, 10:90].reshape(tokens, 4, 20)  # a view with row stride 100
     w = torch.randn(20, generator=g)
-    out = gated_rms_norm_triton(x.to(dev), proj.to(dev)[:, 10:90].reshape(3, 4, 20), w.to(dev), 1e-6)
+    out = gated_rms_norm_triton(x.to(dev), proj.to(dev)[:, 10:90].reshape(tokens, 4, 20), w.to(dev), 1e-6)
     assert torch.allclose(out.cpu(), gated_rms_norm(x, gate, w, 1e-6), atol=1e-5)
 
 
