@@ -109,14 +109,23 @@ def tuned_env(results) -> list[str]:
     return lines
 
 
+def expert_weights(dev, dt, layers=LAYERS):
+    """bench-6b's routed experts plus the folded shared one, ``layers`` independent sets: (w13 list, w2 list)."""
+    return ([torch.randn(E + 1, 2 * I, H, device=dev, dtype=dt) * 0.02 for _ in range(layers)],
+            [torch.randn(E + 1, H, I, device=dev, dtype=dt) * 0.02 for _ in range(layers)])
+
+
+def routed_ids(tokens, dev) -> torch.Tensor:
+    """[tokens, TOP_K + 1]: TOP_K distinct random experts per token, then the shared expert E."""
+    return torch.cat([torch.stack([torch.randperm(E, device=dev)[:TOP_K] for _ in range(tokens)]),
+                      torch.full((tokens, 1), E, device=dev)], 1).contiguous()
+
+
 def tune_moe(dev, dt, results):
-    w13 = [torch.randn(E + 1, 2 * I, H, device=dev, dtype=dt) * 0.02 for _ in range(LAYERS)]
-    w2 = [torch.randn(E + 1, H, I, device=dev, dtype=dt) * 0.02 for _ in range(LAYERS)]
+    w13, w2 = expert_weights(dev, dt)
     for tokens in (1, 8, 16):
         P = tokens * (TOP_K + 1)
-        ids = [torch.cat([torch.stack([torch.randperm(E, device=dev)[:TOP_K] for _ in range(tokens)]),
-                          torch.full((tokens, 1), E, device=dev)], 1).reshape(-1).contiguous()
-               for _ in range(LAYERS)]
+        ids = [routed_ids(tokens, dev).view(-1) for _ in range(LAYERS)]
         uniq = sum(int(i.unique().numel()) for i in ids) / LAYERS
         wts = torch.rand(P, device=dev, dtype=dt)
         x = torch.randn(tokens, H, device=dev, dtype=dt)
@@ -168,8 +177,7 @@ def tune_grouped(dev, dt, results):
     """The grouped path (alignment + both GEMMs, summed by the caller) at decode-batch and verify sizes: 32 tokens
     (a k = 3 verify at batch 8), 64 (plain batch 64) and 256 (verify at batch 64, plain batch 256); at 32 tokens
     also the pair kernels pushed past their limit."""
-    w13 = [torch.randn(E + 1, 2 * I, H, device=dev, dtype=dt) * 0.02 for _ in range(LAYERS)]
-    w2 = [torch.randn(E + 1, H, I, device=dev, dtype=dt) * 0.02 for _ in range(LAYERS)]
+    w13, w2 = expert_weights(dev, dt)
     cfgs = [(bm, bn, bk, 4, 3) for bm in (16, 32, 64) for bn, bk in ((32, 128), (64, 64), (64, 128), (128, 64))]
     # deeper pipelines and more warps: the 2816-pair case (verify at batch 64) sat at 2.5x its bytes with all
     # of the above
@@ -177,8 +185,7 @@ def tune_grouped(dev, dt, results):
              (64, 32, 128, 4, 4)]
     for tokens in (32, 64, 256):
         P = tokens * (TOP_K + 1)
-        ids = [torch.cat([torch.stack([torch.randperm(E, device=dev)[:TOP_K] for _ in range(tokens)]),
-                          torch.full((tokens, 1), E, device=dev)], 1).contiguous() for _ in range(LAYERS)]
+        ids = [routed_ids(tokens, dev) for _ in range(LAYERS)]
         uniq = sum(int(i.unique().numel()) for i in ids) / LAYERS
         floor = uniq * 3 * I * H * 2 / COPY_TBPS / 1e6
         x = torch.randn(tokens, H, device=dev, dtype=dt)
@@ -265,10 +272,8 @@ def tune_prefill_moe(dev, dt, results, tokens=8192, layers=4):
     Floor: 2 x pairs x 3 x I x H FLOPs of the expert matmuls at the measured bf16 matmul rate."""
     tflops = measure_matmul_rate(dev) / 1e12
     P = tokens * (TOP_K + 1)
-    w13 = [torch.randn(E + 1, 2 * I, H, device=dev, dtype=dt) * 0.02 for _ in range(layers)]
-    w2 = [torch.randn(E + 1, H, I, device=dev, dtype=dt) * 0.02 for _ in range(layers)]
-    ids = torch.cat([torch.stack([torch.randperm(E, device=dev)[:TOP_K] for _ in range(tokens)]),
-                     torch.full((tokens, 1), E, device=dev)], 1).reshape(-1).contiguous()
+    w13, w2 = expert_weights(dev, dt, layers)
+    ids = routed_ids(tokens, dev).view(-1)
     wts = torch.rand(P, device=dev, dtype=dt)
     x = torch.randn(tokens, H, device=dev, dtype=dt)
     act = torch.randn(P, I, device=dev, dtype=dt)
