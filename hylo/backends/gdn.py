@@ -87,14 +87,15 @@ class PrefillIndex:
         kept = [i for i, s in enumerate(slots) if s >= 0]
         cu = torch.tensor([0] + list(lens)).cumsum(0)
         chunks = [(n + FLA_CHUNK - 1) // FLA_CHUNK for n in lens]
-        chunk_rows = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(chunks, dtype=torch.long))
+        row_of = lambda counts: torch.repeat_interleave(torch.arange(len(counts)),  # noqa: E731
+                                                        torch.tensor(counts, dtype=torch.long))
         chunk_pos = torch.cat([torch.arange(c) for c in chunks]) if chunks else torch.zeros(0, dtype=torch.long)
-        host = dict(token_row=torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens, dtype=torch.long)),
+        host = dict(token_row=row_of(lens),
                     slot_or_zero=torch.tensor([max(s, 0) for s in slots]),
                     has_slot=torch.tensor([s >= 0 for s in slots]),
                     kept_rows=torch.tensor(kept, dtype=torch.long),
                     kept_slots=torch.tensor([slots[i] for i in kept], dtype=torch.long), cu_seqlens=cu,
-                    chunk_indices=torch.stack([chunk_rows, chunk_pos], 1))
+                    chunk_indices=torch.stack([row_of(chunks), chunk_pos], 1))
         return cls(cu_seqlens_cpu=cu, **{k: v.to(device, non_blocking=True) for k, v in host.items()})
 
 
