@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU measurements of a working session, in two calls that each fit the device tool's 600 s limit.
-#   bash tools/gpu_session.sh tests OUT   # pytest tests/gpu (about 240 s), then the prefill profile
+#   bash tools/gpu_session.sh tests OUT   # pytest tests/gpu (about 240 s), the prefill profile, a step's launches
 #   bash tools/gpu_session.sh bench OUT   # kernel sweeps whose winners the bench then uses, the bench, profiles
 # Everything is written under OUT (the device tool's $OUT); the summary lines go to stdout.
 set -u
@@ -13,6 +13,9 @@ case "$phase" in
     echo "pytest rc=$?"; grep -E "passed|failed|FAILED|Error" "$out/gputests.txt" | tail -15
     timeout 150 python3 tools/profile_step.py --prefill 8192 --out "$out" > "$out/prof_prefill.txt" 2>&1
     head -16 "$out/prof_prefill.txt" | tail -14; grep -A4 "synchronising" "$out/prof_prefill.txt"
+    # every launch of one graph-replayed step, in order (which neighbours to fuse, where the idle gaps are)
+    timeout 110 python3 tools/profile_step.py --graphs --launches --bs 1 64 --out "$out" > "$out/prof_step.txt" 2>&1
+    grep -E "^==|launches," "$out/prof_step.txt"
     ;;
   bench)
     timeout 150 python3 tools/tune_kernels.py --only grouped conv --out "$out" --env "$out/tuned.env" \

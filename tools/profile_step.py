@@ -1,6 +1,6 @@
 """Where a decode / verify step's GPU time goes: eager steps of bench-6b under the torch profiler, kernel time
 summed by kernel name. With --prefill N, the same for one N-token prefill step instead.
-Usage: python tools/profile_step.py [--bs 1 64] [--prefill 8192] [--out DIR]"""
+Usage: python tools/profile_step.py [--bs 1 64] [--prefill 8192] [--graphs] [--launches] [--out DIR]"""
 
 import argparse
 import collections
@@ -25,6 +25,10 @@ def main():
     ap.add_argument("--bs", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--prefill", type=int, default=0, help="profile one prefill of this many tokens instead")
     ap.add_argument("--out", default=".")
+    ap.add_argument("--launches", action="store_true",
+                    help="also write every kernel launch of one step at the first --bs in order: name, grid, time, gap")
+    ap.add_argument("--graphs", action="store_true", help="profile CUDA-graph replays (as the bench runs) instead "
+                    "of eager steps")
     args = ap.parse_args()
     lm = build_model(bench_config("bench-6b"), torch.device("cuda"))
     report = {}
@@ -35,7 +39,7 @@ def main():
         return
     for spec in (False, True):
         kw = dict(speculative="mtp", num_speculative_tokens=3, simulate_accept_length=3.0) if spec else {}
-        ec = EngineConfig(max_num_seqs=max(args.bs), kv_cache_tokens=max(args.bs) * 1200, cuda_graphs=False,
+        ec = EngineConfig(max_num_seqs=max(args.bs), kv_cache_tokens=max(args.bs) * 1200, cuda_graphs=args.graphs,
                           max_model_len=1100, verbose=False, **kw)
         eng = Engine(lm, device="cuda", dtype="bfloat16", engine_config=ec,
                      spec_setup=SpecSetup("mtp") if spec else None)
@@ -50,6 +54,11 @@ def main():
                     eng.step()
                 torch.cuda.synchronize()
             summarize(prof, steps, f"{'spec' if spec else 'decode'}_bs{bs}", report)
+            if args.launches and bs == args.bs[0]:  # the first batch size only (the device returns 8 files)
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    eng.step()
+                    torch.cuda.synchronize()
+                launches(prof, os.path.join(args.out, f"launches_{'spec' if spec else 'decode'}_bs{bs}.json"))
             clear(eng, rids)
         del eng
         torch.cuda.empty_cache()
@@ -68,6 +77,29 @@ def summarize(prof, steps: int, name: str, report: dict) -> None:
     print(f"== {name}: {total:.2f} ms GPU per step, {sum(r[2] for r in rows):.0f} kernels per step")
     for k, ms, n in rows[:30]:
         print(f"  {ms:8.3f} ms  {n:6.0f}x  {k[:90]}")
+
+
+def launches(prof, path: str) -> None:
+    """Every kernel (and memcpy / memset) of the profiled step in start order, with its grid, its time and the
+    idle time between the end of the previous one and its start: the list that shows which neighbours to fuse."""
+    trace = path + ".trace"
+    prof.export_chrome_trace(trace)
+    with open(trace) as f:
+        events = json.load(f)["traceEvents"]
+    os.remove(trace)
+    gpu = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
+                 key=lambda e: e["ts"])
+    rows, end = [], None
+    for e in gpu:
+        gap = 0.0 if end is None else max(0.0, e["ts"] - end)
+        rows.append({"name": e["name"][:80], "grid": e.get("args", {}).get("grid"), "us": e["dur"], "gap_us": gap})
+        end = max(end or 0.0, e["ts"] + e["dur"])
+    busy = sum(r["us"] for r in rows)
+    wall = (end - gpu[0]["ts"]) if gpu else 0.0
+    with open(path, "w") as f:
+        json.dump({"kernels": len(rows), "busy_us": busy, "span_us": wall, "launches": rows}, f, indent=0)
+    print(f"{os.path.basename(path)}: {len(rows)} launches, {busy:.0f} us busy over a {wall:.0f} us span, "
+          f"{sum(r['gap_us'] for r in rows):.0f} us of gaps", flush=True)
 
 
 def profile_prefill(lm, tokens: int, report: dict) -> None:

@@ -65,6 +65,21 @@ def sweep(name, configs, make_fn, floor_us, results):
         print(f"    {us:7.1f} us  {cfg}")
 
 
+def kernel_split(name, fn, results):
+    """Microseconds per layer of each kernel that ``fn`` (LAYERS calls) launches, from the torch profiler: which
+    part of a whole-layer time to work on."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    split = {e.key[:60]: e.device_time_total / LAYERS for e in prof.key_averages() if e.device_time_total > 0}
+    results[name]["kernels_us"] = split
+    print("    per kernel: " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(split.items(), key=lambda kv: -kv[1])))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
@@ -202,6 +217,8 @@ def tune_grouped(dev, dt, results):
                     M.PAIR_GEMV_MAX_PAIRS, M.GROUPED_CFG = saved
             return fn
         sweep(f"grouped_cfg_t{tokens}", cfgs, whole, floor, results)
+        kernel_split(f"grouped_cfg_t{tokens}", whole(tuple(results[f"grouped_cfg_t{tokens}"]["rows"][0]["cfg"])),
+                     results)
         if tokens >= 64:  # torch._grouped_mm (CUTLASS), the prefill path, at this size
             def cutlass(cfg):
                 def fn():
@@ -214,6 +231,7 @@ def tune_grouped(dev, dt, results):
                         G.GROUPED_MM_MIN_PAIRS = saved
                 return fn
             sweep(f"grouped_mm_t{tokens}", [("cutlass",)], cutlass, floor, results)
+            kernel_split(f"grouped_mm_t{tokens}", cutlass(None), results)
         if tokens == 32:
             sweep("pair_path_t32", [M.GROUPED_CFG[0][1]], lambda cfg: whole(cfg, pair_limit=P), floor, results)
 
