@@ -90,25 +90,16 @@ def main():
     torch.manual_seed(0)
     dev, dt = torch.device("cuda"), torch.bfloat16
     results = {}
-    if "moe" in args.only:
-        tune_moe(dev, dt, results)
-    if "grouped" in args.only:
-        tune_grouped(dev, dt, results)
-    if "gemv" in args.only:
-        tune_gemv(dev, dt, results)
-    if "split" in args.only:
-        tune_split(dev, dt, results)
-    if "prefill" in args.only:
-        tune_prefill_moe(dev, dt, results)
-    if "conv" in args.only:
-        tune_conv_prefill(dev, dt, results)
-    if "steps" in args.only:
-        tune_steps(dev, dt, results)
-    with open(os.path.join(args.out, "tune_kernels.json"), "w") as f:
-        json.dump(results, f, indent=1)
-    if args.env:  # the winners as environment settings, for a benchmark run right after the sweep
-        with open(args.env, "w") as f:
-            f.write("\n".join(tuned_env(results)) + "\n")
+    sections = {"moe": tune_moe, "grouped": tune_grouped, "gemv": tune_gemv, "split": tune_split,
+                "prefill": tune_prefill_moe, "conv": tune_conv_prefill, "steps": tune_steps}
+    for name in args.only:
+        sections[name](dev, dt, results)
+        # written after every section, so that a run cut short by a time limit keeps what it measured
+        with open(os.path.join(args.out, "tune_kernels.json"), "w") as f:
+            json.dump(results, f, indent=1)
+        if args.env:  # the winners as environment settings, for a benchmark run right after the sweep
+            with open(args.env, "w") as f:
+                f.write("\n".join(tuned_env(results)) + "\n")
 
 
 def tuned_env(results) -> list[str]:
@@ -116,9 +107,13 @@ def tuned_env(results) -> list[str]:
     if "conv_prefill" in results:
         lines.append("export HYLO_CONV_PREFILL_CFG=" + ",".join(map(str, results["conv_prefill"]["rows"][0]["cfg"])))
     best = lambda name: results[name]["rows"][0]["us"] if name in results else float("inf")  # noqa: E731
+    # the grouped kernels' table: the 64-token winner up to 1024 pairs, the 256-token one beyond
+    cfg = lambda name: ",".join(map(str, results[name]["rows"][0]["cfg"]))  # noqa: E731
+    if "grouped_down_t64" in results and "grouped_down_t256" in results:
+        lines.append(f"export HYLO_GROUPED_CFG='1024:{cfg('grouped_down_t64')};max:{cfg('grouped_down_t256')}'")
     # the smallest swept size at which CUTLASS beats the Triton grouped kernels sets the threshold
     for tokens, pairs in ((64, 704), (256, 2816)):
-        if best(f"grouped_mm_t{tokens}") < best(f"grouped_cfg_t{tokens}"):
+        if best(f"grouped_mm_t{tokens}") < min(best(f"grouped_cfg_t{tokens}"), best(f"grouped_down_t{tokens}")):
             lines.append(f"export HYLO_GROUPED_MM_MIN_PAIRS={pairs}")
             break
     return lines
@@ -188,6 +183,11 @@ def tune_moe(dev, dt, results):
             sweep(f"grouped_moe_t{tokens}", [("default",)], grouped, floor13 + floor2, results)
 
 
+# the down kernel's own (BN, BK, warps, stages) candidates: wider output tiles re-read the activations less
+DOWN_CFGS = [(64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (256, 64, 8, 3), (64, 128, 4, 3),
+             (128, 64, 4, 4), (64, 64, 4, 5)]
+
+
 def tune_grouped(dev, dt, results):
     """The grouped path (alignment + both GEMMs, summed by the caller) at decode-batch and verify sizes: 32 tokens
     (a k = 3 verify at batch 8), 64 (plain batch 64) and 256 (verify at batch 64, plain batch 256); at 32 tokens
@@ -217,8 +217,11 @@ def tune_grouped(dev, dt, results):
                     M.PAIR_GEMV_MAX_PAIRS, M.GROUPED_CFG = saved
             return fn
         sweep(f"grouped_cfg_t{tokens}", cfgs, whole, floor, results)
-        kernel_split(f"grouped_cfg_t{tokens}", whole(tuple(results[f"grouped_cfg_t{tokens}"]["rows"][0]["cfg"])),
-                     results)
+        up = tuple(results[f"grouped_cfg_t{tokens}"]["rows"][0]["cfg"])
+        if tokens >= 64:  # the down kernel (K = 512, N = 2048) with its own tiles, gate/up's best kept
+            sweep(f"grouped_down_t{tokens}", [up + d for d in DOWN_CFGS], whole, floor, results)
+            up = tuple(results[f"grouped_down_t{tokens}"]["rows"][0]["cfg"])
+        kernel_split(f"grouped_cfg_t{tokens}", whole(up), results)
         if tokens >= 64:  # torch._grouped_mm (CUTLASS), the prefill path, at this size
             def cutlass(cfg):
                 def fn():

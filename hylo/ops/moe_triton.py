@@ -17,6 +17,8 @@ unreduced).
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -225,7 +227,28 @@ PAIR_DOWN_CFG = ((32, (8, 512, 2, 1)), (PAIR_GEMV_MAX_PAIRS, (16, 512, 2, 1)))
 # 4x slower than this. But at verify and decode-batch sizes, 16-row blocks with BK = 128 are faster
 # (``tools/tune_kernels.py --only grouped`` on the H200, whole MoE layer: 32 tokens 130 -> 117 us, 64 tokens
 # 146 -> 136 us, against floors of 95; at 256 tokens the 64-row blocks stay best, 243 us).
+# A config may carry a second (BN, BK, warps, stages) for the down kernel (K = I, N = H: a different shape from
+# gate/up's); without one, the down kernel takes gate/up's. HYLO_GROUPED_CFG replaces the table at start-up, as
+# ``tools/tune_kernels.py --env`` writes it: "1024:16,64,128,4,3;max:64,64,64,4,3,128,64,4,3".
 GROUPED_CFG = ((1024, (16, 64, 128, 4, 3)), (1 << 62, (64, 64, 64, 4, 3)))
+
+
+def parse_grouped_cfg(text: str) -> tuple:
+    """``"LIMIT:BM,BN,BK,W,S[,BN,BK,W,S];..."`` (LIMIT a pair count or ``max``) -> a GROUPED_CFG table."""
+    table = []
+    for part in filter(None, (p.strip() for p in text.split(";"))):
+        limit, _, cfg = part.partition(":")
+        values = tuple(int(v) for v in cfg.split(","))
+        if len(values) not in (5, 9):
+            raise ValueError(f"HYLO_GROUPED_CFG entry {part!r}: expected 5 or 9 integers after the pair limit")
+        table.append((1 << 62 if limit.strip() == "max" else int(limit), values))
+    if not table or table[-1][0] != 1 << 62:
+        raise ValueError(f"HYLO_GROUPED_CFG {text!r}: the last entry's limit must be 'max'")
+    return tuple(table)
+
+
+if os.environ.get("HYLO_GROUPED_CFG"):
+    GROUPED_CFG = parse_grouped_cfg(os.environ["HYLO_GROUPED_CFG"])
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -257,7 +280,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         out = fused_moe_grouped_mm(x, w13, w2, wts.view(num_tokens, top_k), ids.view(num_tokens, top_k))
         return out.view(num_tokens, hidden).to(x.dtype) if reduce else out
     else:
-        bm, bn, bk, warps, stages = next(cfg for limit, cfg in GROUPED_CFG if num_pairs <= limit)
+        cfg = next(cfg for limit, cfg in GROUPED_CFG if num_pairs <= limit)
+        bm, bn, bk, warps, stages = cfg[:5]
+        dbn, dbk, dwarps, dstages = cfg[5:] or cfg[1:5]
         prec = "ieee" if x.dtype == torch.float32 else "tf32"
         act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
         sorted_pairs, block_expert = align_pairs(ids, num_experts, bm)
@@ -266,9 +291,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         _grouped_gate_up_kernel[(grid_blocks, triton.cdiv(inter, bn))](
             x, w13, sorted_pairs, block_expert, act, hidden, inter, num_pairs, TOP_K=top_k, BM=bm, BN=bn, BK=bk,
             PREC=prec, num_warps=warps, num_stages=stages)
-        _grouped_down_kernel[(grid_blocks, triton.cdiv(hidden, bn))](
-            act, w2, sorted_pairs, block_expert, wts, out, hidden, inter, num_pairs, BM=bm, BN=bn, BK=bk,
-            PREC=prec, num_warps=warps, num_stages=stages)
+        _grouped_down_kernel[(grid_blocks, triton.cdiv(hidden, dbn))](
+            act, w2, sorted_pairs, block_expert, wts, out, hidden, inter, num_pairs, BM=bm, BN=dbn, BK=dbk,
+            PREC=prec, num_warps=dwarps, num_stages=dstages)
     out = out.view(num_tokens, top_k, hidden)
     return out.sum(1, dtype=torch.float32).to(x.dtype) if reduce else out
 

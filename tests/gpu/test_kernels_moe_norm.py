@@ -46,6 +46,29 @@ def test_grouped_mm_moe_matches_reference(dev):
         assert (out[:, 0].double().cpu() - ref).norm() / ref.norm() < tol
 
 
+@pytest.mark.parametrize("cfg", [(16, 32, 32, 4, 2, 64, 16, 4, 2), (32, 16, 16, 4, 2, 16, 64, 2, 3)])
+def test_grouped_moe_with_its_own_down_tiles(dev, cfg, monkeypatch):
+    """A grouped-kernel config with a second tile set for the down kernel (as ``HYLO_GROUPED_CFG`` may give):
+    output blocks that differ from gate/up's, including a BN past H's end (masked columns)."""
+    from hylo.ops import moe_grouped_mm, moe_triton
+
+    monkeypatch.setattr(moe_triton, "PAIR_GEMV_MAX_PAIRS", 0)
+    monkeypatch.setattr(moe_triton, "GROUPED_CFG", ((1 << 62, cfg),))
+    monkeypatch.setattr(moe_grouped_mm, "GROUPED_MM_MIN_PAIRS", 1 << 40)
+    g = torch.Generator().manual_seed(6)
+    tokens, experts, top_k, hidden, inter = 29, 12, 3, 40, 48
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    x = torch.randn(tokens, hidden, generator=g)
+    w13 = torch.randn(experts, 2 * inter, hidden, generator=g) / hidden ** 0.5
+    w2 = torch.randn(experts, hidden, inter, generator=g) / inter ** 0.5
+    weights, ids = route_topk(torch.randn(tokens, experts, generator=g), top_k, True)
+    ref = fused_moe_ref(x.double(), w13.double(), w2.double(), weights.double(), ids)
+    out = moe_triton.fused_moe(x.to(dev, dtype), w13.to(dev, dtype), w2.to(dev, dtype), weights.to(dev, dtype),
+                               ids.to(dev))
+    tol = 3e-2 if dtype == torch.bfloat16 else 1e-4
+    assert (out.double().cpu() - ref).norm() / ref.norm() < tol
+
+
 @pytest.mark.parametrize("grouped_mm", [True, False])
 def test_prefill_sized_moe_matches_reference(dev, grouped_mm, monkeypatch):
     """A prefill chunk's worth of pairs: through torch._grouped_mm where the GPU has it, and through the Triton
@@ -223,3 +246,14 @@ def test_prefill_router_logits_through_padded_weight(dev):
     w, ids = route(logits, experts, top_k, True, True)
     rw, rids = route(plain.contiguous(), experts, top_k, True, True)
     assert torch.equal(ids, rids) and torch.allclose(w, rw, atol=1e-5)
+
+
+def test_grouped_cfg_setting_parses_and_names_bad_entries():
+    from hylo.ops.moe_triton import parse_grouped_cfg
+
+    table = parse_grouped_cfg("1024:16,64,128,4,3; max:64,64,64,4,3,128,64,8,3")
+    assert table == ((1024, (16, 64, 128, 4, 3)), (1 << 62, (64, 64, 64, 4, 3, 128, 64, 8, 3)))
+    with pytest.raises(ValueError, match="5 or 9 integers"):
+        parse_grouped_cfg("max:64,64,64")
+    with pytest.raises(ValueError, match="'max'"):
+        parse_grouped_cfg("1024:16,64,128,4,3")
