@@ -52,22 +52,16 @@ def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
     return x.reshape(-1, n), n
 
 
-def _launch(rows: int, n: int, per_row: int = 1) -> dict:
-    """Grid and launch parameters: one row per program with few rows (decode and verify, up to batch 256:
+def _run(rows: int, n: int, args: tuple, per_row: int = 1, **kw) -> None:
+    """Launch the norm kernel: one row per program with few rows (decode and verify, up to batch 256:
     latency-bound, more programs in flight); at prefill, rows packed into tiles of about 4096 elements (8 warps)
     per program."""
     bn = next_pow2(n)
     if rows < 1024:
-        warps = 16 if per_row > 1 else 4 if n <= 2048 else 8
-        return dict(grid=(rows,), BR=1, BN=bn, num_warps=warps)
-    br = max(1, 4096 // bn)
-    return dict(grid=(triton.cdiv(rows, br),), BR=br, BN=bn, num_warps=8)
-
-
-def _run(rows: int, n: int, args: tuple, per_row: int = 1, **kw) -> None:
-    p = _launch(rows, n, per_row)
-    grid = p.pop("grid")
-    _rms_norm_kernel[grid](*args, **p, **kw)
+        br, warps = 1, 16 if per_row > 1 else 4 if n <= 2048 else 8
+    else:
+        br, warps = max(1, 4096 // bn), 8
+    _rms_norm_kernel[(triton.cdiv(rows, br),)](*args, BR=br, BN=bn, num_warps=warps, **kw)
 
 
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
