@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from .moe_grouped_mm import fused_moe_grouped_mm, grouped_mm_usable
+from .moe_route_triton import experts_block, load_logits, route, route_out, route_pair
 from .triton_pdl import l2_prefetch, pdl_enter
 from .triton_utils import next_pow2, pdl_launch, prefetch_args
 
@@ -34,15 +35,33 @@ PAIR_GEMV_MAX_PAIRS = 176
 
 # ---- few pairs: one GEMV per pair ------------------------------------------------------------------------------
 @triton.jit
-def _pair_gate_up_kernel(x_ptr, w13_ptr, ids_ptr, act_ptr, H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
-                         BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr = False):
-    """Program (pair, block of BN intermediate columns): silu(x W_gate^T) * (x W_up^T) of that pair's expert."""
+def _pair_gate_up_kernel(x_ptr, w13_ptr, ids_ptr, act_ptr, logits_ptr, wts_ptr, stride_l, stride_s,
+                         H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                         ROUTE: tl.constexpr = False, E: tl.constexpr = 0, K: tl.constexpr = 0,
+                         NORM: tl.constexpr = False, SHARED: tl.constexpr = False, SPLIT: tl.constexpr = 1,
+                         BE: tl.constexpr = 16, PDL: tl.constexpr = False):
+    """Program (pair, block of BN intermediate columns): silu(x W_gate^T) * (x W_up^T) of that pair's expert.
+
+    With ROUTE the pair's expert and weight are not given: the program chooses them from its token's router
+    logits (or their split-K partials) itself (``route_pair``), and the programs of the first column block store
+    them for the down kernel. The routing then costs no launch, and no kernel boundary sits between the router
+    GEMV and the expert weights' reads."""
     pdl_enter(PDL)
     pair = tl.program_id(0)
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
     mn = offs_n < I
-    e = tl.load(ids_ptr + pair).to(tl.int64)
     tok = pair // TOP_K
+    if ROUTE:
+        offs_e = tl.arange(0, BE)
+        logits = load_logits(logits_ptr, tok, stride_l, stride_s, offs_e, E, SHARED, SPLIT,
+                             wts_ptr.dtype.element_ty)
+        e, w = route_pair(logits, offs_e, pair % TOP_K, E, K, NORM, SHARED)
+        if tl.program_id(1) == 0:
+            tl.store(ids_ptr + pair, e.to(tl.int64))
+            tl.store(wts_ptr + pair, w.to(wts_ptr.dtype.element_ty))
+        e = e.to(tl.int64)
+    else:
+        e = tl.load(ids_ptr + pair).to(tl.int64)
     w_base = w13_ptr + e * (2 * I * H)
     acc_g = tl.zeros([BN], dtype=tl.float32)
     acc_u = tl.zeros([BN], dtype=tl.float32)
@@ -265,17 +284,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     if num_pairs == 0:
         return torch.zeros_like(x) if reduce else x.new_zeros(num_tokens, top_k, hidden)
     if num_pairs <= PAIR_GEMV_MAX_PAIRS:
-        act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
-        bn, bk, warps, stages = PAIR_GATE_UP_CFG
-        _pair_gate_up_kernel[(num_pairs, triton.cdiv(inter, bn))](
-            x, w13, ids, act, hidden, inter, TOP_K=top_k, BN=bn, BK=min(bk, next_pow2(hidden)), num_warps=warps,
-            num_stages=stages, **pdl_launch(x))
-        bn, bk, warps, stages = next((cfg for limit, cfg in PAIR_DOWN_CFG if num_pairs <= limit),
-                                     PAIR_DOWN_CFG[-1][1])
-        out = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
-        _pair_down_kernel[(num_pairs, triton.cdiv(hidden, bn))](
-            act, w2, ids, wts, out, hidden, inter, BN=bn, BK=min(bk, next_pow2(inter)),
-            num_warps=warps, num_stages=stages, **prefetch_args(inter, w2), **pdl_launch(x))
+        out = _pair_moe(x, w13, w2, ids, wts, top_k)
     elif grouped_mm_usable(x, w13, w2, num_pairs):  # already summed per token: [T, 1, H] float32
         out = fused_moe_grouped_mm(x, w13, w2, wts.view(num_tokens, top_k), ids.view(num_tokens, top_k))
         return out.view(num_tokens, hidden).to(x.dtype) if reduce else out
@@ -298,76 +307,43 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     return out.sum(1, dtype=torch.float32).to(x.dtype) if reduce else out
 
 
-# ---- routing ---------------------------------------------------------------------------------------------------
-@triton.jit
-def _select_topk(x, offs, t, w_ptr, ids_ptr, E: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
-                 NORM: tl.constexpr, SHARED: tl.constexpr):
-    """x: [BE] float32 logits of token t (column E: the shared expert's gate). Softmax over the E experts, top-K,
-    optional renormalisation, stored as pairs 0..K-1; with SHARED, the shared expert (id E) as pair K with weight
-    sigmoid(gate). One pass of K max-reductions: each chosen expert's rank is kept, and the weights are stored by
-    rank once their sum is known."""
-    m = offs < E
-    xe = tl.where(m, x, float("-inf"))
-    p = tl.exp(xe - tl.max(xe, 0))
-    p = p / tl.sum(p, 0)
-    p = tl.where(m, p, -1.0)
-    q = p
-    rank = tl.full(x.shape, -1, tl.int32)
-    total = 0.0
-    for j in tl.static_range(K):
-        best, idx = tl.max(q, 0, return_indices=True, return_indices_tie_break_left=True)
-        total += best
-        tl.store(ids_ptr + t * KP + j, idx.to(tl.int64))
-        rank = tl.where(offs == idx, j, rank)
-        q = tl.where(offs == idx, -1.0, q)
-    scale = 1.0 / total if NORM else 1.0
-    tl.store(w_ptr + t * KP + rank, (p * scale).to(w_ptr.dtype.element_ty), mask=rank >= 0)
-    if SHARED:
-        g = tl.sum(tl.where(offs == E, x, 0.0), 0)
-        tl.store(ids_ptr + t * KP + K, E)
-        tl.store(w_ptr + t * KP + K, (1.0 / (1.0 + tl.exp(-g))).to(w_ptr.dtype.element_ty))
+def _pair_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor,
+              pairs_per_token: int, logits: torch.Tensor | None = None, **route_args) -> torch.Tensor:
+    """The pair kernels over ids / wts [P] (P = tokens * pairs_per_token). With ``logits`` (and the gate/up
+    kernel's ROUTE arguments) the gate/up kernel fills ids and wts itself. Returns the float32 pair rows [P, H]."""
+    num_pairs, (hidden, inter) = ids.shape[0], (x.shape[1], w2.shape[-1])
+    act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
+    bn, bk, warps, stages = PAIR_GATE_UP_CFG
+    split = logits.shape[1] if logits is not None and logits.dim() == 3 else 1
+    _pair_gate_up_kernel[(num_pairs, triton.cdiv(inter, bn))](
+        x, w13, ids, act, logits if logits is not None else x, wts, logits.stride(0) if logits is not None else 0,
+        logits.stride(1) if split > 1 else 0, hidden, inter, TOP_K=pairs_per_token, BN=bn,
+        BK=min(bk, next_pow2(hidden)), ROUTE=logits is not None, SPLIT=split, **route_args, num_warps=warps,
+        num_stages=stages, **pdl_launch(x))
+    bn, bk, warps, stages = next((cfg for limit, cfg in PAIR_DOWN_CFG if num_pairs <= limit), PAIR_DOWN_CFG[-1][1])
+    out = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
+    # a routing gate/up kernel writes the ids only after its PDL wait: the down kernel must not prefetch by them
+    prefetch = prefetch_args(inter, w2) if logits is None else {}
+    _pair_down_kernel[(num_pairs, triton.cdiv(hidden, bn))](
+        act, w2, ids, wts, out, hidden, inter, BN=bn, BK=min(bk, next_pow2(inter)), num_warps=warps,
+        num_stages=stages, **prefetch, **pdl_launch(x))
+    return out
 
 
-@triton.jit
-def _route_kernel(logits_ptr, w_ptr, ids_ptr, stride_l, stride_s, E: tl.constexpr, K: tl.constexpr,
-                  KP: tl.constexpr, BE: tl.constexpr, NORM: tl.constexpr, SHARED: tl.constexpr, SPLIT: tl.constexpr,
-                  PDL: tl.constexpr = False):
-    """Routing from precomputed logits [T, E (+1)], or from the float32 split-K partials [T, SPLIT, E (+1)] of the
-    router GEMV (summed here, then rounded to the model's dtype as a plain matmul's logits are): one program per
-    token."""
-    pdl_enter(PDL)
-    t = tl.program_id(0)
-    offs = tl.arange(0, BE)
-    m = offs < E + SHARED
-    x = tl.load(logits_ptr + t * stride_l + offs, mask=m, other=0.0).to(tl.float32)
-    if SPLIT > 1:
-        for s in tl.static_range(1, SPLIT):
-            x += tl.load(logits_ptr + t * stride_l + s * stride_s + offs, mask=m, other=0.0)
-        x = x.to(w_ptr.dtype.element_ty).to(tl.float32)
-    _select_topk(x, offs, t, w_ptr, ids_ptr, E, K, KP, NORM, SHARED)
-
-
-def _route_out(tokens: int, top_k: int, shared: bool, dtype: torch.dtype, device):
+def routed_moe(x: torch.Tensor, logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, num_experts: int,
+               top_k: int, normalize: bool, shared: bool, reduce: bool = True) -> torch.Tensor:
+    """Routing (``route``) and the experts (``fused_moe``) of x [T, H] from its router logits [T, E (+1)] or their
+    float32 split-K partials [T, S, E (+1)]. With few pairs (decode) the routing runs inside the gate/up kernel:
+    two launches for the whole MoE."""
+    num_tokens = x.shape[0]
     kp = top_k + int(shared)
-    return kp, torch.empty(tokens, kp, dtype=dtype, device=device), torch.empty(tokens, kp, dtype=torch.int64,
-                                                                                device=device)
-
-
-def _experts_block(num_experts: int, shared: bool) -> int:
-    return max(16, next_pow2(num_experts + int(shared)))
-
-
-def route(logits: torch.Tensor, num_experts: int, top_k: int, normalize: bool, shared: bool,
-          dtype: torch.dtype | None = None):
-    """logits: [T, E (+1 shared-gate column)], or float32 partial sums [T, S, E (+1)] whose sum is the logits.
-    Returns (weights [T, k (+1)] in ``dtype`` (default: the logits' dtype), ids int64)."""
-    tokens = logits.shape[0]
-    split = logits.shape[1] if logits.dim() == 3 else 1
+    if num_tokens == 0 or num_tokens * kp > PAIR_GEMV_MAX_PAIRS:
+        weights, ids = route(logits, num_experts, top_k, normalize, shared, x.dtype)
+        return fused_moe(x, w13, w2, weights, ids, reduce=reduce)
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
-    kp, w, ids = _route_out(tokens, top_k, shared, dtype or logits.dtype, logits.device)
-    if tokens:
-        _route_kernel[(tokens,)](logits, w, ids, logits.stride(0), logits.stride(1) if split > 1 else 0,
-                                 E=num_experts, K=top_k, KP=kp, BE=_experts_block(num_experts, shared),
-                                 NORM=normalize, SHARED=shared, SPLIT=split, num_warps=1, **pdl_launch(logits))
-    return w, ids
+    _, wts, ids = route_out(num_tokens, top_k, shared, x.dtype, x.device)
+    out = _pair_moe(x.contiguous(), w13, w2, ids.view(-1), wts.view(-1), kp, logits=logits, E=num_experts,
+                    K=top_k, NORM=normalize, SHARED=shared, BE=experts_block(num_experts, shared))
+    out = out.view(num_tokens, kp, -1)
+    return out.sum(1, dtype=torch.float32).to(x.dtype) if reduce else out

@@ -148,7 +148,7 @@ def test_norm_kernels_match_reference(dev, rows, dim):
                                                                    (33, 16, 3, True, False)])
 def test_routing_kernel_matches_reference(dev, tokens, experts, top_k, normalize, shared):
     from hylo.ops.moe import route_topk
-    from hylo.ops.moe_triton import route
+    from hylo.ops.moe_route_triton import route
 
     g = torch.Generator().manual_seed(6)
     logits = torch.randn(tokens, experts + int(shared), generator=g)
@@ -159,6 +159,40 @@ def test_routing_kernel_matches_reference(dev, tokens, experts, top_k, normalize
     if shared:
         assert (ids[:, top_k] == experts).all()
         assert torch.allclose(w[:, top_k].cpu(), torch.sigmoid(logits[:, experts]), atol=1e-6)
+
+
+@pytest.mark.parametrize("tokens,experts,top_k,normalize,shared,split", [
+    (1, 64, 10, True, True, 8), (3, 16, 4, False, True, 1), (5, 8, 2, True, False, 2), (16, 64, 10, True, True, 4)])
+def test_routing_inside_the_gate_up_kernel(dev, tokens, experts, top_k, normalize, shared, split):
+    """The decode MoE with the routing inside its gate/up kernel (``routed_moe``) against the float64 reference
+    of route-then-experts, from split-K partial logits; and, on logits full of ties, equal to the separate
+    routing kernel plus the pair kernels (the same expert wins a tie in both)."""
+    from hylo.ops.moe import fused_moe_ref, route
+    from hylo.ops.moe_triton import PAIR_GEMV_MAX_PAIRS, fused_moe, routed_moe
+
+    assert tokens * (top_k + int(shared)) <= PAIR_GEMV_MAX_PAIRS  # the fused path is what is tested
+    g = torch.Generator().manual_seed(9)
+    hidden, inter = 64, 48
+    n = experts + int(shared)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    x = torch.randn(tokens, hidden, generator=g).to(dtype)
+    w13 = (torch.randn(n, 2 * inter, hidden, generator=g) / hidden ** 0.5).to(dtype)
+    w2 = (torch.randn(n, hidden, inter, generator=g) / inter ** 0.5).to(dtype)
+    for tied in (False, True):
+        partials = torch.randn(tokens, split, n, generator=g)
+        if tied:  # few distinct values: many experts tie for a top-k place
+            partials = torch.zeros(tokens, split, n)
+            partials[:, 0] = torch.randint(0, 3, (tokens, n), generator=g).float()
+        logits = partials if split > 1 else partials[:, 0]
+        out = routed_moe(x.to(dev), logits.to(dev), w13.to(dev), w2.to(dev), experts, top_k, normalize, shared)
+        weights, ids = route(logits.to(dev), experts, top_k, normalize, shared, dtype)
+        if tied:
+            sep = fused_moe(x.to(dev), w13.to(dev), w2.to(dev), weights, ids)
+            assert torch.allclose(out.float().cpu(), sep.float().cpu(), atol=1e-6, rtol=1e-5)
+        else:
+            ref = fused_moe_ref(x.double(), w13.double(), w2.double(), weights.double().cpu(), ids.cpu())
+            tol = 3e-2 if dtype == torch.bfloat16 else 1e-4
+            assert (out.double().cpu() - ref).norm() / ref.norm() < tol
 
 
 @pytest.mark.parametrize("heads,kv_heads,dim,rot", [(4, 2, 24, 6), (16, 2, 256, 64), (6, 3, 20, 10)])
@@ -200,7 +234,7 @@ def test_gated_norm_reads_a_strided_gate(dev, tokens):
 def test_router_gemv_partials_route_like_the_plain_logits(dev, tokens, split):
     """The decode router: split-K partials from ``ops.linear.narrow`` route exactly as the rounded logits do."""
     from hylo.ops.linear import narrow
-    from hylo.ops.moe_triton import route
+    from hylo.ops.moe_route_triton import route
 
     experts, top_k, hidden = 64, 10, 2048
     dt = torch.bfloat16 if dev.type == "cuda" else torch.float32  # the interpreter has no bfloat16 dot
@@ -233,7 +267,7 @@ def test_prefill_router_logits_through_padded_weight(dev):
     """Many rows (prefill): ``narrow`` multiplies by a copy of the 65-row router padded to 72 rows (an aligned
     cuBLAS kernel) and hands back a strided view of the first 65 columns, which routes like the plain logits."""
     from hylo.ops.linear import narrow
-    from hylo.ops.moe_triton import route
+    from hylo.ops.moe_route_triton import route
 
     experts, top_k, hidden, tokens = 64, 10, 256, 700
     g = torch.Generator().manual_seed(8)

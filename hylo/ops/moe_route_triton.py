@@ -1,0 +1,126 @@
+"""Triton routing for the MoE: softmax over the experts, top-k, optional renormalisation, and the folded shared
+expert as one more pair, from the router's logits or from the float32 split-K partials of the router GEMV.
+
+Two forms: the routing kernel (one program per token, the K choices as K max-reductions), and ``route_pair``, the
+choice of one pair's expert and weight inside another kernel (the decode MoE's gate/up kernel computes its own
+pair's routing, so that at decode the routing costs no launch of its own).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_pdl import pdl_enter
+from .triton_utils import next_pow2, pdl_launch
+
+
+@triton.jit
+def _select_topk(x, offs, t, w_ptr, ids_ptr, E: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
+                 NORM: tl.constexpr, SHARED: tl.constexpr):
+    """x: [BE] float32 logits of token t (column E: the shared expert's gate). Softmax over the E experts, top-K,
+    optional renormalisation, stored as pairs 0..K-1; with SHARED, the shared expert (id E) as pair K with weight
+    sigmoid(gate). One pass of K max-reductions: each chosen expert's rank is kept, and the weights are stored by
+    rank once their sum is known."""
+    m = offs < E
+    xe = tl.where(m, x, float("-inf"))
+    p = tl.exp(xe - tl.max(xe, 0))
+    p = p / tl.sum(p, 0)
+    p = tl.where(m, p, -1.0)
+    q = p
+    rank = tl.full(x.shape, -1, tl.int32)
+    total = 0.0
+    for j in tl.static_range(K):
+        best, idx = tl.max(q, 0, return_indices=True, return_indices_tie_break_left=True)
+        total += best
+        tl.store(ids_ptr + t * KP + j, idx.to(tl.int64))
+        rank = tl.where(offs == idx, j, rank)
+        q = tl.where(offs == idx, -1.0, q)
+    scale = 1.0 / total if NORM else 1.0
+    tl.store(w_ptr + t * KP + rank, (p * scale).to(w_ptr.dtype.element_ty), mask=rank >= 0)
+    if SHARED:
+        g = tl.sum(tl.where(offs == E, x, 0.0), 0)
+        tl.store(ids_ptr + t * KP + K, E)
+        tl.store(w_ptr + t * KP + K, (1.0 / (1.0 + tl.exp(-g))).to(w_ptr.dtype.element_ty))
+
+
+@triton.jit
+def load_logits(logits_ptr, t, stride_l, stride_s, offs, E: tl.constexpr, SHARED: tl.constexpr,
+                SPLIT: tl.constexpr, DTYPE: tl.constexpr):
+    """Token t's logits [BE] in float32 (columns past E (+1) zero): the row, or the sum of its SPLIT float32
+    partial rows rounded to the model's dtype as a plain matmul's logits are."""
+    m = offs < E + SHARED
+    x = tl.load(logits_ptr + t * stride_l + offs, mask=m, other=0.0).to(tl.float32)
+    if SPLIT > 1:
+        for s in tl.static_range(1, SPLIT):
+            x += tl.load(logits_ptr + t * stride_l + s * stride_s + offs, mask=m, other=0.0)
+        x = x.to(DTYPE).to(tl.float32)
+    return x
+
+
+@triton.jit
+def route_pair(x, offs, j, E: tl.constexpr, K: tl.constexpr, NORM: tl.constexpr, SHARED: tl.constexpr):
+    """The expert and weight of a token's pair j from its logits x [BE]: the expert ranked j by probability
+    (ties to the lower id, as ``_select_topk``), or for j = K the shared expert with weight sigmoid(gate). All
+    ranks come from one [BE, BE] comparison instead of K dependent max-reductions."""
+    m = offs < E
+    xe = tl.where(m, x, float("-inf"))
+    p = tl.exp(xe - tl.max(xe, 0))
+    p = p / tl.sum(p, 0)
+    p = tl.where(m, p, -1.0)
+    # rank[i] = how many experts beat expert i: a higher probability, or the same one at a lower id
+    pi, pj = p[:, None], p[None, :]
+    beats = (pj > pi) | ((pj == pi) & (offs[None, :] < offs[:, None]))
+    rank = tl.sum(beats.to(tl.int32), 1)
+    chosen = m & (rank < K)
+    total = tl.sum(tl.where(chosen, p, 0.0), 0)
+    scale = 1.0 / total if NORM else 1.0
+    mine = m & (rank == j)
+    e = tl.sum(tl.where(mine, offs, 0), 0)
+    w = tl.sum(tl.where(mine, p, 0.0), 0) * scale
+    if SHARED:
+        g = tl.sum(tl.where(offs == E, x, 0.0), 0)
+        e = tl.where(j == K, E, e)
+        w = tl.where(j == K, 1.0 / (1.0 + tl.exp(-g)), w)
+    return e, w
+
+
+@triton.jit
+def _route_kernel(logits_ptr, w_ptr, ids_ptr, stride_l, stride_s, E: tl.constexpr, K: tl.constexpr,
+                  KP: tl.constexpr, BE: tl.constexpr, NORM: tl.constexpr, SHARED: tl.constexpr, SPLIT: tl.constexpr,
+                  PDL: tl.constexpr = False):
+    """Routing from precomputed logits [T, E (+1)], or from the float32 split-K partials [T, SPLIT, E (+1)] of the
+    router GEMV (summed here, then rounded to the model's dtype as a plain matmul's logits are): one program per
+    token."""
+    pdl_enter(PDL)
+    t = tl.program_id(0)
+    offs = tl.arange(0, BE)
+    x = load_logits(logits_ptr, t, stride_l, stride_s, offs, E, SHARED, SPLIT, w_ptr.dtype.element_ty)
+    _select_topk(x, offs, t, w_ptr, ids_ptr, E, K, KP, NORM, SHARED)
+
+
+def route_out(tokens: int, top_k: int, shared: bool, dtype: torch.dtype, device):
+    kp = top_k + int(shared)
+    return kp, torch.empty(tokens, kp, dtype=dtype, device=device), torch.empty(tokens, kp, dtype=torch.int64,
+                                                                                device=device)
+
+
+def experts_block(num_experts: int, shared: bool) -> int:
+    return max(16, next_pow2(num_experts + int(shared)))
+
+
+def route(logits: torch.Tensor, num_experts: int, top_k: int, normalize: bool, shared: bool,
+          dtype: torch.dtype | None = None):
+    """logits: [T, E (+1 shared-gate column)], or float32 partial sums [T, S, E (+1)] whose sum is the logits.
+    Returns (weights [T, k (+1)] in ``dtype`` (default: the logits' dtype), ids int64)."""
+    tokens = logits.shape[0]
+    split = logits.shape[1] if logits.dim() == 3 else 1
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    kp, w, ids = route_out(tokens, top_k, shared, dtype or logits.dtype, logits.device)
+    if tokens:
+        _route_kernel[(tokens,)](logits, w, ids, logits.stride(0), logits.stride(1) if split > 1 else 0,
+                                 E=num_experts, K=top_k, KP=kp, BE=experts_block(num_experts, shared),
+                                 NORM=normalize, SHARED=shared, SPLIT=split, num_warps=1, **pdl_launch(logits))
+    return w, ids
