@@ -98,3 +98,23 @@ def test_simulated_target_changes_after_the_engine_is_built():
     eng = Engine(None, device="cpu", engine_config=ec, spec_setup=SpecSetup("mtp"))
     with pytest.raises(ValueError, match="simulate_accept_length"):
         eng.worker.simulate_accept_length = None
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_overlap_record_counts_steps_reads_and_accept_length(overlap):
+    """The benchmark's overlap record on the CPU engine: the measured accept length is the simulated one, the
+    overlap loop makes no blocking read per step and the plain loop one, and the requests are cleared after."""
+    from dataclasses import replace
+
+    from hylo.bench import _overlap_record
+
+    ec = EngineConfig(verbose=False, max_num_seqs=2, speculative="mtp", num_speculative_tokens=3,
+                      simulate_accept_length=3.0, max_model_len=1100, kv_cache_tokens=2400)
+    eng = Engine(None, device="cpu", engine_config=ec, spec_setup=SpecSetup("mtp"))
+    eng.ec = replace(eng.ec, overlap=overlap)
+    rec = _overlap_record(eng, 2, 3, 6)
+    assert rec["overlap"] is overlap and rec["spec"] == "mtp" and rec["ms_per_step"] > 0
+    assert abs(rec["accept_length"] - 3.0) < 1e-9
+    assert rec["blocking_syncs_per_step"] == (0.0 if overlap else 1.0)
+    assert "graph_ms_per_step" not in rec  # no graphs on the CPU: no unprofiled busy figure to report
+    assert not eng.has_unfinished() and eng.caches.req_slots.num_free == 2
