@@ -366,7 +366,11 @@ def _overlap_record(eng: Engine, bs: int, k: int, steps: int) -> dict:
     prof = overlap_profile(eng, steps)
     reqs = [eng._reqs[r] for r in rids]
     measured_len = sum(r.spec.emitted_tokens for r in reqs) / max(sum(r.spec.verify_steps for r in reqs), 1)
-    extra = _unprofiled_busy(eng, steps) if eng.ec.overlap else {}
+    try:
+        extra = _unprofiled_busy(eng, steps) if eng.ec.overlap else {}
+    except RuntimeError as exc:  # an auxiliary figure: report it missing rather than lose the run's other records
+        print(f"[bench] WARNING: unprofiled busy fraction not measured: {exc}", flush=True)
+        extra = {}
     clear(eng, rids)
     return dict(phase="decode", batch_size=bs, context=1024, cuda_graph=True, spec="mtp", num_speculative_tokens=k,
                 accept_length=measured_len, overlap=eng.ec.overlap,
