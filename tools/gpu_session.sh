@@ -18,7 +18,7 @@ case "$phase" in
     grep -E "^==|launches," "$out/prof_step.txt"
     ;;
   bench)
-    timeout 190 python3 tools/tune_kernels.py --only grouped conv --out "$out" --env "$out/tuned.env" \
+    timeout 170 python3 tools/tune_kernels.py --only grouped conv --out "$out" --env "$out/tuned.env" \
       > "$out/tune.txt" 2>&1
     grep -v "^    " "$out/tune.txt"; cat "$out/tuned.env" 2>/dev/null
     [ -f "$out/tuned.env" ] && . "$out/tuned.env"
