@@ -25,5 +25,12 @@ case "$phase" in
     timeout 380 python3 -m hylo bench --vs-hf --pdl --out "$out" > "$out/bench.txt" 2>&1
     echo "bench rc=$?"; grep "^\[bench\]" "$out/bench.txt"
     ;;
+  bench-first)  # when little device time is left: the bench with the committed defaults, then the sweeps
+    timeout 380 python3 -m hylo bench --vs-hf --pdl --out "$out" > "$out/bench.txt" 2>&1
+    echo "bench rc=$?"; grep "^\[bench\]" "$out/bench.txt"
+    timeout 170 python3 tools/tune_kernels.py --only grouped conv --out "$out" --env "$out/tuned.env" \
+      > "$out/tune.txt" 2>&1
+    grep -v "^    " "$out/tune.txt"; cat "$out/tuned.env" 2>/dev/null
+    ;;
   *) echo "unknown phase $phase" >&2; exit 2 ;;
 esac
