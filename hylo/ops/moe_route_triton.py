@@ -17,17 +17,24 @@ from .triton_utils import next_pow2, pdl_launch
 
 
 @triton.jit
+def _expert_probs(x, offs, E: tl.constexpr):
+    """Softmax in float32 over the first E columns of x [BE]; -1 past them (below every probability)."""
+    m = offs < E
+    xe = tl.where(m, x, float("-inf"))
+    p = tl.exp(xe - tl.max(xe, 0))
+    p = p / tl.sum(p, 0)
+    return tl.where(m, p, -1.0)
+
+
+@triton.jit
 def _select_topk(x, offs, t, w_ptr, ids_ptr, E: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
                  NORM: tl.constexpr, SHARED: tl.constexpr):
     """x: [BE] float32 logits of token t (column E: the shared expert's gate). Softmax over the E experts, top-K,
     optional renormalisation, stored as pairs 0..K-1; with SHARED, the shared expert (id E) as pair K with weight
     sigmoid(gate). One pass of K max-reductions: each chosen expert's rank is kept, and the weights are stored by
-    rank once their sum is known."""
-    m = offs < E
-    xe = tl.where(m, x, float("-inf"))
-    p = tl.exp(xe - tl.max(xe, 0))
-    p = p / tl.sum(p, 0)
-    p = tl.where(m, p, -1.0)
+    rank once their sum is known. (``route_pair`` ranks all experts at once instead: in this one-warp program per
+    token the K reductions are the cheaper form, in the wide gate/up programs the comparison matrix is.)"""
+    p = _expert_probs(x, offs, E)
     q = p
     rank = tl.full(x.shape, -1, tl.int32)
     total = 0.0
@@ -65,10 +72,7 @@ def route_pair(x, offs, j, E: tl.constexpr, K: tl.constexpr, NORM: tl.constexpr,
     (ties to the lower id, as ``_select_topk``), or for j = K the shared expert with weight sigmoid(gate). All
     ranks come from one [BE, BE] comparison instead of K dependent max-reductions."""
     m = offs < E
-    xe = tl.where(m, x, float("-inf"))
-    p = tl.exp(xe - tl.max(xe, 0))
-    p = p / tl.sum(p, 0)
-    p = tl.where(m, p, -1.0)
+    p = _expert_probs(x, offs, E)
     # rank[i] = how many experts beat expert i: a higher probability, or the same one at a lower id
     pi, pj = p[:, None], p[None, :]
     beats = (pj > pi) | ((pj == pi) & (offs[None, :] < offs[:, None]))

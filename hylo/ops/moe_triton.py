@@ -2,8 +2,9 @@
 experts' weights.
 
 Three layouts of the (token, expert) pairs, picked by their number P = tokens * top_k:
-- few pairs (decode): one program row per pair, a GEMV over that pair's expert. No sorting at all, so the whole
-  MoE is two launches; an expert chosen by several pairs is re-read from L2.
+- few pairs (decode): one program row per pair, a GEMV over that pair's expert. No sorting at all, and the
+  routing runs inside the gate/up kernel (``routed_moe``), so the whole MoE after the router GEMV is two
+  launches; an expert chosen by several pairs is re-read from L2.
 - many pairs (large prefill chunks on Hopper and later): ``torch._grouped_mm`` (``moe_grouped_mm``), which returns
   each token's sum as one float32 row [T, 1, H].
 - many pairs elsewhere (decode batches beyond the pair kernels, older GPUs, float32): pairs sorted by expert into
