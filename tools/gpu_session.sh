@@ -32,5 +32,9 @@ case "$phase" in
       > "$out/tune.txt" 2>&1
     grep -v "^    " "$out/tune.txt"; cat "$out/tuned.env" 2>/dev/null
     ;;
+  bench-short)  # the least device time: hylo's own rows only (no HF, no sweeps), as far as the limit lets it go
+    python3 -m hylo bench --pdl --out "$out" > "$out/bench.txt" 2>&1
+    echo "bench rc=$?"; grep "^\[bench\]" "$out/bench.txt"
+    ;;
   *) echo "unknown phase $phase" >&2; exit 2 ;;
 esac
