@@ -331,6 +331,12 @@ def _pair_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.T
     return out
 
 
+# the in-kernel routing compares every expert with every other ([BE, BE] values per program): up to 128 (64
+# experts and the shared one, as bench-6b and the small Qwen3-Next shapes) that is 128 values per thread; the
+# 512 experts of Qwen3-Next-80B would need 2048, so such models keep the separate routing kernel
+ROUTE_IN_GATE_UP_MAX_BLOCK = 128
+
+
 def routed_moe(x: torch.Tensor, logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, num_experts: int,
                top_k: int, normalize: bool, shared: bool, reduce: bool = True) -> torch.Tensor:
     """Routing (``route``) and the experts (``fused_moe``) of x [T, H] from its router logits [T, E (+1)] or their
@@ -338,7 +344,8 @@ def routed_moe(x: torch.Tensor, logits: torch.Tensor, w13: torch.Tensor, w2: tor
     two launches for the whole MoE."""
     num_tokens = x.shape[0]
     kp = top_k + int(shared)
-    if num_tokens == 0 or num_tokens * kp > PAIR_GEMV_MAX_PAIRS:
+    if (num_tokens == 0 or num_tokens * kp > PAIR_GEMV_MAX_PAIRS
+            or experts_block(num_experts, shared) > ROUTE_IN_GATE_UP_MAX_BLOCK):
         weights, ids = route(logits, num_experts, top_k, normalize, shared, x.dtype)
         return fused_moe(x, w13, w2, weights, ids, reduce=reduce)
     if logits.stride(-1) != 1:
