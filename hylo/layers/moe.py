@@ -13,7 +13,7 @@ from torch import nn
 from ..config import ModelConfig
 from .weights import TensorReader, copy_into
 from ..ops.linear import narrow
-from ..ops.moe import routed_moe
+from ..ops.moe import fused_moe, route
 
 
 def _load_gate_up(r: TensorReader, prefix: str, inter: int, hidden: int) -> torch.Tensor:
@@ -44,7 +44,7 @@ class SparseMoE(nn.Module):
     When the shared expert has the routed experts' size (Qwen3-Next's does), it is folded in as expert ``E``: its
     weights are the last rows of ``w13``/``w2``, its gate is the last row of ``router``, and every token routes to
     it as one more pair with weight sigmoid(gate). The whole block is then one router matmul, one routing kernel and
-    the two expert kernels; at decode, the routing runs inside the first expert kernel (``ops.moe.routed_moe``).
+    the two expert kernels.
     """
 
     def __init__(self, mc: ModelConfig, dtype: torch.dtype, device=None):
@@ -66,8 +66,9 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         """[T, H]; with ``reduce=False`` possibly the unreduced pair rows [T, k, H] (the fast path's), which the
         residual add that follows sums (``ops.norm.add_rms_norm``): one pass over them fewer per layer."""
-        out = routed_moe(x, narrow(x, self.router), self.w13, self.w2, self.num_experts, self.top_k,
-                         self.norm_topk, self.fold_shared, reduce=reduce or self.shared is not None)
+        weights, ids = route(narrow(x, self.router), self.num_experts, self.top_k, self.norm_topk,
+                             self.fold_shared, x.dtype)
+        out = fused_moe(x, self.w13, self.w2, weights, ids, reduce=reduce or self.shared is not None)
         if self.shared is not None:
             out = out + torch.sigmoid(F.linear(x, self.shared_gate)) * self.shared(x)
         return out

@@ -54,19 +54,6 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     return fused_moe_ref(x, w13, w2, topk_weights, topk_ids)
 
 
-def routed_moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, num_experts: int,
-               top_k: int, normalize: bool, shared: bool, reduce: bool = True) -> torch.Tensor:
-    """``route`` then ``fused_moe``, of x [T, H] with its router logits (or their split-K partials). On the Triton
-    decode path the routing runs inside the experts' first kernel; with ``reduce=False`` the result may be the
-    unreduced pair rows [T, k, H]."""
-    if use_triton(x):
-        from .moe_triton import routed_moe as routed_moe_triton
-
-        return routed_moe_triton(x, router_logits, w13, w2, num_experts, top_k, normalize, shared, reduce=reduce)
-    weights, ids = route(router_logits, num_experts, top_k, normalize, shared, x.dtype)
-    return fused_moe_ref(x, w13, w2, weights, ids)
-
-
 def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor) -> torch.Tensor:
     """Sum over each token's chosen experts of ``weight * down(silu(gate(x)) * up(x))``.

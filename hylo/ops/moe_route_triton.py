@@ -1,9 +1,9 @@
 """Triton routing for the MoE: softmax over the experts, top-k, optional renormalisation, and the folded shared
 expert as one more pair, from the router's logits or from the float32 split-K partials of the router GEMV.
 
-Two forms: the routing kernel (one program per token, the K choices as K max-reductions), and ``route_pair``, the
-choice of one pair's expert and weight inside another kernel (the decode MoE's gate/up kernel computes its own
-pair's routing, so that at decode the routing costs no launch of its own).
+One program per token, the K choices as K max-reductions. (Routing inside the decode gate/up kernel instead, each
+program ranking its token's experts itself, was measured in session 7 and made batch-1 decode 1.73 -> 2.62 ms and
+batch 8 3.73 -> 9.91 ms: every one of a pair's 128 column-block programs redid the ranking.)
 """
 
 from __future__ import annotations
@@ -32,8 +32,7 @@ def _select_topk(x, offs, t, w_ptr, ids_ptr, E: tl.constexpr, K: tl.constexpr, K
     """x: [BE] float32 logits of token t (column E: the shared expert's gate). Softmax over the E experts, top-K,
     optional renormalisation, stored as pairs 0..K-1; with SHARED, the shared expert (id E) as pair K with weight
     sigmoid(gate). One pass of K max-reductions: each chosen expert's rank is kept, and the weights are stored by
-    rank once their sum is known. (``route_pair`` ranks all experts at once instead: in this one-warp program per
-    token the K reductions are the cheaper form, in the wide gate/up programs the comparison matrix is.)"""
+    rank once their sum is known."""
     p = _expert_probs(x, offs, E)
     q = p
     rank = tl.full(x.shape, -1, tl.int32)
@@ -64,30 +63,6 @@ def load_logits(logits_ptr, t, stride_l, stride_s, offs, E: tl.constexpr, SHARED
             x += tl.load(logits_ptr + t * stride_l + s * stride_s + offs, mask=m, other=0.0)
         x = x.to(DTYPE).to(tl.float32)
     return x
-
-
-@triton.jit
-def route_pair(x, offs, j, E: tl.constexpr, K: tl.constexpr, NORM: tl.constexpr, SHARED: tl.constexpr):
-    """The expert and weight of a token's pair j from its logits x [BE]: the expert ranked j by probability
-    (ties to the lower id, as ``_select_topk``), or for j = K the shared expert with weight sigmoid(gate). All
-    ranks come from one [BE, BE] comparison instead of K dependent max-reductions."""
-    m = offs < E
-    p = _expert_probs(x, offs, E)
-    # rank[i] = how many experts beat expert i: a higher probability, or the same one at a lower id
-    pi, pj = p[:, None], p[None, :]
-    beats = (pj > pi) | ((pj == pi) & (offs[None, :] < offs[:, None]))
-    rank = tl.sum(beats.to(tl.int32), 1)
-    chosen = m & (rank < K)
-    total = tl.sum(tl.where(chosen, p, 0.0), 0)
-    scale = 1.0 / total if NORM else 1.0
-    mine = m & (rank == j)
-    e = tl.sum(tl.where(mine, offs, 0), 0)
-    w = tl.sum(tl.where(mine, p, 0.0), 0) * scale
-    if SHARED:
-        g = tl.sum(tl.where(offs == E, x, 0.0), 0)
-        e = tl.where(j == K, E, e)
-        w = tl.where(j == K, 1.0 / (1.0 + tl.exp(-g)), w)
-    return e, w
 
 
 @triton.jit

@@ -2,9 +2,8 @@
 experts' weights.
 
 Three layouts of the (token, expert) pairs, picked by their number P = tokens * top_k:
-- few pairs (decode): one program row per pair, a GEMV over that pair's expert. No sorting at all, and the
-  routing runs inside the gate/up kernel (``routed_moe``), so the whole MoE after the router GEMV is two
-  launches; an expert chosen by several pairs is re-read from L2.
+- few pairs (decode): one program row per pair, a GEMV over that pair's expert. No sorting at all, so the whole
+  MoE is two launches after the routing kernel; an expert chosen by several pairs is re-read from L2.
 - many pairs (large prefill chunks on Hopper and later): ``torch._grouped_mm`` (``moe_grouped_mm``), which returns
   each token's sum as one float32 row [T, 1, H].
 - many pairs elsewhere (decode batches beyond the pair kernels, older GPUs, float32): pairs sorted by expert into
@@ -25,7 +24,6 @@ import triton
 import triton.language as tl
 
 from .moe_grouped_mm import fused_moe_grouped_mm, grouped_mm_usable
-from .moe_route_triton import experts_block, load_logits, route, route_out, route_pair
 from .triton_pdl import l2_prefetch, pdl_enter
 from .triton_utils import next_pow2, pdl_launch, prefetch_args
 
@@ -36,33 +34,15 @@ PAIR_GEMV_MAX_PAIRS = 176
 
 # ---- few pairs: one GEMV per pair ------------------------------------------------------------------------------
 @triton.jit
-def _pair_gate_up_kernel(x_ptr, w13_ptr, ids_ptr, act_ptr, logits_ptr, wts_ptr, stride_l, stride_s,
-                         H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                         ROUTE: tl.constexpr = False, E: tl.constexpr = 0, K: tl.constexpr = 0,
-                         NORM: tl.constexpr = False, SHARED: tl.constexpr = False, SPLIT: tl.constexpr = 1,
-                         BE: tl.constexpr = 16, PDL: tl.constexpr = False):
-    """Program (pair, block of BN intermediate columns): silu(x W_gate^T) * (x W_up^T) of that pair's expert.
-
-    With ROUTE the pair's expert and weight are not given: the program chooses them from its token's router
-    logits (or their split-K partials) itself (``route_pair``), and the programs of the first column block store
-    them for the down kernel. The routing then costs no launch, and no kernel boundary sits between the router
-    GEMV and the expert weights' reads."""
+def _pair_gate_up_kernel(x_ptr, w13_ptr, ids_ptr, act_ptr, H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
+                         BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr = False):
+    """Program (pair, block of BN intermediate columns): silu(x W_gate^T) * (x W_up^T) of that pair's expert."""
     pdl_enter(PDL)
     pair = tl.program_id(0)
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
     mn = offs_n < I
+    e = tl.load(ids_ptr + pair).to(tl.int64)
     tok = pair // TOP_K
-    if ROUTE:
-        offs_e = tl.arange(0, BE)
-        logits = load_logits(logits_ptr, tok, stride_l, stride_s, offs_e, E, SHARED, SPLIT,
-                             wts_ptr.dtype.element_ty)
-        e, w = route_pair(logits, offs_e, pair % TOP_K, E, K, NORM, SHARED)
-        if tl.program_id(1) == 0:
-            tl.store(ids_ptr + pair, e.to(tl.int64))
-            tl.store(wts_ptr + pair, w.to(wts_ptr.dtype.element_ty))
-        e = e.to(tl.int64)
-    else:
-        e = tl.load(ids_ptr + pair).to(tl.int64)
     w_base = w13_ptr + e * (2 * I * H)
     acc_g = tl.zeros([BN], dtype=tl.float32)
     acc_u = tl.zeros([BN], dtype=tl.float32)
@@ -309,49 +289,17 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
 
 
 def _pair_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor,
-              pairs_per_token: int, logits: torch.Tensor | None = None, **route_args) -> torch.Tensor:
-    """The pair kernels over ids / wts [P] (P = tokens * pairs_per_token). With ``logits`` (and the gate/up
-    kernel's ROUTE arguments) the gate/up kernel fills ids and wts itself. Returns the float32 pair rows [P, H]."""
+              pairs_per_token: int) -> torch.Tensor:
+    """The pair kernels over ids / wts [P] (P = tokens * pairs_per_token). Returns the float32 pair rows [P, H]."""
     num_pairs, (hidden, inter) = ids.shape[0], (x.shape[1], w2.shape[-1])
     act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     bn, bk, warps, stages = PAIR_GATE_UP_CFG
-    split = logits.shape[1] if logits is not None and logits.dim() == 3 else 1
     _pair_gate_up_kernel[(num_pairs, triton.cdiv(inter, bn))](
-        x, w13, ids, act, logits if logits is not None else x, wts, logits.stride(0) if logits is not None else 0,
-        logits.stride(1) if split > 1 else 0, hidden, inter, TOP_K=pairs_per_token, BN=bn,
-        BK=min(bk, next_pow2(hidden)), ROUTE=logits is not None, SPLIT=split, **route_args, num_warps=warps,
-        num_stages=stages, **pdl_launch(x))
+        x, w13, ids, act, hidden, inter, TOP_K=pairs_per_token, BN=bn, BK=min(bk, next_pow2(hidden)),
+        num_warps=warps, num_stages=stages, **pdl_launch(x))
     bn, bk, warps, stages = next((cfg for limit, cfg in PAIR_DOWN_CFG if num_pairs <= limit), PAIR_DOWN_CFG[-1][1])
     out = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
-    # a routing gate/up kernel writes the ids only after its PDL wait: the down kernel must not prefetch by them
-    prefetch = prefetch_args(inter, w2) if logits is None else {}
     _pair_down_kernel[(num_pairs, triton.cdiv(hidden, bn))](
         act, w2, ids, wts, out, hidden, inter, BN=bn, BK=min(bk, next_pow2(inter)), num_warps=warps,
-        num_stages=stages, **prefetch, **pdl_launch(x))
+        num_stages=stages, **prefetch_args(inter, w2), **pdl_launch(x))
     return out
-
-
-# the in-kernel routing compares every expert with every other ([BE, BE] values per program): up to 128 (64
-# experts and the shared one, as bench-6b and the small Qwen3-Next shapes) that is 128 values per thread; the
-# 512 experts of Qwen3-Next-80B would need 2048, so such models keep the separate routing kernel
-ROUTE_IN_GATE_UP_MAX_BLOCK = 128
-
-
-def routed_moe(x: torch.Tensor, logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, num_experts: int,
-               top_k: int, normalize: bool, shared: bool, reduce: bool = True) -> torch.Tensor:
-    """Routing (``route``) and the experts (``fused_moe``) of x [T, H] from its router logits [T, E (+1)] or their
-    float32 split-K partials [T, S, E (+1)]. With few pairs (decode) the routing runs inside the gate/up kernel:
-    two launches for the whole MoE."""
-    num_tokens = x.shape[0]
-    kp = top_k + int(shared)
-    if (num_tokens == 0 or num_tokens * kp > PAIR_GEMV_MAX_PAIRS
-            or experts_block(num_experts, shared) > ROUTE_IN_GATE_UP_MAX_BLOCK):
-        weights, ids = route(logits, num_experts, top_k, normalize, shared, x.dtype)
-        return fused_moe(x, w13, w2, weights, ids, reduce=reduce)
-    if logits.stride(-1) != 1:
-        logits = logits.contiguous()
-    _, wts, ids = route_out(num_tokens, top_k, shared, x.dtype, x.device)
-    out = _pair_moe(x.contiguous(), w13, w2, ids.view(-1), wts.view(-1), kp, logits=logits, E=num_experts,
-                    K=top_k, NORM=normalize, SHARED=shared, BE=experts_block(num_experts, shared))
-    out = out.view(num_tokens, kp, -1)
-    return out.sum(1, dtype=torch.float32).to(x.dtype) if reduce else out

@@ -161,41 +161,6 @@ def test_routing_kernel_matches_reference(dev, tokens, experts, top_k, normalize
         assert torch.allclose(w[:, top_k].cpu(), torch.sigmoid(logits[:, experts]), atol=1e-6)
 
 
-@pytest.mark.parametrize("tokens,experts,top_k,normalize,shared,split", [
-    (1, 64, 10, True, True, 8), (3, 16, 4, False, True, 1), (5, 8, 2, True, False, 2), (16, 64, 10, True, True, 4),
-    (2, 200, 6, True, True, 2)])  # the last: too many experts for the in-kernel routing, the separate kernel runs
-def test_routing_inside_the_gate_up_kernel(dev, tokens, experts, top_k, normalize, shared, split):
-    """The decode MoE with the routing inside its gate/up kernel (``routed_moe``) against the float64 reference
-    of route-then-experts, from split-K partial logits; and, on logits full of ties, equal to the separate
-    routing kernel plus the pair kernels (the same expert wins a tie in both)."""
-    from hylo.ops.moe import fused_moe_ref, route
-    from hylo.ops.moe_triton import PAIR_GEMV_MAX_PAIRS, fused_moe, routed_moe
-
-    assert tokens * (top_k + int(shared)) <= PAIR_GEMV_MAX_PAIRS  # the pair kernels, where the routing can fuse
-    g = torch.Generator().manual_seed(9)
-    hidden, inter = 64, 48
-    n = experts + int(shared)
-    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    x = torch.randn(tokens, hidden, generator=g).to(dtype)
-    w13 = (torch.randn(n, 2 * inter, hidden, generator=g) / hidden ** 0.5).to(dtype)
-    w2 = (torch.randn(n, hidden, inter, generator=g) / inter ** 0.5).to(dtype)
-    for tied in (False, True):
-        partials = torch.randn(tokens, split, n, generator=g)
-        if tied:  # few distinct values: many experts tie for a top-k place
-            partials = torch.zeros(tokens, split, n)
-            partials[:, 0] = torch.randint(0, 3, (tokens, n), generator=g).float()
-        logits = partials if split > 1 else partials[:, 0]
-        out = routed_moe(x.to(dev), logits.to(dev), w13.to(dev), w2.to(dev), experts, top_k, normalize, shared)
-        weights, ids = route(logits.to(dev), experts, top_k, normalize, shared, dtype)
-        if tied:
-            sep = fused_moe(x.to(dev), w13.to(dev), w2.to(dev), weights, ids)
-            assert torch.allclose(out.float().cpu(), sep.float().cpu(), atol=1e-6, rtol=1e-5)
-        else:
-            ref = fused_moe_ref(x.double(), w13.double(), w2.double(), weights.double().cpu(), ids.cpu())
-            tol = 3e-2 if dtype == torch.bfloat16 else 1e-4
-            assert (out.double().cpu() - ref).norm() / ref.norm() < tol
-
-
 @pytest.mark.parametrize("heads,kv_heads,dim,rot", [(4, 2, 24, 6), (16, 2, 256, 64), (6, 3, 20, 10)])
 def test_qk_norm_rope_matches_reference(dev, heads, kv_heads, dim, rot):
     from hylo.layers.rotary import RotaryEmbedding
