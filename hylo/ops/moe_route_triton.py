@@ -17,23 +17,17 @@ from .triton_utils import next_pow2, pdl_launch
 
 
 @triton.jit
-def _expert_probs(x, offs, E: tl.constexpr):
-    """Softmax in float32 over the first E columns of x [BE]; -1 past them (below every probability)."""
-    m = offs < E
-    xe = tl.where(m, x, float("-inf"))
-    p = tl.exp(xe - tl.max(xe, 0))
-    p = p / tl.sum(p, 0)
-    return tl.where(m, p, -1.0)
-
-
-@triton.jit
 def _select_topk(x, offs, t, w_ptr, ids_ptr, E: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
                  NORM: tl.constexpr, SHARED: tl.constexpr):
     """x: [BE] float32 logits of token t (column E: the shared expert's gate). Softmax over the E experts, top-K,
     optional renormalisation, stored as pairs 0..K-1; with SHARED, the shared expert (id E) as pair K with weight
     sigmoid(gate). One pass of K max-reductions: each chosen expert's rank is kept, and the weights are stored by
     rank once their sum is known."""
-    p = _expert_probs(x, offs, E)
+    m = offs < E
+    xe = tl.where(m, x, float("-inf"))
+    p = tl.exp(xe - tl.max(xe, 0))
+    p = p / tl.sum(p, 0)
+    p = tl.where(m, p, -1.0)
     q = p
     rank = tl.full(x.shape, -1, tl.int32)
     total = 0.0
@@ -52,20 +46,6 @@ def _select_topk(x, offs, t, w_ptr, ids_ptr, E: tl.constexpr, K: tl.constexpr, K
 
 
 @triton.jit
-def load_logits(logits_ptr, t, stride_l, stride_s, offs, E: tl.constexpr, SHARED: tl.constexpr,
-                SPLIT: tl.constexpr, DTYPE: tl.constexpr):
-    """Token t's logits [BE] in float32 (columns past E (+1) zero): the row, or the sum of its SPLIT float32
-    partial rows rounded to the model's dtype as a plain matmul's logits are."""
-    m = offs < E + SHARED
-    x = tl.load(logits_ptr + t * stride_l + offs, mask=m, other=0.0).to(tl.float32)
-    if SPLIT > 1:
-        for s in tl.static_range(1, SPLIT):
-            x += tl.load(logits_ptr + t * stride_l + s * stride_s + offs, mask=m, other=0.0)
-        x = x.to(DTYPE).to(tl.float32)
-    return x
-
-
-@triton.jit
 def _route_kernel(logits_ptr, w_ptr, ids_ptr, stride_l, stride_s, E: tl.constexpr, K: tl.constexpr,
                   KP: tl.constexpr, BE: tl.constexpr, NORM: tl.constexpr, SHARED: tl.constexpr, SPLIT: tl.constexpr,
                   PDL: tl.constexpr = False):
@@ -75,17 +55,22 @@ def _route_kernel(logits_ptr, w_ptr, ids_ptr, stride_l, stride_s, E: tl.constexp
     pdl_enter(PDL)
     t = tl.program_id(0)
     offs = tl.arange(0, BE)
-    x = load_logits(logits_ptr, t, stride_l, stride_s, offs, E, SHARED, SPLIT, w_ptr.dtype.element_ty)
+    m = offs < E + SHARED
+    x = tl.load(logits_ptr + t * stride_l + offs, mask=m, other=0.0).to(tl.float32)
+    if SPLIT > 1:
+        for s in tl.static_range(1, SPLIT):
+            x += tl.load(logits_ptr + t * stride_l + s * stride_s + offs, mask=m, other=0.0)
+        x = x.to(w_ptr.dtype.element_ty).to(tl.float32)
     _select_topk(x, offs, t, w_ptr, ids_ptr, E, K, KP, NORM, SHARED)
 
 
-def route_out(tokens: int, top_k: int, shared: bool, dtype: torch.dtype, device):
+def _route_out(tokens: int, top_k: int, shared: bool, dtype: torch.dtype, device):
     kp = top_k + int(shared)
     return kp, torch.empty(tokens, kp, dtype=dtype, device=device), torch.empty(tokens, kp, dtype=torch.int64,
                                                                                 device=device)
 
 
-def experts_block(num_experts: int, shared: bool) -> int:
+def _experts_block(num_experts: int, shared: bool) -> int:
     return max(16, next_pow2(num_experts + int(shared)))
 
 
@@ -97,9 +82,9 @@ def route(logits: torch.Tensor, num_experts: int, top_k: int, normalize: bool, s
     split = logits.shape[1] if logits.dim() == 3 else 1
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
-    kp, w, ids = route_out(tokens, top_k, shared, dtype or logits.dtype, logits.device)
+    kp, w, ids = _route_out(tokens, top_k, shared, dtype or logits.dtype, logits.device)
     if tokens:
         _route_kernel[(tokens,)](logits, w, ids, logits.stride(0), logits.stride(1) if split > 1 else 0,
-                                 E=num_experts, K=top_k, KP=kp, BE=experts_block(num_experts, shared),
+                                 E=num_experts, K=top_k, KP=kp, BE=_experts_block(num_experts, shared),
                                  NORM=normalize, SHARED=shared, SPLIT=split, num_warps=1, **pdl_launch(logits))
     return w, ids

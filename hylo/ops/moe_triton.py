@@ -265,7 +265,17 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     if num_pairs == 0:
         return torch.zeros_like(x) if reduce else x.new_zeros(num_tokens, top_k, hidden)
     if num_pairs <= PAIR_GEMV_MAX_PAIRS:
-        out = _pair_moe(x, w13, w2, ids, wts, top_k)
+        act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
+        bn, bk, warps, stages = PAIR_GATE_UP_CFG
+        _pair_gate_up_kernel[(num_pairs, triton.cdiv(inter, bn))](
+            x, w13, ids, act, hidden, inter, TOP_K=top_k, BN=bn, BK=min(bk, next_pow2(hidden)), num_warps=warps,
+            num_stages=stages, **pdl_launch(x))
+        bn, bk, warps, stages = next((cfg for limit, cfg in PAIR_DOWN_CFG if num_pairs <= limit),
+                                     PAIR_DOWN_CFG[-1][1])
+        out = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
+        _pair_down_kernel[(num_pairs, triton.cdiv(hidden, bn))](
+            act, w2, ids, wts, out, hidden, inter, BN=bn, BK=min(bk, next_pow2(inter)),
+            num_warps=warps, num_stages=stages, **prefetch_args(inter, w2), **pdl_launch(x))
     elif grouped_mm_usable(x, w13, w2, num_pairs):  # already summed per token: [T, 1, H] float32
         out = fused_moe_grouped_mm(x, w13, w2, wts.view(num_tokens, top_k), ids.view(num_tokens, top_k))
         return out.view(num_tokens, hidden).to(x.dtype) if reduce else out
@@ -286,20 +296,3 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
             PREC=prec, num_warps=dwarps, num_stages=dstages)
     out = out.view(num_tokens, top_k, hidden)
     return out.sum(1, dtype=torch.float32).to(x.dtype) if reduce else out
-
-
-def _pair_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor,
-              pairs_per_token: int) -> torch.Tensor:
-    """The pair kernels over ids / wts [P] (P = tokens * pairs_per_token). Returns the float32 pair rows [P, H]."""
-    num_pairs, (hidden, inter) = ids.shape[0], (x.shape[1], w2.shape[-1])
-    act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
-    bn, bk, warps, stages = PAIR_GATE_UP_CFG
-    _pair_gate_up_kernel[(num_pairs, triton.cdiv(inter, bn))](
-        x, w13, ids, act, hidden, inter, TOP_K=pairs_per_token, BN=bn, BK=min(bk, next_pow2(hidden)),
-        num_warps=warps, num_stages=stages, **pdl_launch(x))
-    bn, bk, warps, stages = next((cfg for limit, cfg in PAIR_DOWN_CFG if num_pairs <= limit), PAIR_DOWN_CFG[-1][1])
-    out = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
-    _pair_down_kernel[(num_pairs, triton.cdiv(hidden, bn))](
-        act, w2, ids, wts, out, hidden, inter, BN=bn, BK=min(bk, next_pow2(inter)), num_warps=warps,
-        num_stages=stages, **prefetch_args(inter, w2), **pdl_launch(x))
-    return out
