@@ -7,22 +7,32 @@ from hylo.ops.moe import fused_moe_ref, route_topk
 from hylo.ops.norm import gated_rms_norm, rms_norm
 
 
-@pytest.mark.parametrize("tokens,experts,top_k,hidden,inter", [(1, 8, 2, 48, 40), (3, 64, 10, 64, 32),
-                                                                (37, 8, 3, 40, 24), (9, 64, 10, 96, 80),
-                                                                (70, 8, 3, 40, 24)])
-def test_fused_moe_matches_reference(dev, tokens, experts, top_k, hidden, inter):
-    from hylo.ops.moe_triton import fused_moe
-
-    g = torch.Generator().manual_seed(3)
+def _moe_case(dev, seed, tokens, experts, top_k, hidden, inter):
+    """Random MoE inputs on ``dev`` (bfloat16 on CUDA; float32 under the interpreter, which has no bfloat16 dot)
+    as ``fused_moe``'s arguments, and their float64 reference output."""
+    g = torch.Generator().manual_seed(seed)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     x = torch.randn(tokens, hidden, generator=g)
     w13 = torch.randn(experts, 2 * inter, hidden, generator=g) / hidden ** 0.5
     w2 = torch.randn(experts, hidden, inter, generator=g) / inter ** 0.5
     weights, ids = route_topk(torch.randn(tokens, experts, generator=g), top_k, True)
     ref = fused_moe_ref(x.double(), w13.double(), w2.double(), weights.double(), ids)
-    out = fused_moe(x.to(dev, dtype), w13.to(dev, dtype), w2.to(dev, dtype), weights.to(dev, dtype), ids.to(dev))
-    tol = 3e-2 if dtype == torch.bfloat16 else 1e-4
+    return (x.to(dev, dtype), w13.to(dev, dtype), w2.to(dev, dtype), weights.to(dev, dtype), ids.to(dev)), ref
+
+
+def _assert_close_to(out, ref):
+    tol = 3e-2 if out.dtype == torch.bfloat16 else 1e-4
     assert (out.double().cpu() - ref).norm() / ref.norm() < tol
+
+
+@pytest.mark.parametrize("tokens,experts,top_k,hidden,inter", [(1, 8, 2, 48, 40), (3, 64, 10, 64, 32),
+                                                                (37, 8, 3, 40, 24), (9, 64, 10, 96, 80),
+                                                                (70, 8, 3, 40, 24)])
+def test_fused_moe_matches_reference(dev, tokens, experts, top_k, hidden, inter):
+    from hylo.ops.moe_triton import fused_moe
+
+    args, ref = _moe_case(dev, 3, tokens, experts, top_k, hidden, inter)
+    _assert_close_to(fused_moe(*args), ref)
 
 
 def test_grouped_mm_moe_matches_reference(dev):
@@ -55,18 +65,8 @@ def test_grouped_moe_with_its_own_down_tiles(dev, cfg, monkeypatch):
     monkeypatch.setattr(moe_triton, "PAIR_GEMV_MAX_PAIRS", 0)
     monkeypatch.setattr(moe_triton, "GROUPED_CFG", ((1 << 62, cfg),))
     monkeypatch.setattr(moe_grouped_mm, "GROUPED_MM_MIN_PAIRS", 1 << 40)
-    g = torch.Generator().manual_seed(6)
-    tokens, experts, top_k, hidden, inter = 29, 12, 3, 40, 48
-    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    x = torch.randn(tokens, hidden, generator=g)
-    w13 = torch.randn(experts, 2 * inter, hidden, generator=g) / hidden ** 0.5
-    w2 = torch.randn(experts, hidden, inter, generator=g) / inter ** 0.5
-    weights, ids = route_topk(torch.randn(tokens, experts, generator=g), top_k, True)
-    ref = fused_moe_ref(x.double(), w13.double(), w2.double(), weights.double(), ids)
-    out = moe_triton.fused_moe(x.to(dev, dtype), w13.to(dev, dtype), w2.to(dev, dtype), weights.to(dev, dtype),
-                               ids.to(dev))
-    tol = 3e-2 if dtype == torch.bfloat16 else 1e-4
-    assert (out.double().cpu() - ref).norm() / ref.norm() < tol
+    args, ref = _moe_case(dev, 6, tokens=29, experts=12, top_k=3, hidden=40, inter=48)
+    _assert_close_to(moe_triton.fused_moe(*args), ref)
 
 
 @pytest.mark.parametrize("grouped_mm", [True, False])
@@ -78,20 +78,11 @@ def test_prefill_sized_moe_matches_reference(dev, grouped_mm, monkeypatch):
 
     if not grouped_mm:
         monkeypatch.setattr(moe_grouped_mm, "GROUPED_MM_MIN_PAIRS", 1 << 40)
-    g = torch.Generator().manual_seed(4)
-    tokens, experts, top_k, hidden, inter = 600, 64, 10, 256, 128
-    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    x = torch.randn(tokens, hidden, generator=g)
-    w13 = torch.randn(experts, 2 * inter, hidden, generator=g) / hidden ** 0.5
-    w2 = torch.randn(experts, hidden, inter, generator=g) / inter ** 0.5
-    weights, ids = route_topk(torch.randn(tokens, experts, generator=g), top_k, True)
-    args = (x.to(dev, dtype), w13.to(dev, dtype), w2.to(dev, dtype), weights.to(dev, dtype), ids.to(dev))
+    tokens, top_k = 600, 10
+    args, ref = _moe_case(dev, 4, tokens, experts=64, top_k=top_k, hidden=256, inter=128)
     if grouped_mm and dev.type == "cuda" and torch.cuda.get_device_capability()[0] in (9, 10):
         assert moe_grouped_mm.grouped_mm_usable(args[0], args[1], args[2], tokens * top_k)
-    ref = fused_moe_ref(x.double(), w13.double(), w2.double(), weights.double(), ids)
-    out = fused_moe(*args)
-    tol = 3e-2 if dtype == torch.bfloat16 else 1e-4
-    assert (out.double().cpu() - ref).norm() / ref.norm() < tol
+    _assert_close_to(fused_moe(*args), ref)
 
 
 @pytest.mark.parametrize("tokens,top_k,experts,bm", [(50, 3, 8, 16), (32, 11, 65, 16), (256, 11, 65, 64),
