@@ -386,19 +386,28 @@ def _unprofiled_busy(eng: Engine, steps: int) -> dict:
     if graphs is None:
         return {}
     wall = time_steps(eng, steps)
-    sched = eng.scheduler.schedule()
-    if not graphs.can_run("spec_step", len(sched.reqs)):
+    gpu = _graph_alone_ms(eng, "spec_step", iters=steps, drafts=eng.worker.drafter.drafts)
+    if gpu is None:
         return {}
-    batch = eng.model_worker.build_batch(sched, drafts=eng.worker.drafter.drafts)
-    gpu = _time_cuda(lambda: graphs.run("spec_step", batch), iters=steps)
     return dict(wall_ms_per_step_unprofiled=wall, graph_ms_per_step=gpu, gpu_busy_fraction_unprofiled=min(gpu / wall,
                                                                                                           1.0))
 
 
 def _device_decode_record(eng: Engine, bs: int, ctx: int, floor: float) -> dict:
     """GPU time of the captured decode pass alone (no host work): the graph replay, timed with CUDA events."""
-    sched = eng.scheduler.schedule()
-    batch = eng.model_worker.build_batch(sched)
-    ms = _time_cuda(lambda: eng.model_worker.graphs.run("decode", batch), iters=30)
+    ms = _graph_alone_ms(eng, "decode", iters=30)
+    if ms is None:
+        raise RuntimeError(f"no captured decode graph fits batch {bs}")
     return dict(phase="decode", batch_size=bs, context=ctx, cuda_graph=True, spec=None, ms_per_step=ms,
                 ms_per_token=ms / bs, floor_ms=floor, ratio_to_floor=ms / floor, gpu_only=True)
+
+
+def _graph_alone_ms(eng: Engine, name: str, iters: int, drafts=None) -> float | None:
+    """Milliseconds of one replay of the captured graph ``name`` for the engine's next scheduled batch, timed with
+    CUDA events (the GPU's time alone, no host work); None when no graph of that name fits the batch."""
+    graphs = eng.model_worker.graphs
+    sched = eng.scheduler.schedule()
+    if graphs is None or not graphs.can_run(name, len(sched.reqs)):
+        return None
+    batch = eng.model_worker.build_batch(sched, drafts=drafts)
+    return _time_cuda(lambda: graphs.run(name, batch), iters=iters)
