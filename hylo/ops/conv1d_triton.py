@@ -146,7 +146,17 @@ def _conv_prefill_kernel(x_ptr, w_ptr, pool_ptr, slots_ptr, qsl_ptr, tok_row_ptr
 # (tokens per program, channels per program, warps) of the prefill conv; tools/tune_kernels.py --only conv sweeps
 # them (bench/results/tune-conv-prefill-20261203.json, 8192 tokens x 8192 channels on the H200, before the
 # need_state branch: 269 us for (4, 256, 4), 293 for (32, 128, 4), up to 729 with 8 warps; the bytes take 63).
-CONV_PREFILL_CFG = tuple(int(v) for v in os.environ.get("HYLO_CONV_PREFILL_CFG", "4,256,4").split(","))
+def _parse_conv_cfg(text: str) -> tuple[int, int, int]:
+    try:
+        cfg = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        cfg = ()
+    if len(cfg) != 3 or min(cfg) < 1:
+        raise ValueError(f"HYLO_CONV_PREFILL_CFG={text!r}: expected three positive integers, tokens,channels,warps")
+    return cfg
+
+
+CONV_PREFILL_CFG = _parse_conv_cfg(os.environ.get("HYLO_CONV_PREFILL_CFG", "4,256,4"))
 
 
 @triton.jit

@@ -151,3 +151,12 @@ def test_prefill_chunk_index_equals_fla(lens):
 
     ix = PrefillIndex.build([0] * len(lens), lens, "cpu")
     assert torch.equal(index.prepare_chunk_indices(ix.cu_seqlens, FLA_CHUNK), ix.chunk_indices)
+
+
+def test_conv_prefill_setting_names_a_bad_value():
+    from hylo.ops.conv1d_triton import _parse_conv_cfg
+
+    assert _parse_conv_cfg("8,128,4") == (8, 128, 4)
+    for bad in ("8,128", "a,b,c", "8,0,4"):
+        with pytest.raises(ValueError, match="HYLO_CONV_PREFILL_CFG"):
+            _parse_conv_cfg(bad)
