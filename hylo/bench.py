@@ -380,13 +380,12 @@ def _overlap_record(eng: Engine, bs: int, k: int, steps: int) -> dict:
 def _unprofiled_busy(eng: Engine, steps: int) -> dict:
     """The busy fraction without the profiler, whose per-kernel bookkeeping slows the host: the fused ``spec_step``
     graph replayed back to back (CUDA events: the GPU's time for one step) over the wall time of an unprofiled
-    steady-state step. Replaying the graph again is harmless here: it reads the same static inputs and writes the
-    same KV locations, state slots and table entries each time."""
+    steady-state step."""
     graphs = eng.model_worker.graphs
     if graphs is None:
         return {}
     wall = time_steps(eng, steps)
-    gpu = _graph_alone_ms(eng, "spec_step", iters=steps, drafts=eng.worker.drafter.drafts)
+    gpu = _graph_alone_ms(eng, "spec_step", iters=steps)
     if gpu is None:
         return {}
     return dict(wall_ms_per_step_unprofiled=wall, graph_ms_per_step=gpu, gpu_busy_fraction_unprofiled=min(gpu / wall,
@@ -402,12 +401,19 @@ def _device_decode_record(eng: Engine, bs: int, ctx: int, floor: float) -> dict:
                 ms_per_token=ms / bs, floor_ms=floor, ratio_to_floor=ms / floor, gpu_only=True)
 
 
-def _graph_alone_ms(eng: Engine, name: str, iters: int, drafts=None) -> float | None:
-    """Milliseconds of one replay of the captured graph ``name`` for the engine's next scheduled batch, timed with
-    CUDA events (the GPU's time alone, no host work); None when no graph of that name fits the batch."""
-    graphs = eng.model_worker.graphs
+def _graph_alone_ms(eng: Engine, name: str, iters: int) -> float | None:
+    """Milliseconds of one replay of the staged graph ``name`` (the decode or the fused speculative step) for the
+    engine's next scheduled batch, timed with CUDA events (the GPU's time alone); None when no graph of that name
+    fits the batch. Each replay advances the committed lengths in the request table; they are put back after every
+    replay (one small copy, timed with it), so every replay runs at the same positions."""
+    worker = eng.model_worker
     sched = eng.scheduler.schedule()
-    if graphs is None or not graphs.can_run(name, len(sched.reqs)):
+    if worker.graphs is None or not worker.graphs.can_run(name, len(sched.reqs)):
         return None
-    batch = eng.model_worker.build_batch(sched, drafts=drafts)
-    return _time_cuda(lambda: graphs.run(name, batch), iters=iters)
+    lens = worker.caches.req_slots.seq_len
+    saved = lens.clone()
+
+    def replay():
+        worker.run_staged(name, sched)
+        lens.copy_(saved)
+    return _time_cuda(replay, iters=iters)

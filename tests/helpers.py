@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import random
 
 import torch
+
+from hylo import SamplingParams
 
 # Two shapes that differ in everything the loader and the layers must get right: layer pattern, key/value head
 # ratios, head sizes that are not powers of two, partial rotary factor, dense layers among MoE layers, biases,
@@ -101,3 +104,53 @@ def append_mtp(src: str, dst: str, seed: int = 0) -> str:
     tensors.update(random_mtp_tensors(ModelConfig.from_pretrained(dst), seed=seed, std=0.05))
     save_file(tensors, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
     return dst
+
+
+# ---- traffic: requests arriving, finishing and being aborted at given steps ------------------------------------
+def traffic(vocab, n, seed, max_steps_between=3, abort_frac=0.2, max_tokens=(1, 24)):
+    """n requests: prompt, params, arrival step, and an abort step (or None)."""
+    rng = random.Random(seed)
+    prompts = random_prompts(vocab, [rng.randint(1, 40) for _ in range(n)], seed=seed)
+    step, reqs = 0, []
+    for i, p in enumerate(prompts):
+        step += rng.randint(0, max_steps_between)
+        params = SamplingParams(max_tokens=rng.randint(*max_tokens), temperature=0,
+                                stop_token_ids=[rng.randrange(vocab)] if rng.random() < 0.3 else None)
+        abort = step + rng.randint(0, 12) if rng.random() < abort_frac else None
+        reqs.append((p, params, step, abort))
+    return reqs
+
+
+def drive(eng, workload, on_step=None):
+    """Run a workload (arrivals and aborts keyed by step number); returns every request's output."""
+    arrivals, aborts = {}, {}
+    for i, (_, _, at, ab) in enumerate(workload):
+        arrivals.setdefault(at, []).append(i)
+        if ab is not None:
+            aborts.setdefault(ab, []).append(i)
+    last = max([at for _, _, at, _ in workload] + [ab for *_, ab in workload if ab is not None])
+    rids, step = {}, 0
+    while step <= last or eng.has_unfinished():
+        for i in arrivals.get(step, []):
+            p, params, _, _ = workload[i]
+            rids[i] = eng.add_request(p, params, request_id=f"r{i}")
+        for i in aborts.get(step, []):
+            eng.abort(rids[i])
+        eng.step()
+        if on_step is not None:
+            on_step(step)
+        step += 1
+    return {i: eng.pop_finished(rid) for i, rid in rids.items()}, step
+
+
+def check_against(outs, ref, workload):
+    """Requests that were not aborted match the reference exactly; aborted ones produced a prefix of it."""
+    aborted = 0
+    for i, (_, _, _, ab) in enumerate(workload):
+        o, r = outs[i], ref[i]
+        if o.finish_reason == "abort":
+            aborted += 1
+            assert o.token_ids == r.token_ids[:len(o.token_ids)], i
+        else:
+            assert (o.token_ids, o.finish_reason) == (r.token_ids, r.finish_reason), i
+    return aborted

@@ -1,8 +1,6 @@
 """The overlap loop: the same outputs as the plain loop, no blocking read in the steady state, and no use of a
 freed slot or KV location under thousands of steps of random arrivals, aborts and finishes."""
 
-import random
-
 import pytest
 
 from hylo import SamplingParams
@@ -10,7 +8,7 @@ from hylo.config import EngineConfig
 from hylo.engine.engine import Engine
 from hylo.spec.setup import SpecSetup
 
-from helpers import random_prompts, vocab_of
+from helpers import check_against, drive, random_prompts, traffic, vocab_of
 
 
 def _engine(path, spec=None, **kw):
@@ -18,67 +16,18 @@ def _engine(path, spec=None, **kw):
     return Engine(path, engine_config=ec, spec_setup=SpecSetup(spec) if spec else None)
 
 
-def _workload(vocab, n, seed, max_steps_between=3, abort_frac=0.2, max_tokens=(1, 24)):
-    """n requests: prompt, params, arrival step, and an abort step (or None)."""
-    rng = random.Random(seed)
-    prompts = random_prompts(vocab, [rng.randint(1, 40) for _ in range(n)], seed=seed)
-    step, reqs = 0, []
-    for i, p in enumerate(prompts):
-        step += rng.randint(0, max_steps_between)
-        params = SamplingParams(max_tokens=rng.randint(*max_tokens), temperature=0,
-                                stop_token_ids=[rng.randrange(vocab)] if rng.random() < 0.3 else None)
-        abort = step + rng.randint(0, 12) if rng.random() < abort_frac else None
-        reqs.append((p, params, step, abort))
-    return reqs
-
-
-def _drive(eng, workload, on_step=None):
-    """Run a workload (arrivals and aborts keyed by step number); returns every request's output."""
-    arrivals, aborts = {}, {}
-    for i, (_, _, at, ab) in enumerate(workload):
-        arrivals.setdefault(at, []).append(i)
-        if ab is not None:
-            aborts.setdefault(ab, []).append(i)
-    last = max([at for _, _, at, _ in workload] + [ab for *_, ab in workload if ab is not None])
-    rids, step = {}, 0
-    while step <= last or eng.has_unfinished():
-        for i in arrivals.get(step, []):
-            p, params, _, _ = workload[i]
-            rids[i] = eng.add_request(p, params, request_id=f"r{i}")
-        for i in aborts.get(step, []):
-            eng.abort(rids[i])
-        eng.step()
-        if on_step is not None:
-            on_step(step)
-        step += 1
-    return {i: eng.pop_finished(rid) for i, rid in rids.items()}, step
-
-
-def _check_against(outs, ref, workload):
-    """Requests that were not aborted match the reference exactly; aborted ones produced a prefix of it."""
-    aborted = 0
-    for i, (_, _, _, ab) in enumerate(workload):
-        o, r = outs[i], ref[i]
-        if o.finish_reason == "abort":
-            aborted += 1
-            assert o.token_ids == r.token_ids[:len(o.token_ids)], i
-        else:
-            assert (o.token_ids, o.finish_reason) == (r.token_ids, r.finish_reason), i
-    return aborted
-
-
 @pytest.mark.parametrize("spec", [None, "mtp", "ngram"])
 def test_overlap_on_and_off_give_identical_outputs(ckpt_a_mtp, spec):
     vocab = vocab_of(ckpt_a_mtp)
-    work = _workload(vocab, 14, seed=5)
+    work = traffic(vocab, 14, seed=5)
     opts = dict(chunk_size=8, max_num_seqs=4)
-    off, _ = _drive(_engine(ckpt_a_mtp, spec, overlap=False, **opts), work)
-    on, _ = _drive(_engine(ckpt_a_mtp, spec, overlap=True, **opts), work)
+    off, _ = drive(_engine(ckpt_a_mtp, spec, overlap=False, **opts), work)
+    on, _ = drive(_engine(ckpt_a_mtp, spec, overlap=True, **opts), work)
     # without aborts (the references for the aborted requests' prefixes)
     clean = [(p, params, at, None) for p, params, at, _ in work]
-    ref, _ = _drive(_engine(ckpt_a_mtp, spec, overlap=False, **opts), clean)
-    _check_against(off, ref, work)
-    assert _check_against(on, ref, work) > 0
+    ref, _ = drive(_engine(ckpt_a_mtp, spec, overlap=False, **opts), clean)
+    check_against(off, ref, work)
+    assert check_against(on, ref, work) > 0
     for i in range(len(work)):
         if on[i].finish_reason != "abort" and off[i].finish_reason != "abort":
             assert on[i].token_ids == off[i].token_ids
@@ -150,16 +99,16 @@ def _poison_on_free(eng):
 @pytest.mark.parametrize("spec", [None, "mtp"])
 def test_stress_random_traffic_never_reads_freed_memory(ckpt_b_mtp, spec):
     vocab = vocab_of(ckpt_b_mtp)
-    work = _workload(vocab, 450, seed=11 if spec else 12, max_steps_between=5, abort_frac=0.25, max_tokens=(1, 30))
+    work = traffic(vocab, 450, seed=11 if spec else 12, max_steps_between=5, abort_frac=0.25, max_tokens=(1, 30))
     # a small KV pool: admissions wait and running requests get preempted
     opts = dict(chunk_size=16, max_num_seqs=6, kv_cache_tokens=160)
     eng = _engine(ckpt_b_mtp, spec, overlap=True, **opts)
     counts = _poison_on_free(eng)
-    outs, steps = _drive(eng, work)
+    outs, steps = drive(eng, work)
     assert steps >= 1000
     clean = [(p, params, at, None) for p, params, at, _ in work]
-    ref, _ = _drive(_engine(ckpt_b_mtp, spec, overlap=False, chunk_size=16, max_num_seqs=8), clean)
-    assert _check_against(outs, ref, work) > 20
+    ref, _ = drive(_engine(ckpt_b_mtp, spec, overlap=False, chunk_size=16, max_num_seqs=8), clean)
+    assert check_against(outs, ref, work) > 20
     assert sum(o.num_preemptions for o in outs.values()) > 0
     c = eng.caches
     # everything went back, each exactly once (the free lists assert against double frees)

@@ -53,8 +53,11 @@ class ReqSlots:
         dev = self.req_to_token.device
         host = torch.stack([torch.tensor(rows, dtype=torch.int64), torch.tensor(cols, dtype=torch.int64),
                             locs.to(torch.int64)])
-        r, c, v = host.to(dev, non_blocking=True)
-        self.req_to_token[r, c] = v
+        self.scatter_locations(*host.to(dev, non_blocking=True))
+
+    def scatter_locations(self, rows: torch.Tensor, cols: torch.Tensor, locs: torch.Tensor) -> None:
+        """``req_to_token[rows[i], cols[i]] = locs[i]``, on the device (a staged graph's prologue runs this)."""
+        self.req_to_token[rows, cols] = locs
 
     def write_sampling(self, slots: list[int], floats: list[tuple[float, float]],
                        ints: list[tuple[int, int, int]]) -> None:

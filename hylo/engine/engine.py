@@ -249,10 +249,8 @@ class Engine:
         if sched is None:
             return None
         res = self.worker.run(sched)
-        # one copy for everything the host needs: the counts ride in an extra column
-        packed = res.tokens if res.counts is None else torch.cat([res.tokens, res.counts[:, None]], dim=1)
         self.host_reads.note_launch()
-        read = self.host_reads.start(packed)
+        read = self.host_reads.start(res.host_view())  # one copy for everything the host needs
         self.scheduler.step_launched(sched)
         return _Launched(sched, read)
 

@@ -24,6 +24,17 @@ class StepResult:
 
     tokens: torch.Tensor  # [S, W] int64
     counts: torch.Tensor | None = None  # [S] int64
+    packed: torch.Tensor | None = None  # [S, W + 1]: tokens then counts, when the step wrote them as one tensor
+
+    @classmethod
+    def from_packed(cls, packed: torch.Tensor) -> "StepResult":
+        return cls(packed[:, :-1], packed[:, -1], packed)
+
+    def host_view(self) -> torch.Tensor:
+        """What the host reads back, as one tensor: the tokens, the counts in an extra column (when there are)."""
+        if self.packed is not None:
+            return self.packed
+        return self.tokens if self.counts is None else torch.cat([self.tokens, self.counts[:, None]], dim=1)
 
 
 def sampling_rows(sched: ScheduledBatch) -> tuple[list[int], list[int]]:
@@ -76,25 +87,8 @@ class ModelWorker:
         req_slots, state_slots = _dev([req_slots_cpu, state_slots_cpu], dev)  # one copy for both
         max_seq_len = max(p + n for p, n in zip(sched.prefix_lens, sched.extend_lens))
         if all(sched.from_device):  # DECODE / TARGET_VERIFY: everything comes from the device tables
-            n = sched.extend_lens[0]
-            base = slots.seq_len[req_slots]
-            pos2d = base[:, None] + torch.arange(n, device=dev)[None, :]
-            if input_ids is None:
-                input_ids = slots.last_token[req_slots]
-                if drafts is not None:
-                    input_ids = torch.cat([input_ids[:, None], drafts[req_slots]], dim=1).reshape(-1)
-            return ForwardBatch(
-                mode=sched.mode,
-                input_ids=input_ids,
-                positions=pos2d.reshape(-1),
-                req_slots=req_slots,
-                state_slots=state_slots,
-                seq_lens=base + n,
-                query_start_loc=torch.arange(len(sched.reqs) + 1, device=dev) * n,
-                out_cache_loc=slots.req_to_token[req_slots[:, None], pos2d].reshape(-1),
-                max_seq_len=max_seq_len,
-                tokens_per_row=n,
-            )
+            return self.table_batch(sched.mode, sched.extend_lens[0], req_slots, state_slots, max_seq_len, drafts,
+                                    input_ids)
         # EXTEND: prefill chunks, known to the host; decoding rows riding along (plain decoding only) feed one
         # token at a position the host knows exactly, the token itself from the device table
         ids, pos, tok_slots, dev_idx, dev_slots = [], [], [], [], []
@@ -134,6 +128,54 @@ class ModelWorker:
         if self.backend.needs_cpu_seq_lens:
             batch.seq_lens_cpu = torch.tensor(seq_lens, dtype=torch.int64)
         return batch
+
+    def table_batch(self, mode: ForwardMode, n: int, req_slots: torch.Tensor, state_slots: torch.Tensor,
+                    max_seq_len: int, drafts: torch.Tensor | None = None,
+                    input_ids: torch.Tensor | None = None) -> ForwardBatch:
+        """A batch of decoding rows (``n`` tokens each) built on the device from the rows' slots alone: positions
+        from the committed lengths, the newest token (then the drafts ``drafts[req_slot]``), the KV locations from
+        ``req_to_token``. This is the prologue of the staged graphs too, where a padded row (request slot 0) reads
+        as an empty row: length n, positions from 0, KV at the dummy location (slot 0's ``req_to_token`` row)."""
+        slots, dev = self.caches.req_slots, self.device
+        base = slots.seq_len[req_slots].masked_fill(req_slots == 0, 0)
+        pos2d = base[:, None] + torch.arange(n, device=dev)[None, :]
+        if input_ids is None:
+            input_ids = slots.last_token[req_slots][:, None]
+            if drafts is not None:
+                input_ids = torch.cat([input_ids, drafts[req_slots]], dim=1)
+            input_ids = input_ids.reshape(-1)
+        return ForwardBatch(
+            mode=mode,
+            input_ids=input_ids,
+            positions=pos2d.reshape(-1),
+            req_slots=req_slots,
+            state_slots=state_slots,
+            seq_lens=base + n,
+            query_start_loc=torch.arange(req_slots.shape[0] + 1, device=dev) * n,
+            out_cache_loc=slots.req_to_token[req_slots[:, None], pos2d].reshape(-1),
+            max_seq_len=max_seq_len,
+            tokens_per_row=n,
+        )
+
+    def capture_staged(self, name: str, mode: ForwardMode, n: int, fn, drafts: torch.Tensor | None = None) -> None:
+        """Capture ``fn`` as a staged graph (graphs.py) over decoding rows of ``n`` tokens, whose prologue writes the
+        step's new KV locations and gathers the batch from the request tables (``table_batch``)."""
+        tables, max_context = self.caches.req_slots, self.graphs.max_context
+
+        def prologue(req_slots, state_slots, kv):
+            tables.scatter_locations(*kv)
+            return self.table_batch(mode, n, req_slots, state_slots, max_context, drafts)
+        # a decoding row reserves at most n new locations per step in the steady state; room for twice that
+        self.graphs.capture_staged(name, mode, n, prologue, fn, kv_per_row=2 * n)
+
+    def run_staged(self, name: str, sched: ScheduledBatch) -> tuple[dict[str, torch.Tensor], ForwardBatch]:
+        """Replay the staged graph ``name`` for a step of decoding rows: the host stages their slots and new KV
+        locations (one copy) and the graph does the rest. Returns its outputs and its batch, for the real rows."""
+        kv = (sched.kv_rows, sched.kv_cols, torch.cat(sched.kv_locs)) if sched.kv_locs else None
+        if kv is not None and len(kv[0]) > self.graphs.kv_capacity(name, len(sched.reqs)):
+            self.caches.req_slots.write_locations(*kv)  # more than the stage carries: written before the replay
+            kv = None
+        return self.graphs.run_staged(name, [r.req_slot for r in sched.reqs], [r.state_slot for r in sched.reqs], kv)
 
     def register_sampling(self, reqs) -> None:
         """Write these requests' sampling parameters into the device table (when their prefill starts)."""
@@ -178,7 +220,7 @@ class ModelWorker:
             greedy = logits.argmax(-1)
             tables.record(batch.req_slots, batch.seq_lens, batch.req_slots, greedy)
             return {"logits": logits, "greedy": greedy}
-        self.graphs.capture("decode", ForwardMode.DECODE, 1, decode)
+        self.capture_staged("decode", ForwardMode.DECODE, 1, decode)
 
     def forward_hidden(self, batch: ForwardBatch) -> torch.Tensor:
         self.backend.init_forward_metadata(batch)
@@ -188,15 +230,15 @@ class ModelWorker:
     def run(self, sched: ScheduledBatch) -> StepResult:
         """Launches one step; returns the sampled token of every sampling row (on the device) and records the new
         lengths and tokens in the request tables."""
-        batch = self.build_batch(sched)
-        if batch.mode is ForwardMode.DECODE and self.graphs is not None and self.graphs.can_run("decode",
-                                                                                                 batch.batch_size):
-            out = self.graphs.run("decode", batch)  # records the greedy tokens and the new lengths itself
+        if sched.mode is ForwardMode.DECODE and self.graphs is not None and self.graphs.can_run("decode",
+                                                                                                 len(sched.reqs)):
+            out, batch = self.run_staged("decode", sched)  # records the greedy tokens and the new lengths itself
             if all_greedy(sched.reqs):
                 return StepResult(out["greedy"][:, None])
             tokens = sample(out["logits"], self.sampling_batch(sched, batch))
             self.caches.req_slots.record(batch.req_slots, batch.seq_lens, batch.req_slots, tokens)
             return StepResult(tokens[:, None])
+        batch = self.build_batch(sched)
         hidden = self.forward_hidden(batch)
         sampled = [r for r, keep in zip(sched.reqs, sched.sample) if keep]
         if batch.mode is ForwardMode.DECODE:

@@ -69,12 +69,13 @@ class MTPDrafter:
         pos = positions0[:, None] + torch.arange(self.k - 1, device=req_slots.device)[None, :]  # [B, k-1]
         locs = worker.caches.req_slots.req_to_token[req_slots[:, None], pos]
         qsl = torch.arange(bs + 1, device=req_slots.device)
+        width = worker.caches.req_slots.max_context
         for i in range(1, self.k):
             p = pos[:, i - 1]
             batch = ForwardBatch(
                 mode=ForwardMode.DRAFT_DECODE, input_ids=token, positions=p, req_slots=req_slots,
                 state_slots=state_slots, seq_lens=p + 1, query_start_loc=qsl, out_cache_loc=locs[:, i - 1],
-                max_seq_len=max_seq_len + i)
+                max_seq_len=min(max_seq_len + i, width))
             hidden, logits = run_head(worker, batch, hidden, "draft_decode")
             token = self._pick(logits, req_slots, sb, base_steps, i)
 

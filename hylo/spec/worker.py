@@ -72,7 +72,8 @@ class SpecWorker:
                 graphs.capture("draft_decode", ForwardMode.DRAFT_DECODE, 1, fn, {"hidden": hidden})
         if self._fused_drafter():
             # a whole verify step of greedy rows, the next drafts included, in one replay
-            graphs.capture("spec_step", ForwardMode.TARGET_VERIFY, self.k + 1, self._greedy_step)
+            tw.capture_staged("spec_step", ForwardMode.TARGET_VERIFY, self.k + 1, self._greedy_step,
+                              self.drafter.drafts)
 
     @property
     def backend(self):
@@ -130,7 +131,8 @@ class SpecWorker:
         emitted, accepted = self._commit(batch, drafts, *greedy_accept(drafts, logits))
         mtp_batch = replace(batch, mode=ForwardMode.DRAFT_EXTEND, input_ids=emitted.reshape(-1))
         self.drafter.draft_greedy(tw, mtp_batch, hidden, accepted)
-        return {"emitted": emitted.reshape(-1), "accepted": accepted}
+        # what the host reads back, in one piece: each row's emitted tokens, then its count (accepted + 1)
+        return {"packed": torch.cat([emitted, accepted[:, None] + 1], dim=1)}
 
     def _commit(self, batch, drafts, emitted, accepted):
         """After acceptance (simulated when asked): the accepted states into the slots, the new lengths and newest
@@ -145,15 +147,16 @@ class SpecWorker:
 
     def _verify(self, sched: ScheduledBatch) -> StepResult:
         tw, k = self.target, self.k
-        batch = tw.build_batch(sched, drafts=self.drafter.drafts)  # rows feed [newest token, d1..dk]
         bs = len(sched.reqs)
         if self._fused_drafter() and self.draft_hook is None and all_greedy(sched.reqs):
             if tw.graphs is not None and tw.graphs.can_run("spec_step", bs):
-                out = tw.graphs.run("spec_step", batch)
+                out, _ = tw.run_staged("spec_step", sched)
             else:
+                batch = tw.build_batch(sched, drafts=self.drafter.drafts)
                 tw.backend.init_forward_metadata(batch)
                 out = self._greedy_step(batch)
-            return StepResult(out["emitted"].view(bs, k + 1), out["accepted"] + 1)
+            return StepResult.from_packed(out["packed"])
+        batch = tw.build_batch(sched, drafts=self.drafter.drafts)  # rows feed [newest token, d1..dk]
         drafts = batch.input_ids.view(bs, k + 1)[:, 1:]
         if self.draft_hook is not None:  # it gets each row's output index from the device lengths
             first_out = batch.seq_lens - k - tw.caches.req_slots.sampling_i[batch.req_slots, 2]
