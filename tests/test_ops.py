@@ -257,3 +257,17 @@ def test_route_takes_split_partials_of_the_logits():
     rw, rids = moe.route(partials.sum(1).to(torch.bfloat16), 8, 3, True, True)
     assert w.dtype == torch.bfloat16 and torch.equal(ids, rids) and torch.equal(w, rw)
     assert (ids[:, 3] == 8).all()
+
+
+def test_row_aligned_router_weight_is_made_once_and_remade_after_an_in_place_change():
+    """``narrow``'s zero-padded copy of a 65-row weight (cuBLAS's aligned kernels on CUDA) is cached per weight."""
+    from hylo.ops.linear import _row_aligned
+
+    w = torch.nn.Parameter(torch.randn(65, 16), requires_grad=False)
+    a = _row_aligned(w)
+    assert _row_aligned(w) is a
+    assert a.shape == (72, 16) and torch.equal(a[:65], w) and not a[65:].any()
+    with torch.no_grad():
+        w.mul_(2.0)
+    b = _row_aligned(w)
+    assert b is not a and torch.equal(b[:65], w)

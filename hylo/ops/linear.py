@@ -38,8 +38,18 @@ def narrow(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         # an output row of 65 is not 16-byte aligned, and cuBLAS then runs an sm75 "align1" kernel (45 us per
         # layer at an 8192-token prefill on the H200, for 2 GFLOP); a zero-padded copy of the small weight gets an
         # aligned kernel, and the caller reads the first columns through the row stride
-        return F.linear(x, F.pad(w, (0, 0, 0, -w.shape[0] % 8)))[:, :w.shape[0]]
+        return F.linear(x, _row_aligned(w))[:, :w.shape[0]]
     return F.linear(x, w)
+
+
+def _row_aligned(w: torch.Tensor) -> torch.Tensor:
+    """``w`` with zero rows appended up to a multiple of 8, made once per weight (again only if ``w`` is modified
+    in place), not on every call: the copy would be a launch and a weight's worth of traffic per layer per step."""
+    cached = getattr(w, "_hylo_row_aligned", None)
+    if cached is None or cached[0] != w._version:
+        cached = (w._version, F.pad(w.detach(), (0, 0, 0, -w.shape[0] % 8)))
+        w._hylo_row_aligned = cached
+    return cached[1]
 
 
 def _split_gemv(x: torch.Tensor, w: torch.Tensor, reduce: bool, bk: int | None = None, **kw) -> torch.Tensor:
