@@ -4,6 +4,9 @@ Usage: python tools/profile_step.py [--bs 1 64] [--prefill 8192] [--graphs] [--l
 
 import argparse
 import collections
+import cProfile
+import io
+import pstats
 import json
 import os
 import time
@@ -13,7 +16,7 @@ import warnings
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from hylo.bench import bench_config, build_model, clear, fake_prefill
+from hylo.bench import _graph_alone_ms, bench_config, build_model, clear, fake_prefill, overlap_profile, time_steps
 from hylo.config import EngineConfig
 from hylo.core import SamplingParams
 from hylo.engine.engine import Engine
@@ -29,9 +32,16 @@ def main():
                     help="also write every kernel launch of one step at the first --bs in order: name, grid, time, gap")
     ap.add_argument("--graphs", action="store_true", help="profile CUDA-graph replays (as the bench runs) instead "
                     "of eager steps")
+    ap.add_argument("--host", action="store_true", help="profile the host side of overlapped, graph-replayed "
+                    "decode steps (cProfile), beside their wall and GPU-only times")
     args = ap.parse_args()
     lm = build_model(bench_config("bench-6b"), torch.device("cuda"))
     report = {}
+    if args.host:
+        profile_host(lm, args.bs, report)
+        with open(os.path.join(args.out, "profile_host.json"), "w") as f:
+            json.dump(report, f, indent=1)
+        return
     if args.prefill:
         profile_prefill(lm, args.prefill, report)
         with open(os.path.join(args.out, f"profile_prefill_{args.prefill}.json"), "w") as f:
@@ -64,6 +74,43 @@ def main():
         torch.cuda.empty_cache()
     with open(os.path.join(args.out, "profile_step.json"), "w") as f:
         json.dump(report, f, indent=1)
+
+
+def profile_host(lm, batch_sizes: list[int], report: dict, steps: int = 30) -> None:
+    """Plain decode at each batch size as the bench runs it (graphs, overlap): the wall per step unprofiled, the
+    decode graph's GPU time alone, the busy fraction under the torch profiler, then the host's functions under
+    cProfile. When the wall exceeds the GPU time, the cProfile table says which host work is in the way."""
+    ec = EngineConfig(max_num_seqs=max(batch_sizes), kv_cache_tokens=max(batch_sizes) * 1200, cuda_graphs=True,
+                      cuda_graph_sizes=tuple(batch_sizes), max_model_len=1300, verbose=False)
+    eng = Engine(lm, device="cuda", dtype="bfloat16", engine_config=ec)
+    for bs in batch_sizes:
+        rids = fake_prefill(eng, bs, 1024)
+        wall = time_steps(eng, steps)
+        gpu = _graph_alone_ms(eng, "decode", iters=steps)
+        clear(eng, rids)
+        rids = fake_prefill(eng, bs, 1024)
+        busy = overlap_profile(eng, steps)
+        for _ in range(3):
+            eng.step()
+        torch.cuda.synchronize()
+        prof = cProfile.Profile()
+        t0 = time.perf_counter()
+        prof.enable()
+        for _ in range(steps):
+            eng.step()
+        torch.cuda.synchronize()
+        prof.disable()
+        profiled = (time.perf_counter() - t0) * 1e3 / steps
+        clear(eng, rids)
+        text = io.StringIO()
+        stats = pstats.Stats(prof, stream=text)
+        stats.sort_stats("tottime").print_stats(25)
+        top = text.getvalue()
+        report[f"host_bs{bs}"] = dict(wall_ms_per_step=wall, graph_ms_per_step=gpu, profiled_gpu_busy=busy,
+                                      cprofile_ms_per_step=profiled, cprofile_top=top)
+        print(f"== host bs{bs}: wall {wall:.2f} ms/step, decode graph alone {gpu:.2f} ms, busy under the torch "
+              f"profiler {busy['gpu_busy_fraction']:.3f}, {profiled:.2f} ms/step under cProfile", flush=True)
+        print("\n".join(top.splitlines()[:40]), flush=True)
 
 
 def summarize(prof, steps: int, name: str, report: dict) -> None:
