@@ -1,10 +1,10 @@
 """How many eager torch ops the host issues per speculative step outside the model passes (which run as captured
 graphs on the GPU): a CPU-only measure of the host work that the overlap loop must hide behind the GPU step.
 
-Runs the ``tiny`` bench model on the CPU with MTP (k = 3, simulated accept length 3.0), counts every aten op under
-a dispatch mode, and pauses the count inside what runs as a captured graph on the GPU: the target's and the MTP
-head's forward and logits, and the fused greedy speculative step (``SpecWorker._greedy_step``). On the GPU each
-counted op that is not a view is one eager kernel launch (10-20 us of host time on the device machine's host).
+Runs the ``tiny`` bench model on the CPU, plain decode and MTP (k = 3, simulated accept length 3.0), with the
+graph passes captured as the GPU engine captures them (off CUDA the runner re-runs a pass at each replay), counts
+every aten op under a dispatch mode, and pauses the count inside the replays. On the GPU each counted op that is
+not a view is one eager kernel launch or copy (10-20 us of host time on the device machine's host).
 Usage: python tools/count_host_ops.py [--bs 1 8] [--steps 10]
 """
 
@@ -18,10 +18,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from hylo.bench import bench_config, build_model, fake_prefill
 from hylo.config import EngineConfig
 from hylo.engine.engine import Engine
-from hylo.models.qwen3_next import Qwen3NextForCausalLM
-from hylo.models.qwen3_next_mtp import Qwen3NextMTP
+from hylo.engine.graphs import _Replay
 from hylo.spec.setup import SpecSetup
-from hylo.spec.worker import SpecWorker
 
 VIEWS = ("view", "unsqueeze", "select", "slice", "reshape", "detach", "unbind", "lift_fresh", "alias", "expand")
 
@@ -56,15 +54,14 @@ def main():
     ap.add_argument("--steps", type=int, default=10)
     args = ap.parse_args()
     counter = OpCounter()
-    for cls in (Qwen3NextForCausalLM, Qwen3NextMTP):
-        pause_inside(counter, cls, "forward")
-        pause_inside(counter, cls, "compute_logits")
-    pause_inside(counter, SpecWorker, "_greedy_step")
+    pause_inside(counter, _Replay, "replay")
     lm = build_model(bench_config("tiny"), torch.device("cpu"))
-    for bs in args.bs:
-        ec = EngineConfig(max_num_seqs=bs, kv_cache_tokens=bs * 1400, chunk_size=8192, speculative="mtp",
-                          num_speculative_tokens=3, simulate_accept_length=3.0, max_model_len=1300, verbose=False)
-        eng = Engine(lm, device="cpu", dtype="bfloat16", engine_config=ec, spec_setup=SpecSetup("mtp"))
+    for bs, spec in [(bs, spec) for spec in (False, True) for bs in args.bs]:
+        kw = dict(speculative="mtp", num_speculative_tokens=3, simulate_accept_length=3.0) if spec else {}
+        ec = EngineConfig(max_num_seqs=bs, kv_cache_tokens=bs * 1400, chunk_size=8192, max_model_len=1300,
+                          verbose=False, **kw)
+        eng = Engine(lm, device="cpu", dtype="bfloat16", engine_config=ec, spec_setup=SpecSetup("mtp") if spec else None)
+        eng.worker.capture_graphs([bs], verbose=False)
         fake_prefill(eng, bs, 1024)
         for _ in range(5):
             eng.step()
@@ -76,8 +73,8 @@ def main():
         ms = (time.perf_counter() - t0) / args.steps * 1e3
         total = sum(counter.counts.values()) / args.steps
         views = sum(n for op, n in counter.counts.items() if any(v in op for v in VIEWS)) / args.steps
-        print(f"batch {bs}: {total:.0f} eager ops per speculative step outside the model passes, {total - views:.0f} "
-              f"of them not views ({ms:.1f} ms per step on this CPU, model passes included)")
+        print(f"{'MTP' if spec else 'plain'} batch {bs}: {total:.0f} eager ops per step outside the graph replays, "
+              f"{total - views:.0f} of them not views ({ms:.1f} ms per step on this CPU, replays included)")
         for op, n in counter.counts.most_common(15):
             print(f"  {n / args.steps:6.1f}  {op}")
         del eng
