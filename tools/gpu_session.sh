@@ -2,10 +2,12 @@
 # The GPU measurements of a working session, in two calls that each fit the device tool's 600 s limit.
 #   bash tools/gpu_session.sh tests OUT   # pytest tests/gpu (about 240 s), the prefill profile, a step's launches
 #   bash tools/gpu_session.sh bench OUT   # kernel sweeps whose winners the bench then uses, then the bench
-#   (bench-first: the bench, then the sweeps; bench-short: hylo's bench rows alone, for a short device budget)
+#   (bench-first: the bench, then the sweeps; bench-short: hylo's bench rows alone, for a short device budget;
+#    tests-host: the GPU tests, then the host profile of overlapped decode at batch 1, 64 and 256 and a step's
+#    launches, in place of the prefill profile)
 # Everything is written under OUT (the device tool's $OUT); the summary lines go to stdout.
 set -u
-phase=${1:?tests, bench, bench-first or bench-short}
+phase=${1:?tests, tests-host, bench, bench-first or bench-short}
 out=${2:?output folder}
 mkdir -p "$out"
 
@@ -21,15 +23,28 @@ bench() {  # bench TIMEOUT [bench options]: hylo bench --pdl (TIMEOUT 0: no limi
   echo "bench rc=$?"; grep "^\[bench\]" "$out/bench.txt"
 }
 
+gputests() {
+  timeout 330 python3 -m pytest -q -p no:cacheprovider tests/gpu > "$out/gputests.txt" 2>&1
+  echo "pytest rc=$?"; grep -E "passed|failed|FAILED|Error" "$out/gputests.txt" | tail -15
+}
+
+launches() {  # every launch of one graph-replayed step, in order (which neighbours to fuse, where the idle gaps are)
+  timeout 110 python3 tools/profile_step.py --graphs --launches --bs 1 64 --out "$out" > "$out/prof_step.txt" 2>&1
+  grep -E "^==|launches," "$out/prof_step.txt"
+}
+
 case "$phase" in
   tests)
-    timeout 330 python3 -m pytest -q -p no:cacheprovider tests/gpu > "$out/gputests.txt" 2>&1
-    echo "pytest rc=$?"; grep -E "passed|failed|FAILED|Error" "$out/gputests.txt" | tail -15
+    gputests
     timeout 150 python3 tools/profile_step.py --prefill 8192 --out "$out" > "$out/prof_prefill.txt" 2>&1
     head -16 "$out/prof_prefill.txt" | tail -14; grep -A4 "synchronising" "$out/prof_prefill.txt"
-    # every launch of one graph-replayed step, in order (which neighbours to fuse, where the idle gaps are)
-    timeout 110 python3 tools/profile_step.py --graphs --launches --bs 1 64 --out "$out" > "$out/prof_step.txt" 2>&1
-    grep -E "^==|launches," "$out/prof_step.txt"
+    launches
+    ;;
+  tests-host)
+    gputests
+    timeout 150 python3 tools/profile_step.py --host --bs 1 64 256 --out "$out" > "$out/prof_host.txt" 2>&1
+    grep -E "^==|tottime|^ +[0-9]" "$out/prof_host.txt" | head -60
+    launches
     ;;
   bench) sweeps; [ -f "$out/tuned.env" ] && . "$out/tuned.env"; bench 380 --vs-hf ;;
   bench-first) bench 380 --vs-hf; sweeps ;;  # little device time left: the committed defaults first
