@@ -44,7 +44,8 @@ case "$phase" in
     gputests
     timeout 150 python3 tools/profile_step.py --host --bs 1 64 256 --out "$out" > "$out/prof_host.txt" 2>&1
     grep -E "^==|tottime|^ +[0-9]" "$out/prof_host.txt" | head -60
-    launches
+    timeout 120 python3 tools/profile_step.py --prefill 8192 --out "$out" > "$out/prof_prefill.txt" 2>&1
+    grep -E "^==|prefill|tottime|^ +[0-9]+ +[0-9.]+ +[0-9.]+ +[0-9.]" "$out/prof_prefill.txt" | head -40
     ;;
   bench) sweeps; [ -f "$out/tuned.env" ] && . "$out/tuned.env"; bench 380 --vs-hf ;;
   bench-first) bench 380 --vs-hf; sweeps ;;  # little device time left: the committed defaults first

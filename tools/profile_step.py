@@ -93,24 +93,28 @@ def profile_host(lm, batch_sizes: list[int], report: dict, steps: int = 30) -> N
         for _ in range(3):
             eng.step()
         torch.cuda.synchronize()
-        prof = cProfile.Profile()
-        t0 = time.perf_counter()
-        prof.enable()
-        for _ in range(steps):
-            eng.step()
-        torch.cuda.synchronize()
-        prof.disable()
-        profiled = (time.perf_counter() - t0) * 1e3 / steps
+        profiled, top = host_table(lambda: [eng.step() for _ in range(steps)])
+        profiled /= steps
         clear(eng, rids)
-        text = io.StringIO()
-        stats = pstats.Stats(prof, stream=text)
-        stats.sort_stats("tottime").print_stats(25)
-        top = text.getvalue()
         report[f"host_bs{bs}"] = dict(wall_ms_per_step=wall, graph_ms_per_step=gpu, profiled_gpu_busy=busy,
                                       cprofile_ms_per_step=profiled, cprofile_top=top)
-        print(f"== host bs{bs}: wall {wall:.2f} ms/step, decode graph alone {gpu:.2f} ms, busy under the torch "
+        print(f"== host bs{bs}: wall {wall:.2f} ms/step, decode graph alone {gpu or float('nan'):.2f} ms, busy under the torch "
               f"profiler {busy['gpu_busy_fraction']:.3f}, {profiled:.2f} ms/step under cProfile", flush=True)
         print("\n".join(top.splitlines()[:40]), flush=True)
+
+
+def host_table(fn, rows: int = 25) -> tuple[float, str]:
+    """Run ``fn`` under cProfile, then wait for the GPU: (wall ms, the functions with the most own time)."""
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    fn()
+    torch.cuda.synchronize()
+    prof.disable()
+    ms = (time.perf_counter() - t0) * 1e3
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(rows)
+    return ms, text.getvalue()
 
 
 def summarize(prof, steps: int, name: str, report: dict) -> None:
@@ -195,6 +199,14 @@ def profile_prefill(lm, tokens: int, report: dict) -> None:
           f"{sum(sites.values())} synchronising calls:", flush=True)
     for site, n in sites.most_common():
         print(f"  {n:4d}  {site}", flush=True)
+    # the host's own time in a prefill step: when step() returns after the GPU would have finished, the host's
+    # launches (and the Python around them) set the pace, and this table says which
+    rid = eng.add_request(prompt, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+    torch.cuda.synchronize()
+    ms, top = host_table(eng.step, rows=30)
+    clear(eng, [rid])
+    report[f"prefill_{tokens}"].update(cprofile_ms=ms, cprofile_top=top)
+    print(f"prefill {tokens} under cProfile: {ms:.1f} ms\n" + "\n".join(top.splitlines()[:45]), flush=True)
 
 
 if __name__ == "__main__":
