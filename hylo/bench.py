@@ -258,36 +258,7 @@ def run_bench(model_name: str = "bench-6b", vs_hf: bool = False, quick: bool = F
     # speculative decoding, MTP k = 3, simulated acceptance
     k = 3
     spec_batches = [1, 8] if quick else [1, 8, 64]
-    ec = EngineConfig(max_num_seqs=max(spec_batches), kv_cache_tokens=max(spec_batches) * 1400, chunk_size=8192,
-                      speculative="mtp", num_speculative_tokens=k, simulate_accept_length=3.0,
-                      cuda_graph_sizes=tuple(spec_batches), max_model_len=1300)
-    setup = SpecSetup("mtp")
-    eng = Engine(lm, device="cuda", dtype="bfloat16", engine_config=ec, spec_setup=setup)
-    fp = Footprint.of(lm.model, setup.mtp, eng.caches)
-    for bs in spec_batches:
-        for accept in (2.0, 3.0, 4.0):
-            eng.worker.simulate_accept_length = accept
-            rids = fake_prefill(eng, bs, 1024)
-            ms = time_steps(eng, steps)
-            reqs = [eng._reqs[r] for r in rids]
-            emitted = sum(r.spec.emitted_tokens for r in reqs)
-            verify_steps = sum(r.spec.verify_steps for r in reqs) / bs
-            measured_len = emitted / max(sum(r.spec.verify_steps for r in reqs), 1)
-            per_token = ms / (bs * measured_len)
-            floor = fp.spec_step_bytes(bs, 1024, k) / copy_rate * 1e3
-            rec = dict(phase="decode", batch_size=bs, context=1024, cuda_graph=True, spec="mtp",
-                       num_speculative_tokens=k, accept_length=measured_len, target_accept_length=accept,
-                       ms_per_step=ms, ms_per_token=per_token, floor_ms=floor, floor_ms_per_token=floor / (bs * accept),
-                       ratio_to_floor=ms / floor, vs_plain_decode=per_token / plain_ms.get(bs, math.nan),
-                       verify_steps=verify_steps)
-            records.append(rec)
-            save()
-            if abs(measured_len - accept) > 0.25:
-                print(f"[bench] WARNING: simulated accept length {measured_len:.2f} measured against a target of "
-                      f"{accept:.2f}", flush=True)
-            print(f"[bench] spec mtp k={k} bs={bs} accept={measured_len:.2f}: {ms:.2f} ms/step, {per_token:.3f} "
-                  f"ms/token ({rec['vs_plain_decode']:.2f}x plain), floor {floor:.2f} ms/step", flush=True)
-            clear(eng, rids)
+    eng = _spec_records(lm, spec_batches, (2.0, 3.0, 4.0), "replay", k, copy_rate, steps, plain_ms, records, save)
 
     # the overlap loop: speculative decoding with overlap on and off, GPU busy fraction and blocking reads
     for bs in ([1] if quick else [1, 64]):
@@ -306,11 +277,53 @@ def run_bench(model_name: str = "bench-6b", vs_hf: bool = False, quick: bool = F
 
     del eng
     torch.cuda.empty_cache()
+    if not quick:  # the other commit of the accepted GDN state, for comparison in the same run
+        _spec_records(lm, spec_batches, (3.0,), "checkpoints", k, copy_rate, steps, plain_ms, records, save)
+        torch.cuda.empty_cache()  # the engine it returned is gone already
     if pdl:
         _pdl_records(lm, [1] if quick else [1, 8, 64], copy_rate, steps, records, save)
     save()
     print(f"[bench] wrote {path}", flush=True)
     return records
+
+
+def _spec_records(lm: LoadedModel, batches: list[int], accepts: tuple[float, ...], commit: str, k: int,
+                  copy_rate: float, steps: int, plain_ms: dict, records: list[dict], save_records) -> Engine:
+    """MTP speculative steps (graphs, context 1k) at simulated accept lengths, per generated token against plain
+    decode, with the accepted GDN state committed by ``commit`` (``EngineConfig.spec_commit``). Returns the
+    engine (the overlap records reuse it)."""
+    ec = EngineConfig(max_num_seqs=max(batches), kv_cache_tokens=max(batches) * 1400, chunk_size=8192,
+                      speculative="mtp", num_speculative_tokens=k, simulate_accept_length=accepts[0],
+                      cuda_graph_sizes=tuple(batches), max_model_len=1300, spec_commit=commit)
+    setup = SpecSetup("mtp")
+    eng = Engine(lm, device="cuda", dtype="bfloat16", engine_config=ec, spec_setup=setup)
+    fp = Footprint.of(lm.model, setup.mtp, eng.caches)
+    for bs in batches:
+        for accept in accepts:
+            eng.worker.simulate_accept_length = accept
+            rids = fake_prefill(eng, bs, 1024)
+            ms = time_steps(eng, steps)
+            reqs = [eng._reqs[r] for r in rids]
+            emitted = sum(r.spec.emitted_tokens for r in reqs)
+            verify_steps = sum(r.spec.verify_steps for r in reqs) / bs
+            measured_len = emitted / max(sum(r.spec.verify_steps for r in reqs), 1)
+            per_token = ms / (bs * measured_len)
+            floor = fp.spec_step_bytes(bs, 1024, k, replay=commit == "replay") / copy_rate * 1e3
+            rec = dict(phase="decode", batch_size=bs, context=1024, cuda_graph=True, spec="mtp",
+                       num_speculative_tokens=k, accept_length=measured_len, target_accept_length=accept,
+                       spec_commit=commit, ms_per_step=ms, ms_per_token=per_token, floor_ms=floor,
+                       floor_ms_per_token=floor / (bs * accept), ratio_to_floor=ms / floor,
+                       vs_plain_decode=per_token / plain_ms.get(bs, math.nan), verify_steps=verify_steps)
+            records.append(rec)
+            save_records()
+            if abs(measured_len - accept) > 0.25:
+                print(f"[bench] WARNING: simulated accept length {measured_len:.2f} measured against a target of "
+                      f"{accept:.2f}", flush=True)
+            print(f"[bench] spec mtp k={k} ({commit}) bs={bs} accept={measured_len:.2f}: {ms:.2f} ms/step, "
+                  f"{per_token:.3f} ms/token ({rec['vs_plain_decode']:.2f}x plain), floor {floor:.2f} ms/step",
+                  flush=True)
+            clear(eng, rids)
+    return eng
 
 
 def _pdl_records(lm: LoadedModel, batches: list[int], copy_rate: float, steps: int, records: list[dict],

@@ -56,6 +56,7 @@ class Footprint:
     kv_per_token: int  # all the target's attention layers, K and V
     kv_per_token_layer: int  # one attention layer (the MTP head has one)
     state_per_req: int  # GDN conv + recurrent states of one request
+    gdn_inputs_per_token: int  # a verify token's kept GDN inputs, all layers (conv output, raw a and b)
     num_experts: int
     top_k: int
     moe_layers: int
@@ -82,8 +83,9 @@ class Footprint:
         n_attn = len(mc.attn_layer_ids)
         kv_tok = 2 * n_attn * kv.k.shape[2] * kv.k.shape[3] * kv.k.element_size()
         matmul = non_expert // esz + moe_layers * mc.num_experts_per_tok * expert // esz
+        inputs = len(mc.linear_layer_ids) * (mc.conv_dim + 2 * mc.linear_num_value_heads) * esz
         return cls(non_expert, expert, embed, mc.hidden_size * esz, mtp_ne, kv_tok, kv_tok // n_attn, state,
-                   mc.num_experts, mc.num_experts_per_tok, moe_layers, matmul)
+                   inputs, mc.num_experts, mc.num_experts_per_tok, moe_layers, matmul)
 
     def experts_touched(self, tokens: int) -> float:
         """Expected distinct experts per layer for ``tokens`` tokens with uniform random routing."""
@@ -94,14 +96,19 @@ class Footprint:
         weights += self.moe_layers * self.experts_touched(bs) * self.expert
         return weights + bs * ctx * self.kv_per_token + 2 * bs * self.state_per_req
 
-    def spec_step_bytes(self, bs: int, ctx: int, k: int) -> float:
-        """One speculative step: verify (k + 1 tokens per request, k + 1 state checkpoints written, one committed),
-        the MTP head's extend over the k + 1 positions and its k - 1 chained steps (each re-reads the lm_head)."""
+    def spec_step_bytes(self, bs: int, ctx: int, k: int, replay: bool = False) -> float:
+        """One speculative step: verify (k + 1 tokens per request) and the commit of the accepted GDN state, the
+        MTP head's extend over the k + 1 positions and its k - 1 chained steps (each re-reads the lm_head). The
+        state: with checkpoints, the verify reads each slot and writes k + 1 states, the commit copies one; with
+        ``replay``, the verify reads each slot and keeps its inputs, the commit reads and writes each slot once."""
         t = bs * (k + 1)
         verify = self.non_expert + self.lm_head + t * self.embed_row
         verify += self.moe_layers * self.experts_touched(t) * self.expert
         verify += bs * (ctx + k + 1) * self.kv_per_token
-        verify += bs * self.state_per_req * (1 + (k + 1) + 2)  # read slot, write k+1 checkpoints, commit copy
+        if replay:  # read the slot, then the commit's read and write; the kept inputs written and read back
+            verify += bs * self.state_per_req * 3 + 2 * t * self.gdn_inputs_per_token
+        else:  # read the slot, write k + 1 checkpoints, the commit's copy
+            verify += bs * self.state_per_req * (1 + (k + 1) + 2)
         # the head has one MoE layer: its extend pass touches the experts of t tokens, each chained step those of bs
         drafts = k * (self.mtp_non_expert + self.lm_head) + self.experts_touched(t) * self.expert
         drafts += (k - 1) * self.experts_touched(bs) * self.expert + k * bs * ctx * self.kv_per_token_layer

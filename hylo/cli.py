@@ -25,6 +25,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="speculative decoding: the checkpoint's MTP head, or n-gram prompt lookup")
     g.add_argument("--num-speculative-tokens", type=int, default=d.num_speculative_tokens,
                    help="drafts per verify step (default 3)")
+    g.add_argument("--spec-commit", choices=["replay", "checkpoints"], default=d.spec_commit,
+                   help="how a verify's accepted GDN state reaches the slot: replay the kept step inputs (default; "
+                   "less state traffic and memory) or copy the per-step state checkpoint")
     g.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="shard the model across N processes (one GPU each on CUDA)")
     g.add_argument("--no-overlap", dest="overlap", action="store_false",
@@ -37,7 +40,7 @@ def _engine_options(args) -> dict:
     return dict(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, chunk_size=args.chunk_size,
                 kv_cache_tokens=args.kv_cache_tokens, memory_budget_gb=args.memory_budget_gb,
                 state_dtype=args.state_dtype, speculative=args.speculative,
-                num_speculative_tokens=args.num_speculative_tokens,
+                num_speculative_tokens=args.num_speculative_tokens, spec_commit=args.spec_commit,
                 simulate_accept_length=args.simulate_accept_length, overlap=args.overlap,
                 tensor_parallel_size=args.tensor_parallel_size)
 

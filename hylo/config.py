@@ -235,6 +235,10 @@ class EngineConfig:
     preemption: str = "recompute"  # when KV runs out mid-decode: preempt the newest request and re-run it
     speculative: str | None = None  # None, "mtp" (the checkpoint's MTP head) or "ngram" (prompt lookup)
     num_speculative_tokens: int = 3  # k drafts per verify step
+    # how a verify step's accepted GDN state reaches the request's slot: "replay" (the verify keeps each step's
+    # inputs, the commit re-runs the accepted steps from the slot: about a third of the state traffic and a
+    # fraction of the memory) or "checkpoints" (the verify writes the state after every step, the commit copies one)
+    spec_commit: str = "replay"
     # Benchmarks on random weights only: force this mean accept length (tokens per verify step). NOT lossless.
     simulate_accept_length: float | None = None
     verbose: bool = True  # print the memory plan at start-up
@@ -259,6 +263,8 @@ class EngineConfig:
             raise ValueError(f"memory_budget_gb must be a positive number, got {self.memory_budget_gb}")
         if self.state_dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"state_dtype must be float32, bfloat16 or float16, got {self.state_dtype!r}")
+        if self.spec_commit not in ("replay", "checkpoints"):
+            raise ValueError(f"spec_commit must be 'replay' or 'checkpoints', got {self.spec_commit!r}")
         if self.speculative not in (None, "mtp", "ngram"):
             raise ValueError(f"speculative must be None, 'mtp' or 'ngram', got {self.speculative!r}")
         if isinstance(self.num_speculative_tokens, bool) or not isinstance(self.num_speculative_tokens, int) \

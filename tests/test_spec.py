@@ -92,12 +92,16 @@ def test_forced_full_acceptance_and_full_rejection(ckpt_a_mtp, reference_a, long
                 assert s.accepted_tokens == 0 and s.mean_accept_length == 1.0 and s.verify_steps == 13
 
 
-def test_state_after_partial_rejection_equals_plain_decoding(ckpt_b_mtp):
+@pytest.mark.parametrize("commit", ["replay", "checkpoints"])
+def test_state_after_partial_rejection_equals_plain_decoding(ckpt_b_mtp, commit):
+    """After a verify that accepted one of three drafts, the committed conv and recurrent states equal plain
+    decoding's, with either commit: the replay of the kept inputs or the copy of the checkpoint."""
     vocab = vocab_of(ckpt_b_mtp)
     prompt = random_prompts(vocab, [11], seed=31)[0]
     ref = LLM(ckpt_b_mtp, verbose=False).generate(prompt, SamplingParams(max_tokens=12, temperature=0),
                                                    use_tqdm=False)[0].token_ids
-    spec = _spec_engine(ckpt_b_mtp, "mtp", 3, overlap=False)  # inspects the state after each step
+    spec = _spec_engine(ckpt_b_mtp, "mtp", 3, overlap=False, spec_commit=commit)  # inspects each step's state
+    assert (spec.caches.state_pool.verify_recurrent is None) == (commit == "replay")
     spec.worker.draft_hook = _oracle_hook({tuple(prompt): ref}, vocab, True, correct_first_only=True)
     rid = spec.add_request(prompt, SamplingParams(max_tokens=12, temperature=0))
     req = spec.scheduler.running[0] if spec.scheduler.running else spec.scheduler.waiting[0]

@@ -3,8 +3,10 @@
 - EXTEND: conv over the new tokens from the slot's conv window, chunked delta rule from the slot's recurrent state,
   both final states written back to the slot (a chunk continues exactly where the previous one stopped).
 - DECODE: one conv update and one recurrent step, reading and writing the slot in place.
-- TARGET_VERIFY: k + 1 steps from the slot, the state after every step written to the verify buffers at
-  ``[row, step]``; the slot itself is never written (a rejected draft needs no rollback).
+- TARGET_VERIFY: k + 1 steps from the slot, and what the commit needs kept in the verify buffers at ``[row, step]``:
+  the step's inputs (``spec_commit="replay"``, the default) or the state after the step ("checkpoints"). The slot
+  itself is never written by a verify (a rejected draft needs no rollback); ``commit_verified`` then brings each
+  row's state to its last accepted step, replaying the kept inputs from the slot or copying the checkpoint.
 State slot -1 marks a padded row everywhere: it reads zeros and writes nothing.
 """
 
@@ -107,6 +109,10 @@ class GDNBackend(Backend):
         self.fast = use_triton(state_pool.recurrent)
         self.fla_chunk = _load_fla_chunk() if self.fast else None
         self._prefill: tuple[ForwardBatch, PrefillIndex] | None = None  # the batch it was built for, and it
+        # for the replay commit: each layer's gate parameters (seen by its verify), stacked once, and the shape
+        self._layer_params: dict[int, GDNParams] = {}
+        self._gates: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._shape: GDNShape | None = None
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         """An eager forward: a prefill on the fast path gets its index tensors once, for every layer."""
@@ -135,7 +141,7 @@ class GDNBackend(Backend):
             q, k, v = shape.split(x)
             return gdn_ops.gdn_decode_ref(q, k, v, g, beta, rec_pool, batch.state_slots)
         assert batch.mode is ForwardMode.TARGET_VERIFY
-        return self._verify(layer, conv_pool, rec_pool, mixed_qkv, g, beta, params, shape, batch)
+        return self._verify(layer, conv_pool, rec_pool, mixed_qkv, a, b, g, beta, params, shape, batch)
 
     def _extend(self, conv_pool, rec_pool, mixed_qkv, g, beta, params, shape, batch):
         """Prefill: the causal conv from each row's conv state (one varlen Triton launch on CUDA, per row otherwise),
@@ -179,11 +185,59 @@ class GDNBackend(Backend):
 
         pool = self.state_pool
         verify = batch.mode is ForwardMode.TARGET_VERIFY
-        steps = batch.tokens_per_row
+        keep = verify and self._keeps_inputs(layer, params, shape)
+        steps, n = batch.tokens_per_row, mixed_qkv.shape[0]
+        # keeping inputs, the conv writes its output straight into the verify buffer the replay reads
         x = conv_steps(mixed_qkv, params.conv_weight, conv_pool, batch.state_slots, steps,
-                       pool.verify_conv[layer] if verify else None)
+                       pool.verify_conv[layer] if verify else None, out=pool.verify_x[layer, :n] if keep else None)
         return gdn_steps(x, a, b, params.A_log, params.dt_bias, rec_pool, batch.state_slots, shape.num_k_heads,
-                         shape.head_k_dim, shape.head_v_dim, steps, pool.verify_recurrent[layer] if verify else None)
+                         shape.head_k_dim, shape.head_v_dim, steps,
+                         pool.verify_recurrent[layer] if verify and not keep else None,
+                         keep_ab=pool.verify_ab[layer] if keep else None)
+
+    def _keeps_inputs(self, layer: int, params: GDNParams, shape: GDNShape) -> bool:
+        """Whether verifies keep inputs for a replay commit; if so, note what the commit needs of this layer."""
+        if self.state_pool.verify_x is None:
+            return False
+        old = self._layer_params.get(layer)
+        if old is None or old.A_log is not params.A_log or old.dt_bias is not params.dt_bias:
+            self._gates = None  # restacked by the next commit
+        self._layer_params[layer] = params
+        self._shape = shape
+        return True
+
+    def commit_verified(self, state_slots: torch.Tensor, accepted: torch.Tensor) -> None:
+        """After a verify: each row's conv window and recurrent state at its last accepted step (``accepted[row]``,
+        0 = the fed token alone) into its slot. Rows with state slot -1 write nothing."""
+        pool = self.state_pool
+        if pool.verify_x is None:
+            commit_checkpoints(pool, state_slots, accepted)
+            return
+        commit_checkpoints(pool, state_slots, accepted, recurrent=False)  # the conv windows are small: copied
+        shape, steps = self._shape, pool.verify_conv.shape[2]
+        if self.fast:
+            from ..ops.gdn_triton import replay_commit
+
+            if self._gates is None:  # built by the first (eager) commit, before any graph capture
+                layers = [self._layer_params[i] for i in range(len(self._layer_params))]
+                self._gates = (torch.stack([p.A_log for p in layers]), torch.stack([p.dt_bias for p in layers]))
+            replay_commit(pool.verify_x, pool.verify_ab, *self._gates, pool.recurrent, state_slots, accepted,
+                          shape.num_k_heads, shape.head_k_dim, shape.head_v_dim, steps)
+            return
+        bs = state_slots.shape[0]
+        rows = torch.arange(bs, device=state_slots.device)
+        valid = state_slots >= 0
+        idx = state_slots.clamp(min=0)
+        for layer, params in sorted(self._layer_params.items()):
+            n = bs * steps
+            g, beta = gdn_ops.gdn_gating(params.A_log, pool.verify_ab[layer, :n, 0], params.dt_bias,
+                                         pool.verify_ab[layer, :n, 1])
+            q, k, v = shape.split(pool.verify_x[layer, :n].view(bs, steps, -1))
+            rec = pool.recurrent[layer]
+            rec0 = rec[idx].float() * valid[:, None, None, None]
+            _, states = gdn_ops.gdn_verify_ref(q, k, v, g.view(bs, steps, -1), beta.view(bs, steps, -1), rec0)
+            final = states[rows, accepted].to(rec.dtype)
+            rec[idx] = torch.where(valid[:, None, None, None], final, rec[idx])
 
     def _prefill_index(self, batch: ForwardBatch) -> PrefillIndex:
         """This batch's index tensors, built on first use (by ``init_forward_metadata``, or by the first layer of
@@ -210,8 +264,9 @@ class GDNBackend(Backend):
         rec_pool[ix.kept_slots] = final[ix.kept_rows].to(rec_pool.dtype)
         return o[0]  # in the inputs' dtype: the layer casts the core output to it anyway (no float32 round trip)
 
-    def _verify(self, layer, conv_pool, rec_pool, mixed_qkv, g, beta, params, shape, batch):
-        """k + 1 steps per row from the slot's state; every step's state goes to the verify buffers."""
+    def _verify(self, layer, conv_pool, rec_pool, mixed_qkv, a, b, g, beta, params, shape, batch):
+        """k + 1 steps per row from the slot's state; the conv windows and either the step inputs or the states after
+        every step go to the verify buffers."""
         pool = self.state_pool
         bs, steps = batch.batch_size, batch.tokens_per_row
         valid = batch.state_slots >= 0
@@ -223,5 +278,32 @@ class GDNBackend(Backend):
         q, k, v = shape.split(x)
         o, rec_states = gdn_ops.gdn_verify_ref(q, k, v, g.view(bs, steps, -1), beta.view(bs, steps, -1), rec0)
         pool.verify_conv[layer, :bs] = conv_states.to(pool.verify_conv.dtype)
-        pool.verify_recurrent[layer, :bs] = rec_states.to(pool.verify_recurrent.dtype)
+        if self._keeps_inputs(layer, params, shape):
+            n = bs * steps
+            pool.verify_x[layer, :n] = x.reshape(n, -1).to(pool.verify_x.dtype)
+            pool.verify_ab[layer, :n, 0] = a
+            pool.verify_ab[layer, :n, 1] = b
+        else:
+            pool.verify_recurrent[layer, :bs] = rec_states.to(pool.verify_recurrent.dtype)
         return o.reshape(bs * steps, shape.num_v_heads, shape.head_v_dim)
+
+
+def commit_checkpoints(pool: StatePool, state_slots: torch.Tensor, accepted: torch.Tensor,
+                       recurrent: bool = True) -> None:
+    """Copy each row's verify checkpoint after its last accepted token (``verify[row, a]``) into its state slot:
+    the conv window, and the recurrent state unless ``recurrent`` is False. Rows with state slot -1 write nothing."""
+    if use_triton(state_slots):
+        from ..ops.gdn_triton import commit_checkpoints as commit
+
+        commit(pool.verify_conv, pool.conv, state_slots, accepted)
+        if recurrent:
+            commit(pool.verify_recurrent, pool.recurrent, state_slots, accepted)
+        return
+    rows = torch.arange(state_slots.shape[0], device=state_slots.device)
+    valid = state_slots >= 0
+    idx = state_slots.clamp(min=0)
+    conv = pool.verify_conv[:, rows, accepted].to(pool.conv.dtype)  # [L, B, C, K-1]
+    pool.conv[:, idx] = torch.where(valid[None, :, None, None], conv, pool.conv[:, idx])
+    if recurrent:
+        rec = pool.verify_recurrent[:, rows, accepted].to(pool.recurrent.dtype)  # [L, B, Hv, Dk, Dv]
+        pool.recurrent[:, idx] = torch.where(valid[None, :, None, None, None], rec, pool.recurrent[:, idx])

@@ -43,7 +43,7 @@ def _budget_bytes(ec: EngineConfig, device: torch.device) -> int:
 
 def allocate_caches(mc: ModelConfig, ec: EngineConfig, dtype: torch.dtype, device: torch.device,
                     extra_attn_layers: int = 0) -> Caches:
-    """Size the state pool (and, with speculative decoding, its verify buffers: k + 1 checkpoints per request) for
+    """Size the state pool (and, with speculative decoding, its verify buffers: k + 1 steps per request) for
     ``max_num_seqs`` requests, give the KV pool the rest of the budget, allocate all.
 
     ``extra_attn_layers``: KV layers beyond the model's attention layers (the MTP head's).
@@ -54,7 +54,11 @@ def allocate_caches(mc: ModelConfig, ec: EngineConfig, dtype: torch.dtype, devic
     slot_bytes = StatePool.bytes_per_slot(
         n_lin, mc.conv_dim, mc.linear_conv_kernel_dim, mc.linear_num_value_heads, mc.linear_key_head_dim,
         mc.linear_value_head_dim, dtype, state_dtype)
-    state_bytes = ec.max_num_seqs * slot_bytes * (1 + (k + 1 if k else 0))
+    keep_inputs = ec.spec_commit == "replay"
+    verify_bytes = StatePool.verify_bytes_per_row(
+        n_lin, mc.conv_dim, mc.linear_conv_kernel_dim, mc.linear_num_value_heads, mc.linear_key_head_dim,
+        mc.linear_value_head_dim, dtype, state_dtype, k + 1, keep_inputs) if k else 0
+    state_bytes = ec.max_num_seqs * (slot_bytes + verify_bytes)
     kv_bytes_per_token = 2 * n_attn * mc.num_key_value_heads * mc.head_dim * torch.finfo(dtype).bits // 8
     len_limit = min(ec.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
 
@@ -89,5 +93,5 @@ def allocate_caches(mc: ModelConfig, ec: EngineConfig, dtype: torch.dtype, devic
         max_model_len=max_model_len,
     )
     if k:
-        caches.state_pool.alloc_verify_buffers(ec.max_num_seqs, k + 1)
+        caches.state_pool.alloc_verify_buffers(ec.max_num_seqs, k + 1, keep_inputs, dtype)
     return caches

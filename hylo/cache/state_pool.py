@@ -24,17 +24,38 @@ class StatePool:
         self._free = list(range(num_slots, 0, -1))
         self.verify_conv: torch.Tensor | None = None
         self.verify_recurrent: torch.Tensor | None = None
+        self.verify_x: torch.Tensor | None = None
+        self.verify_ab: torch.Tensor | None = None
 
-    def alloc_verify_buffers(self, max_batch: int, steps: int) -> None:
-        """Per batch row and verify step, the conv window and recurrent state after that step (speculative decoding).
-
-        ``verify_conv[layer, row, step]``, ``verify_recurrent[layer, row, step]``: indexed by batch row, not slot.
-        """
+    def alloc_verify_buffers(self, max_batch: int, steps: int, keep_inputs: bool = False,
+                             act_dtype: torch.dtype | None = None) -> None:
+        """What a verify keeps per batch row and step (speculative decoding), indexed by batch row, not slot:
+        ``verify_conv[layer, row, step]``, the conv window after the step, and either the recurrent state after the
+        step, ``verify_recurrent[layer, row, step]`` (the commit copies the accepted one), or with ``keep_inputs``
+        the step's inputs, ``verify_x[layer, row * steps + step]`` (the conv output, q | k | v) and
+        ``verify_ab[layer, row * steps + step]`` (the raw gate inputs a and b), from which the commit replays the
+        accepted steps (a fraction of the state traffic and memory: see ``ops/gdn_triton``)."""
         L, _, C, K1 = self.conv.shape
         _, _, H, Dk, Dv = self.recurrent.shape
-        self.verify_conv = torch.zeros(L, max_batch, steps, C, K1, dtype=self.conv.dtype, device=self.conv.device)
-        self.verify_recurrent = torch.zeros(L, max_batch, steps, H, Dk, Dv, dtype=self.recurrent.dtype,
-                                            device=self.recurrent.device)
+        dev = self.conv.device
+        self.verify_conv = torch.zeros(L, max_batch, steps, C, K1, dtype=self.conv.dtype, device=dev)
+        if keep_inputs:
+            dtype = act_dtype or self.conv.dtype
+            self.verify_x = torch.zeros(L, max_batch * steps, C, dtype=dtype, device=dev)
+            self.verify_ab = torch.zeros(L, max_batch * steps, 2, H, dtype=dtype, device=dev)
+        else:
+            self.verify_recurrent = torch.zeros(L, max_batch, steps, H, Dk, Dv, dtype=self.recurrent.dtype,
+                                                device=dev)
+
+    @staticmethod
+    def verify_bytes_per_row(num_layers, conv_dim, conv_kernel, num_v_heads, key_dim, value_dim, conv_dtype,
+                             state_dtype, steps: int, keep_inputs: bool) -> int:
+        """The verify buffers' bytes per batch row (``alloc_verify_buffers``)."""
+        size = lambda dtype: torch.finfo(dtype).bits // 8  # noqa: E731
+        conv = conv_dim * (conv_kernel - 1) * size(conv_dtype)
+        kept = ((conv_dim + 2 * num_v_heads) * size(conv_dtype) if keep_inputs
+                else num_v_heads * key_dim * value_dim * size(state_dtype))
+        return num_layers * steps * (conv + kept)
 
     @staticmethod
     def bytes_per_slot(num_layers, conv_dim, conv_kernel, num_v_heads, key_dim, value_dim, conv_dtype,
@@ -45,7 +66,7 @@ class StatePool:
 
     @property
     def bytes(self) -> int:
-        tensors = [self.conv, self.recurrent, self.verify_conv, self.verify_recurrent]
+        tensors = [self.conv, self.recurrent, self.verify_conv, self.verify_recurrent, self.verify_x, self.verify_ab]
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     @property

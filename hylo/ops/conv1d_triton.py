@@ -71,12 +71,16 @@ CONV_STEPS_CFG = (256, 4)
 
 
 def conv_steps(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, steps: int = 1,
-               verify: torch.Tensor | None = None, cfg: tuple[int, int] | None = None) -> torch.Tensor:
+               verify: torch.Tensor | None = None, cfg: tuple[int, int] | None = None,
+               out: torch.Tensor | None = None) -> torch.Tensor:
     """x: [B * steps, C] (may be a strided view); weight: [C, K]; pool: [slots, C, K-1] (one layer);
-    verify: [max_B, steps, C, K-1] (one layer) or None. Returns silu(conv) [B * steps, C] in x's dtype."""
+    verify: [max_B, steps, C, K-1] (one layer) or None. Returns silu(conv) [B * steps, C] in x's dtype, written
+    into ``out`` when given (rows of unit stride)."""
     num_tokens, channels = x.shape
     k = weight.shape[-1]
-    out = torch.empty(num_tokens, channels, dtype=x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty(num_tokens, channels, dtype=x.dtype, device=x.device)
+    assert out.shape == x.shape and out.dtype == x.dtype and out.stride(1) == 1
     batch = num_tokens // steps
     if batch == 0:
         return out

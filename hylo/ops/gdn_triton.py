@@ -2,8 +2,17 @@
 
 One program per (row, value head, block of value channels). It fuses everything after the conv: the gating
 (``A_log``, ``dt_bias``, softplus, sigmoid beta), the L2 norm and scaling of q and k, and the state update. The
-state is read from the pool by slot (-1: zero state, nothing written). Decode writes the final state back to the
-slot in place; verify writes the state after every step to ``verify[layer, row, step]`` and never the slot.
+state is read from the pool by slot (-1: zero state, nothing written). The same kernel runs four ways (``MODE``):
+
+- DECODE: one step, the final state back to the slot in place.
+- VERIFY_STATES: k + 1 steps, the state after every step to ``verify[row, step]``; the slot is never written
+  (the commit then copies the accepted step's state: ``commit_checkpoints``).
+- VERIFY_INPUTS: k + 1 steps, outputs only; the step inputs are kept instead of the states (the conv output is
+  already in the verify buffer, the raw a and b go to ``ab[token]``); the slot is never written.
+- REPLAY: the commit after a VERIFY_INPUTS verify. Every GDN layer in one launch: each row re-runs its accepted
+  steps (``accepted[row] + 1``) from its slot's state over the kept inputs, and writes the final state to the slot.
+  A float32 state of bench-6b is 2 MB per layer: a verify of k + 1 = 4 steps writing every state moves 4 of them
+  per row and layer, and the commit copy 2 more; the replay moves 2 and rereads a few KB of inputs.
 """
 
 from __future__ import annotations
@@ -15,19 +24,26 @@ import triton.language as tl
 from .triton_pdl import pdl_enter
 from .triton_utils import next_pow2, pdl_launch
 
+DECODE, VERIFY_STATES, VERIFY_INPUTS, REPLAY = 0, 1, 2, 3
+
 
 @triton.jit
 def _gdn_steps_kernel(
-    x_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, pool_ptr, slots_ptr, out_ptr, verify_ptr,
-    stride_x, stride_ab, stride_pool, stride_vrow, stride_vstep, scale,
+    x_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, pool_ptr, slots_ptr, out_ptr, verify_ptr, acc_ptr,
+    stride_x, stride_ab, stride_pool, stride_vrow, stride_vstep, layer_x, layer_ab, layer_pool, scale,
     S: tl.constexpr, HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, VERIFY: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, MODE: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
     pdl_enter(PDL)
     row = tl.program_id(0)
-    h = tl.program_id(1)
+    layer = (tl.program_id(1) // HV).to(tl.int64)  # REPLAY: every layer in one launch; otherwise 0
+    h = tl.program_id(1) % HV
     vb = tl.program_id(2)
+    x_ptr += layer * layer_x
+    a_ptr += layer * layer_ab
+    b_ptr += layer * layer_ab
+    pool_ptr += layer * layer_pool
     hk = h // (HV // HK)
     slot = tl.load(slots_ptr + row)
     offs_k = tl.arange(0, BK)
@@ -39,8 +55,10 @@ def _gdn_steps_kernel(
     valid = slot >= 0
     safe_slot = tl.where(valid, slot, 0)
     state = tl.load(pool_ptr + safe_slot * stride_pool + state_off, mask=m2 & valid, other=0.0).to(tl.float32)
-    A = -tl.exp(tl.load(A_log_ptr + h).to(tl.float32))
-    dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
+    A = -tl.exp(tl.load(A_log_ptr + layer * HV + h).to(tl.float32))
+    dt_bias = tl.load(dt_bias_ptr + layer * HV + h).to(tl.float32)
+    if MODE == 3:
+        last = tl.load(acc_ptr + row)
     for s in tl.static_range(S):
         tok = row * S + s
         xrow = x_ptr + tok * stride_x
@@ -49,20 +67,30 @@ def _gdn_steps_kernel(
         v = tl.load(xrow + 2 * HK * DK + h * DV + offs_v, mask=mv, other=0.0).to(tl.float32)
         q = q * tl.rsqrt(tl.sum(q * q) + 1e-6) * scale
         k = k * tl.rsqrt(tl.sum(k * k) + 1e-6)
-        a = tl.load(a_ptr + tok * stride_ab + h).to(tl.float32) + dt_bias
+        a_in = tl.load(a_ptr + tok * stride_ab + h)
+        b_in = tl.load(b_ptr + tok * stride_ab + h)
+        a = a_in.to(tl.float32) + dt_bias
         softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(tl.minimum(a, 20.0))))
         decay = tl.exp(A * softplus)
-        beta = tl.sigmoid(tl.load(b_ptr + tok * stride_ab + h).to(tl.float32))
-        state = state * decay
-        kv = tl.sum(state * k[:, None], axis=0)
+        beta = tl.sigmoid(b_in.to(tl.float32))
+        new = state * decay
+        kv = tl.sum(new * k[:, None], axis=0)
         delta = (v - kv) * beta
-        state = state + k[:, None] * delta[None, :]
-        o = tl.sum(state * q[:, None], axis=0)
-        tl.store(out_ptr + tok * (HV * DV) + h * DV + offs_v, o.to(out_ptr.dtype.element_ty), mask=mv)
-        if VERIFY:
+        new = new + k[:, None] * delta[None, :]
+        if MODE == 3:
+            state = tl.where(s <= last, new, state)
+        else:
+            state = new
+            o = tl.sum(state * q[:, None], axis=0)
+            tl.store(out_ptr + tok * (HV * DV) + h * DV + offs_v, o.to(out_ptr.dtype.element_ty), mask=mv)
+        if MODE == 1:
             tl.store(verify_ptr + row * stride_vrow + s * stride_vstep + state_off,
                      state.to(verify_ptr.dtype.element_ty), mask=m2)
-    if not VERIFY:
+        if MODE == 2:
+            if vb == 0:  # the raw gate inputs, once per (token, head): the replay recomputes decay and beta
+                tl.store(verify_ptr + tok * 2 * HV + h, a_in)
+                tl.store(verify_ptr + tok * 2 * HV + HV + h, b_in)
+    if MODE == 0 or MODE == 3:
         tl.store(pool_ptr + safe_slot * stride_pool + state_off, state.to(pool_ptr.dtype.element_ty),
                  mask=m2 & valid)
 
@@ -73,10 +101,13 @@ STEPS_CFG = (32, 4)
 
 def gdn_steps(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
               pool: torch.Tensor, slots: torch.Tensor, num_k_heads: int, head_k_dim: int, head_v_dim: int,
-              steps: int = 1, verify: torch.Tensor | None = None, cfg: tuple[int, int] | None = None) -> torch.Tensor:
+              steps: int = 1, verify: torch.Tensor | None = None, cfg: tuple[int, int] | None = None,
+              keep_ab: torch.Tensor | None = None) -> torch.Tensor:
     """x: [B * steps, conv_dim] (conv output: q | k | v); a, b: [B * steps, Hv]; pool: [slots, Hv, Dk, Dv] (one
-    layer); verify: [max_B, steps, Hv, Dk, Dv] (one layer) or None for decode. Returns o [B * steps, Hv, Dv] in x's
-    dtype (the layer casts to it next anyway).
+    layer). Decode with neither ``verify`` nor ``keep_ab``; a verify keeps either every step's state (``verify``:
+    [max_B, steps, Hv, Dk, Dv], one layer) or the raw a and b of every token (``keep_ab``: [max_B * steps, 2, Hv],
+    one layer; the conv output must then already be in the caller's verify buffer). Returns o [B * steps, Hv, Dv]
+    in x's dtype (the layer casts to it next anyway).
     """
     num_tokens = x.shape[0]
     hv = a.shape[-1]
@@ -84,19 +115,45 @@ def gdn_steps(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Te
     out = torch.empty(num_tokens, hv, head_v_dim, dtype=x.dtype, device=x.device)
     if batch == 0:
         return out
+    mode = VERIFY_STATES if verify is not None else VERIFY_INPUTS if keep_ab is not None else DECODE
+    if mode == VERIFY_INPUTS:
+        assert keep_ab.dtype == a.dtype == b.dtype and keep_ab.shape[1:] == (2, hv) and keep_ab.is_contiguous()
+    vbuf = verify if verify is not None else keep_ab if keep_ab is not None else pool
+    _launch(x, a, b, A_log, dt_bias, pool, slots, out, vbuf, slots, 1, num_k_heads, head_k_dim, head_v_dim, steps,
+            mode, cfg, (0, 0, 0),
+            (vbuf.stride(0), vbuf.stride(1)) if mode == VERIFY_STATES else (0, 0))
+    return out
+
+
+def replay_commit(x: torch.Tensor, ab: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, pool: torch.Tensor,
+                  slots: torch.Tensor, accepted: torch.Tensor, num_k_heads: int, head_k_dim: int, head_v_dim: int,
+                  steps: int, cfg: tuple[int, int] | None = None) -> None:
+    """The commit after VERIFY_INPUTS verifies, every layer at once: each row with slot >= 0 re-runs its first
+    ``accepted[row] + 1`` steps from its slot's state and writes the result to the slot.
+
+    x: [L, max_B * steps, conv_dim] and ab: [L, max_B * steps, 2, Hv], the kept inputs (rows in batch order);
+    A_log, dt_bias: [L, Hv]; pool: [L, slots, Hv, Dk, Dv]; slots, accepted: [B]."""
+    layers, batch, hv = pool.shape[0], slots.shape[0], ab.shape[-1]
+    if batch == 0 or layers == 0:
+        return
+    assert A_log.shape == dt_bias.shape == (layers, hv) and A_log.is_contiguous() and dt_bias.is_contiguous()
+    _launch(x[0], ab[0, :, 0], ab[0, :, 1], A_log, dt_bias, pool[0], slots, None, pool, accepted, layers,
+            num_k_heads, head_k_dim, head_v_dim, steps, REPLAY, cfg, (x.stride(0), ab.stride(0), pool.stride(0)),
+            (0, 0))
+
+
+def _launch(x, a, b, A_log, dt_bias, pool, slots, out, vbuf, acc, layers, num_k_heads, head_k_dim, head_v_dim,
+            steps, mode, cfg, layer_strides, verify_strides):
+    hv = a.shape[-1]
     bv, warps = cfg or STEPS_CFG
     bk, bv = next_pow2(head_k_dim), min(next_pow2(head_v_dim), bv)
-    grid = (batch, hv, triton.cdiv(head_v_dim, bv))
-    vbuf = verify if verify is not None else pool
+    grid = (slots.shape[0], layers * hv, triton.cdiv(head_v_dim, bv))
     _gdn_steps_kernel[grid](
-        x, a, b, A_log, dt_bias, pool, slots, out, vbuf,
-        x.stride(0), a.stride(0), pool.stride(0),
-        vbuf.stride(0) if verify is not None else 0, vbuf.stride(1) if verify is not None else 0,
-        head_k_dim ** -0.5,
-        S=steps, HK=num_k_heads, HV=hv, DK=head_k_dim, DV=head_v_dim, BK=bk, BV=bv, VERIFY=verify is not None,
+        x, a, b, A_log, dt_bias, pool, slots, out if out is not None else x, vbuf, acc,
+        x.stride(0), a.stride(0), pool.stride(0), *verify_strides, *layer_strides, head_k_dim ** -0.5,
+        S=steps, HK=num_k_heads, HV=hv, DK=head_k_dim, DV=head_v_dim, BK=bk, BV=bv, MODE=mode,
         num_warps=warps, **pdl_launch(x),
     )
-    return out
 
 
 @triton.jit

@@ -1,4 +1,5 @@
-"""Acceptance of drafted tokens and the commit of the accepted state. All on the device, no host sync.
+"""Acceptance of drafted tokens (the commit of the accepted GDN state is the GDN backend's ``commit_verified``).
+All on the device, no host sync.
 
 Per row, the verify pass scores ``[last, d1..dk]``: target distribution ``p_i`` (i = 0..k) is the one for the
 token after position i. Emitted tokens are ``e_0..e_a``: the accepted drafts ``d_1..d_a`` and one more token
@@ -9,9 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..cache.state_pool import StatePool
 from ..ops.sampling import draw, uniform_noise
-from ..ops.triton_utils import use_triton
 
 STREAM_ACCEPT = 1  # noise streams (see ops/sampling.uniform_noise): acceptance tests
 STREAM_RESAMPLE = 3  # the correction / bonus draw
@@ -58,21 +57,3 @@ def rejection_accept(drafts: torch.Tensor, draft_probs: torch.Tensor | None, tar
     emitted = torch.cat([drafts, drafts[:, :1]], dim=1).clone()
     emitted[rows, accepted] = extra
     return emitted, accepted
-
-
-def commit_states(pool: StatePool, state_slots: torch.Tensor, accepted: torch.Tensor) -> None:
-    """Copy each row's verify checkpoint after its last accepted token (``verify[row, a]``) into its state slot.
-    Rows with state slot -1 write nothing."""
-    if use_triton(state_slots):
-        from ..ops.gdn_triton import commit_checkpoints
-
-        commit_checkpoints(pool.verify_conv, pool.conv, state_slots, accepted)
-        commit_checkpoints(pool.verify_recurrent, pool.recurrent, state_slots, accepted)
-        return
-    rows = torch.arange(state_slots.shape[0], device=state_slots.device)
-    valid = state_slots >= 0
-    idx = state_slots.clamp(min=0)
-    conv = pool.verify_conv[:, rows, accepted].to(pool.conv.dtype)  # [L, B, C, K-1]
-    rec = pool.verify_recurrent[:, rows, accepted].to(pool.recurrent.dtype)  # [L, B, Hv, Dk, Dv]
-    pool.conv[:, idx] = torch.where(valid[None, :, None, None], conv, pool.conv[:, idx])
-    pool.recurrent[:, idx] = torch.where(valid[None, :, None, None, None], rec, pool.recurrent[:, idx])

@@ -16,7 +16,7 @@ from ..engine.scheduler import ScheduledBatch
 from ..engine.graphs import GraphRunner
 from ..engine.worker import ModelWorker, StepResult, _dev, all_greedy, sampling_rows
 from ..ops.sampling import sample, sampling_probs, uniform_noise
-from .verify import commit_states, greedy_accept, rejection_accept
+from .verify import greedy_accept, rejection_accept
 
 
 STREAM_SIMULATE = 4  # noise stream of the benchmark's simulated acceptance (0-3: ops/sampling, verify, mtp)
@@ -139,7 +139,7 @@ class SpecWorker:
         tokens into the request tables. Returns the final (emitted, accepted)."""
         if self.simulate_accept_length is not None:
             emitted, accepted = self._simulate(drafts, emitted, accepted, batch)
-        commit_states(self.caches.state_pool, batch.state_slots, accepted)
+        self.backend.commit_verified(batch.state_slots, accepted)
         rows = torch.arange(accepted.shape[0], device=accepted.device)
         self.caches.req_slots.record(batch.req_slots, batch.seq_lens - self.k + accepted, batch.req_slots,
                                      emitted[rows, accepted])

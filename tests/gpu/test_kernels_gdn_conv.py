@@ -46,6 +46,48 @@ def test_gdn_steps_matches_reference(dev, hk, hv, dk, dv, batch, steps):
     assert torch.allclose(out.cpu().view(batch, steps, hv, dv), ro, atol=1e-4)
 
 
+@pytest.mark.parametrize("hk,hv,dk,dv,batch", [(2, 4, 16, 20, 3), (1, 3, 12, 10, 5), (16, 32, 128, 128, 2)])
+def test_verify_keeping_inputs_then_replay_commit_matches_reference(dev, hk, hv, dk, dv, batch):
+    """A verify that keeps its inputs (outputs as the reference's, slots untouched, raw a and b kept), then one
+    replay commit over all layers: each row's slot ends at the reference state after its accepted steps; rows with
+    slot -1 and slots of no row are untouched."""
+    from hylo.ops.gdn_triton import gdn_steps, replay_commit
+
+    g = torch.Generator().manual_seed(3)
+    layers, steps = 3, 4
+    conv_dim = 2 * hk * dk + hv * dv
+    n = batch * steps
+    x = torch.randn(layers, n, conv_dim, generator=g)
+    a, b = torch.randn(layers, n, hv, generator=g), torch.randn(layers, n, hv, generator=g)
+    A_log, dt_bias = torch.randn(layers, hv, generator=g) * 0.5, torch.randn(layers, hv, generator=g)
+    pool = torch.randn(layers, batch + 2, hv, dk, dv, generator=g) * 0.3
+    slots = torch.tensor([batch + 1 - i if i != 1 else -1 for i in range(batch)])
+    accepted = torch.tensor([(i * 3) % steps for i in range(batch)])  # 0 .. k, the first row none accepted
+    t = lambda z: z.to(dev)  # noqa: E731
+    dpool = t(pool)
+    kept_x = torch.full((layers, n + steps, conv_dim), float("nan"), device=dev)  # room for one more row
+    kept_ab = torch.full((layers, n + steps, 2, hv), float("nan"), device=dev)
+    valid = slots >= 0
+    for layer in range(layers):
+        q, k, v = x[layer].split([hk * dk, hk * dk, hv * dv], -1)
+        gg, beta = gdn_ref.gdn_gating(A_log[layer], a[layer], dt_bias[layer], b[layer])
+        init = pool[layer, slots.clamp(min=0)] * valid[:, None, None, None]
+        ro, rstates = gdn_ref.gdn_verify_ref(q.reshape(batch, steps, hk, dk), k.reshape(batch, steps, hk, dk),
+                                             v.reshape(batch, steps, hv, dv), gg.view(batch, steps, hv),
+                                             beta.view(batch, steps, hv), init)
+        kept_x[layer, :n] = t(x[layer])  # the conv writes its output there itself
+        out = gdn_steps(kept_x[layer, :n], t(a[layer]), t(b[layer]), t(A_log[layer]), t(dt_bias[layer]),
+                        dpool[layer], t(slots), hk, dk, dv, steps, keep_ab=kept_ab[layer])
+        assert torch.allclose(out.cpu().view(batch, steps, hv, dv), ro, atol=1e-4)
+        assert torch.equal(kept_ab[layer, :n, 0].cpu(), a[layer]) and torch.equal(kept_ab[layer, :n, 1].cpu(), b[layer])
+        for i, s in enumerate(slots.tolist()):
+            if s >= 0:
+                pool[layer, s] = rstates[i, accepted[i]]  # the reference commit
+    assert torch.isnan(kept_ab[:, n:]).all()  # nothing past the batch's tokens
+    replay_commit(kept_x, kept_ab, t(A_log), t(dt_bias), dpool, t(slots), t(accepted), hk, dk, dv, steps)
+    assert torch.allclose(dpool.cpu(), pool, atol=1e-4)
+
+
 @pytest.mark.parametrize("channels,kernel,batch", [(7, 4, 3), (300, 4, 2), (33, 3, 4)])
 @pytest.mark.parametrize("steps", [1, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -80,8 +122,8 @@ def test_conv_steps_matches_reference(dev, channels, kernel, batch, steps, dtype
 
 
 def test_commit_copies_the_accepted_checkpoint(dev):
+    from hylo.backends.gdn import commit_checkpoints
     from hylo.cache.state_pool import StatePool
-    from hylo.spec import verify
 
     pool = StatePool(3, 6, 10, 4, 2, 4, 5, torch.float32, torch.float32, torch.device("cpu"))
     pool.alloc_verify_buffers(4, 3)
@@ -93,10 +135,10 @@ def test_commit_copies_the_accepted_checkpoint(dev):
     for a, b in zip((ref.conv, ref.recurrent, ref.verify_conv, ref.verify_recurrent),
                     (pool.conv, pool.recurrent, pool.verify_conv, pool.verify_recurrent)):
         a.copy_(b)
-    verify.commit_states(ref, slots, accepted)  # torch path (CPU tensors)
+    commit_checkpoints(ref, slots, accepted)  # torch path (CPU tensors)
     for name in ("conv", "recurrent", "verify_conv", "verify_recurrent"):
         setattr(pool, name, getattr(pool, name).to(dev))
-    verify.commit_states(pool, slots.to(dev), accepted.to(dev))  # Triton path
+    commit_checkpoints(pool, slots.to(dev), accepted.to(dev))  # Triton path
     assert torch.equal(pool.conv.cpu(), ref.conv) and torch.equal(pool.recurrent.cpu(), ref.recurrent)
     assert torch.equal(ref.recurrent[:, 5], ref.verify_recurrent[:, 0, 2])
 
