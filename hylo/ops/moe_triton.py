@@ -228,9 +228,11 @@ PAIR_DOWN_CFG = ((32, (8, 512, 2, 1)), (PAIR_GEMV_MAX_PAIRS, (16, 512, 2, 1)))
 # (``tools/tune_kernels.py --only grouped`` on the H200, whole MoE layer: 32 tokens 130 -> 117 us, 64 tokens
 # 146 -> 136 us, against floors of 95; at 256 tokens the 64-row blocks stay best, 243 us).
 # A config may carry a second (BN, BK, warps, stages) for the down kernel (K = I, N = H: a different shape from
-# gate/up's); without one, the down kernel takes gate/up's. HYLO_GROUPED_CFG replaces the table at start-up, as
+# gate/up's); without one, the down kernel takes gate/up's. Session 8's sweep (``tune-grouped-20261203-1246.json``)
+# found its own tiles best for the down kernel above 1024 pairs (BN = 128: the whole MoE at 256 tokens 125.2 ->
+# 122.5 us, floor 95.5) and gate/up's below. HYLO_GROUPED_CFG replaces the table at start-up, as
 # ``tools/tune_kernels.py --env`` writes it: "1024:16,64,128,4,3;max:64,64,64,4,3,128,64,4,3".
-GROUPED_CFG = ((1024, (16, 64, 128, 4, 3)), (1 << 62, (64, 64, 64, 4, 3)))
+GROUPED_CFG = ((1024, (16, 64, 128, 4, 3)), (1 << 62, (64, 64, 64, 4, 3, 128, 64, 4, 3)))
 
 
 def parse_grouped_cfg(text: str) -> tuple:
