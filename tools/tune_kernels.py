@@ -22,7 +22,7 @@ from hylo.bench_floors import _time_cuda, measure_matmul_rate
 from hylo.ops import moe_grouped_mm as G
 from hylo.ops import moe_triton as M
 from hylo.ops.conv1d_triton import conv_steps
-from hylo.ops.gdn_triton import gdn_steps
+from hylo.ops.gdn_triton import gdn_steps, replay_commit
 from hylo.ops.linear_triton import gemv
 
 LAYERS, H, I, E, TOP_K = 24, 2048, 512, 64, 10
@@ -388,37 +388,49 @@ def tune_conv_prefill(dev, dt, results, tokens=8192):
 def tune_steps(dev, dt, results, gdn_layers=18, hk=16, hv=32, d=128, width=4):
     """The GDN decode / verify step kernels (conv, then the recurrent step with its float32 state by slot) at
     bench-6b's shapes (16 key / 32 value heads of 128, conv over 8192 channels of width 4), one state pool per
-    layer. cfg: (value channels or conv channels per program, warps)."""
+    layer; a verify (S = 4) keeps its inputs, as the default replay commit has it, and the replay commit (every
+    layer in one launch, two accepted drafts per row: accept length 3) is swept beside it. cfg: (value channels or
+    conv channels per program, warps)."""
     conv_dim = (2 * hk + hv) * d
-    for bs, steps in ((1, 1), (8, 1), (64, 1), (1, 4), (8, 4)):
+    state = hv * d * d * 4
+    for bs, steps in ((1, 1), (8, 1), (64, 1), (1, 4), (8, 4), (64, 4)):
         rows = bs * steps
         slots = torch.arange(bs, device=dev)
-        rec = [torch.zeros(bs, hv, d, d, device=dev, dtype=torch.float32) for _ in range(gdn_layers)]
+        rec = torch.zeros(gdn_layers, bs, hv, d, d, device=dev, dtype=torch.float32)
         conv = [torch.zeros(bs, conv_dim, width - 1, device=dev, dtype=dt) for _ in range(gdn_layers)]
-        verify_rec = torch.empty(bs, steps, hv, d, d, device=dev, dtype=torch.float32) if steps > 1 else None
         verify_conv = torch.empty(bs, steps, conv_dim, width - 1, device=dev, dtype=dt) if steps > 1 else None
-        x = torch.randn(rows, conv_dim, device=dev, dtype=dt)
-        a, b = torch.randn(rows, hv, device=dev, dtype=dt), torch.randn(rows, hv, device=dev, dtype=dt)
-        A_log, dt_bias = torch.randn(hv, device=dev, dtype=dt), torch.randn(hv, device=dev, dtype=dt)
+        x = torch.randn(gdn_layers, rows, conv_dim, device=dev, dtype=dt)
+        ab = torch.randn(gdn_layers, rows, 2, hv, device=dev, dtype=dt)
+        kept_ab = torch.empty(rows, 2, hv, device=dev, dtype=dt) if steps > 1 else None
+        A_log, dt_bias = torch.randn(gdn_layers, hv, device=dev, dtype=dt), torch.randn(gdn_layers, hv, device=dev,
+                                                                                         dtype=dt)
+        accepted = torch.full((bs,), min(2, steps - 1), device=dev, dtype=torch.long)
         cw = torch.randn(conv_dim, width, device=dev, dtype=dt)
-        state_bytes = bs * hv * d * d * 4 * (1 + steps)  # read once, written once (decode) or per step (verify)
 
         def gdn(cfg):
             def fn():
                 for layer in range(gdn_layers):
-                    gdn_steps(x, a, b, A_log, dt_bias, rec[layer], slots, hk, d, d, steps, verify_rec, cfg=cfg)
+                    gdn_steps(x[layer], ab[layer, :, 0], ab[layer, :, 1], A_log[layer], dt_bias[layer], rec[layer],
+                              slots, hk, d, d, steps, cfg=cfg, keep_ab=kept_ab)
             return fn
+
+        def replay(cfg):
+            return lambda: replay_commit(x, ab, A_log, dt_bias, rec, slots, accepted, hk, d, d, steps, cfg=cfg)
 
         def cv(cfg):
             def fn():
                 for layer in range(gdn_layers):
-                    conv_steps(x, cw, conv[layer], slots, steps, verify_conv, cfg=cfg)
+                    conv_steps(x[layer], cw, conv[layer], slots, steps, verify_conv, cfg=cfg)
             return fn
 
         global LAYERS
-        saved, LAYERS = LAYERS, gdn_layers  # time_graph divides by LAYERS
-        sweep(f"gdn_steps_b{bs}_s{steps}", list(itertools.product((16, 32, 64, 128), (2, 4, 8))), gdn,
-              state_bytes / COPY_TBPS / 1e6, results)
+        saved, LAYERS = LAYERS, gdn_layers  # time_graph divides by LAYERS: times per layer
+        tiles = list(itertools.product((16, 32, 64, 128), (2, 4, 8)))
+        # floors per layer: decode reads and writes each state, a verify reads it, the replay reads and writes it
+        sweep(f"gdn_steps_b{bs}_s{steps}", tiles, gdn, bs * state * (2 if steps == 1 else 1) / COPY_TBPS / 1e6,
+              results)
+        if steps > 1:
+            sweep(f"gdn_replay_b{bs}_s{steps}", tiles, replay, bs * state * 2 / COPY_TBPS / 1e6, results)
         sweep(f"conv_steps_b{bs}_s{steps}", list(itertools.product((64, 128, 256, 512), (1, 2, 4))), cv,
               max(rows * conv_dim * 2 * 2 / COPY_TBPS / 1e6, 1e-3), results)
         LAYERS = saved

@@ -57,46 +57,47 @@ def _gdn_steps_kernel(
     state = tl.load(pool_ptr + safe_slot * stride_pool + state_off, mask=m2 & valid, other=0.0).to(tl.float32)
     A = -tl.exp(tl.load(A_log_ptr + layer * HV + h).to(tl.float32))
     dt_bias = tl.load(dt_bias_ptr + layer * HV + h).to(tl.float32)
+    last = S - 1
     if MODE == 3:
-        last = tl.load(acc_ptr + row)
+        last = tl.load(acc_ptr + row)  # the replay runs steps 0..accepted only
     for s in tl.static_range(S):
-        tok = row * S + s
-        xrow = x_ptr + tok * stride_x
-        q = tl.load(xrow + hk * DK + offs_k, mask=mk, other=0.0).to(tl.float32)
-        k = tl.load(xrow + HK * DK + hk * DK + offs_k, mask=mk, other=0.0).to(tl.float32)
-        v = tl.load(xrow + 2 * HK * DK + h * DV + offs_v, mask=mv, other=0.0).to(tl.float32)
-        q = q * tl.rsqrt(tl.sum(q * q) + 1e-6) * scale
-        k = k * tl.rsqrt(tl.sum(k * k) + 1e-6)
-        a_in = tl.load(a_ptr + tok * stride_ab + h)
-        b_in = tl.load(b_ptr + tok * stride_ab + h)
-        a = a_in.to(tl.float32) + dt_bias
-        softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(tl.minimum(a, 20.0))))
-        decay = tl.exp(A * softplus)
-        beta = tl.sigmoid(b_in.to(tl.float32))
-        new = state * decay
-        kv = tl.sum(new * k[:, None], axis=0)
-        delta = (v - kv) * beta
-        new = new + k[:, None] * delta[None, :]
-        if MODE == 3:
-            state = tl.where(s <= last, new, state)
-        else:
-            state = new
-            o = tl.sum(state * q[:, None], axis=0)
-            tl.store(out_ptr + tok * (HV * DV) + h * DV + offs_v, o.to(out_ptr.dtype.element_ty), mask=mv)
-        if MODE == 1:
-            tl.store(verify_ptr + row * stride_vrow + s * stride_vstep + state_off,
-                     state.to(verify_ptr.dtype.element_ty), mask=m2)
-        if MODE == 2:
-            if vb == 0:  # the raw gate inputs, once per (token, head): the replay recomputes decay and beta
-                tl.store(verify_ptr + tok * 2 * HV + h, a_in)
-                tl.store(verify_ptr + tok * 2 * HV + HV + h, b_in)
+        if s <= last:
+            tok = row * S + s
+            xrow = x_ptr + tok * stride_x
+            q = tl.load(xrow + hk * DK + offs_k, mask=mk, other=0.0).to(tl.float32)
+            k = tl.load(xrow + HK * DK + hk * DK + offs_k, mask=mk, other=0.0).to(tl.float32)
+            v = tl.load(xrow + 2 * HK * DK + h * DV + offs_v, mask=mv, other=0.0).to(tl.float32)
+            q = q * tl.rsqrt(tl.sum(q * q) + 1e-6) * scale
+            k = k * tl.rsqrt(tl.sum(k * k) + 1e-6)
+            a_in = tl.load(a_ptr + tok * stride_ab + h)
+            b_in = tl.load(b_ptr + tok * stride_ab + h)
+            a = a_in.to(tl.float32) + dt_bias
+            softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(tl.minimum(a, 20.0))))
+            decay = tl.exp(A * softplus)
+            beta = tl.sigmoid(b_in.to(tl.float32))
+            state = state * decay
+            kv = tl.sum(state * k[:, None], axis=0)
+            delta = (v - kv) * beta
+            state = state + k[:, None] * delta[None, :]
+            if MODE != 3:
+                o = tl.sum(state * q[:, None], axis=0)
+                tl.store(out_ptr + tok * (HV * DV) + h * DV + offs_v, o.to(out_ptr.dtype.element_ty), mask=mv)
+            if MODE == 1:
+                tl.store(verify_ptr + row * stride_vrow + s * stride_vstep + state_off,
+                         state.to(verify_ptr.dtype.element_ty), mask=m2)
+            if MODE == 2:
+                if vb == 0:  # the raw gate inputs, once per (token, head): the replay recomputes decay and beta
+                    tl.store(verify_ptr + tok * 2 * HV + h, a_in)
+                    tl.store(verify_ptr + tok * 2 * HV + HV + h, b_in)
     if MODE == 0 or MODE == 3:
         tl.store(pool_ptr + safe_slot * stride_pool + state_off, state.to(pool_ptr.dtype.element_ty),
                  mask=m2 & valid)
 
 
-# (value channels per program, warps); tools/tune_kernels.py --only steps sweeps them
+# (value channels per program, warps) for decode (S = 1) and for the multi-step verify and replay, which do k + 1
+# steps of arithmetic per state load and may want other tiles; tools/tune_kernels.py --only steps sweeps them
 STEPS_CFG = (32, 4)
+MULTI_STEPS_CFG = (32, 4)
 
 
 def gdn_steps(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
@@ -120,7 +121,7 @@ def gdn_steps(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Te
         assert keep_ab.dtype == a.dtype == b.dtype and keep_ab.shape[1:] == (2, hv) and keep_ab.is_contiguous()
     vbuf = verify if verify is not None else keep_ab if keep_ab is not None else pool
     _launch(x, a, b, A_log, dt_bias, pool, slots, out, vbuf, slots, 1, num_k_heads, head_k_dim, head_v_dim, steps,
-            mode, cfg, (0, 0, 0),
+            mode, cfg or (STEPS_CFG if steps == 1 else MULTI_STEPS_CFG), (0, 0, 0),
             (vbuf.stride(0), vbuf.stride(1)) if mode == VERIFY_STATES else (0, 0))
     return out
 
@@ -138,14 +139,15 @@ def replay_commit(x: torch.Tensor, ab: torch.Tensor, A_log: torch.Tensor, dt_bia
         return
     assert A_log.shape == dt_bias.shape == (layers, hv) and A_log.is_contiguous() and dt_bias.is_contiguous()
     _launch(x[0], ab[0, :, 0], ab[0, :, 1], A_log, dt_bias, pool[0], slots, None, pool, accepted, layers,
-            num_k_heads, head_k_dim, head_v_dim, steps, REPLAY, cfg, (x.stride(0), ab.stride(0), pool.stride(0)),
+            num_k_heads, head_k_dim, head_v_dim, steps, REPLAY, cfg or MULTI_STEPS_CFG,
+            (x.stride(0), ab.stride(0), pool.stride(0)),
             (0, 0))
 
 
 def _launch(x, a, b, A_log, dt_bias, pool, slots, out, vbuf, acc, layers, num_k_heads, head_k_dim, head_v_dim,
             steps, mode, cfg, layer_strides, verify_strides):
     hv = a.shape[-1]
-    bv, warps = cfg or STEPS_CFG
+    bv, warps = cfg
     bk, bv = next_pow2(head_k_dim), min(next_pow2(head_v_dim), bv)
     grid = (slots.shape[0], layers * hv, triton.cdiv(head_v_dim, bv))
     _gdn_steps_kernel[grid](
