@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .bench import bench_config, clear, fake_prefill, time_steps
+from .bench import bench_config
+from .bench_steps import clear, fake_prefill, time_steps
 from .config import EngineConfig, ModelConfig
 from .engine.engine import LoadedModel
 from .parallel.group import TPGroup

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from hylo.bench import Footprint, bench_config, fake_prefill, time_steps
+from hylo.bench import Footprint, bench_config
+from hylo.bench_steps import fake_prefill, time_steps
 from hylo.config import EngineConfig
 from hylo.engine.engine import Engine
 from hylo.spec.setup import SpecSetup

@@ -15,7 +15,8 @@ import time
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from hylo.bench import bench_config, build_model, fake_prefill
+from hylo.bench import bench_config, build_model
+from hylo.bench_steps import fake_prefill
 from hylo.config import EngineConfig
 from hylo.engine.engine import Engine
 from hylo.engine.graphs import _Replay

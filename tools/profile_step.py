@@ -16,7 +16,8 @@ import warnings
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from hylo.bench import _graph_alone_ms, bench_config, build_model, clear, fake_prefill, overlap_profile, time_steps
+from hylo.bench import bench_config, build_model
+from hylo.bench_steps import clear, fake_prefill, graph_alone_ms, overlap_profile, time_steps
 from hylo.config import EngineConfig
 from hylo.core import SamplingParams
 from hylo.engine.engine import Engine
@@ -86,7 +87,7 @@ def profile_host(lm, batch_sizes: list[int], report: dict, steps: int = 30) -> N
     for bs in batch_sizes:
         rids = fake_prefill(eng, bs, 1024)
         wall = time_steps(eng, steps)
-        gpu = _graph_alone_ms(eng, "decode", iters=steps)
+        gpu = graph_alone_ms(eng, "decode", iters=steps)
         clear(eng, rids)
         rids = fake_prefill(eng, bs, 1024)
         busy = overlap_profile(eng, steps)
