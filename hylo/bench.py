@@ -67,6 +67,7 @@ def build_model(mc: ModelConfig, device, seed: int = 0, hf_model=None) -> Loaded
     return LoadedModel("bench-6b", mc, model, reader, None, True)
 
 
+# ---- the runs ------------------------------------------------------------------------------------------------
 def run_bench(model_name: str = "bench-6b", vs_hf: bool = False, quick: bool = False, out_dir: str = "bench/results",
               seed: int = 0, pdl: bool = False) -> list[dict]:
     if not torch.cuda.is_available():

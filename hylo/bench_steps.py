@@ -113,9 +113,6 @@ def clear(engine: Engine, rids: list[str]) -> None:
         engine._reqs.pop(rid, None)
 
 
-# ---- the runs ------------------------------------------------------------------------------------------------
-
-
 def graph_alone_ms(eng: Engine, name: str, iters: int) -> float | None:
     """Milliseconds of one replay of the staged graph ``name`` (the decode or the fused speculative step) for the
     engine's next scheduled batch, timed with CUDA events (the GPU's time alone); None when no graph of that name
