@@ -225,11 +225,11 @@ class GDNBackend(Backend):
                           shape.num_k_heads, shape.head_k_dim, shape.head_v_dim, steps)
             return
         bs = state_slots.shape[0]
+        n = bs * steps
         rows = torch.arange(bs, device=state_slots.device)
         valid = state_slots >= 0
         idx = state_slots.clamp(min=0)
         for layer, params in sorted(self._layer_params.items()):
-            n = bs * steps
             g, beta = gdn_ops.gdn_gating(params.A_log, pool.verify_ab[layer, :n, 0], params.dt_bias,
                                          pool.verify_ab[layer, :n, 1])
             q, k, v = shape.split(pool.verify_x[layer, :n].view(bs, steps, -1))
