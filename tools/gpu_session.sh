@@ -4,10 +4,10 @@
 #   bash tools/gpu_session.sh bench OUT   # kernel sweeps whose winners the bench then uses, then the bench
 #   (bench-first: the bench, then the sweeps; bench-short: hylo's bench rows alone, for a short device budget;
 #    tests-host: the GPU tests, then the host profile of overlapped decode at batch 1, 64 and 256 and a step's
-#    launches, in place of the prefill profile)
+#    launches, in place of the prefill profile; tests-bench: the GPU tests, bench-short, then a step's launches)
 # Everything is written under OUT (the device tool's $OUT); the summary lines go to stdout.
 set -u
-phase=${1:?tests, tests-host, bench, bench-first or bench-short}
+phase=${1:?tests, tests-host, tests-bench, bench, bench-first or bench-short}
 out=${2:?output folder}
 mkdir -p "$out"
 
@@ -49,6 +49,7 @@ case "$phase" in
     ;;
   bench) sweeps; [ -f "$out/tuned.env" ] && . "$out/tuned.env"; bench 380 --vs-hf ;;
   bench-first) bench 380 --vs-hf; sweeps ;;  # little device time left: the committed defaults first
-  bench-short) bench 0 ;;  # the least device time: hylo's own rows only, as far as the device limit lets it go
+  bench-short) bench 0 ;;
+  tests-bench) gputests; bench 0; launches ;;  # a new tree's first call: is it right, how fast, which launches  # the least device time: hylo's own rows only, as far as the device limit lets it go
   *) echo "unknown phase $phase" >&2; exit 2 ;;
 esac
