@@ -168,6 +168,9 @@ def test_extend_and_decode_attention_over_paged_pool():
     r1 = _naive_attention(q[:10], kc[req_to_token[1, :30]], vc[req_to_token[1, :30]], D ** -0.5)
     r2 = _naive_attention(q[10:], kc[req_to_token[2, :25]], vc[req_to_token[2, :25]], D ** -0.5)
     assert torch.allclose(out.double(), torch.cat([r1, r2]), atol=1e-5)
+    # the prefill path of the GPU backend (torch's fused attention; on the CPU with the K/V heads repeated)
+    sdpa = attn_ops.extend_attention_sdpa(q, kc, vc, req_to_token, [1, 2], [20, 0], [10, 25], D ** -0.5)
+    assert torch.allclose(sdpa.double(), torch.cat([r1, r2]), atol=1e-5)
     # decode/verify with 2 queries per row, host upper bound larger than every length
     qd = torch.randn(4, H, D)
     seq_lens = torch.tensor([30, 25])

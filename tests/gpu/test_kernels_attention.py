@@ -68,3 +68,27 @@ def test_store_kv_writes_both_caches_from_strided_values(dev):
     kd, vd = kc.to(dev), vc.to(dev)
     store_kv(kd, vd, loc.to(dev), k.to(dev), proj.to(dev)[:, 7:].reshape(tokens, kv_heads, dim))
     assert torch.equal(kd.cpu(), want_k) and torch.equal(vd.cpu(), want_v)
+
+
+def test_prefill_attention_reads_shared_kv_heads_in_place(dev):
+    """The prefill path (torch's fused attention, K/V heads not repeated where a fused kernel takes them) against
+    the float32 reference: bench-6b's head shape, a row with a cached prefix (masked) and one without (causal)."""
+    from hylo.ops import attention as ops
+
+    if dev.type != "cuda":
+        pytest.skip("torch's fused attention kernels need CUDA")
+    g = torch.Generator().manual_seed(5)
+    heads, kv_heads, dim, n_loc = 16, 2, 256, 1200
+    kc = torch.randn(n_loc, kv_heads, dim, generator=g).bfloat16()
+    vc = torch.randn(n_loc, kv_heads, dim, generator=g).bfloat16()
+    r2t = torch.zeros(3, 600, dtype=torch.int64)
+    perm = torch.randperm(n_loc - 1, generator=g) + 1
+    r2t[1, :500], r2t[2, :300] = perm[:500], perm[500:800]
+    q = torch.randn(200 + 300, heads, dim, generator=g).bfloat16()
+    args = ([1, 2], [300, 0], [200, 300], dim ** -0.5)
+    ref = ops.extend_attention_ref(q.float(), kc.float(), vc.float(), r2t, *args)
+    out = ops.extend_attention_sdpa(q.to(dev), kc.to(dev), vc.to(dev), r2t.to(dev), *args)
+    assert torch.allclose(out.cpu().float(), ref, atol=3e-2, rtol=3e-2)
+    # the causal call (a prefill without a cached prefix) found a fused kernel that takes the shared heads as they
+    # are, not repeated (the masked one may not: it then repeats them, as before)
+    assert ops._GQA_FUSED[(str(out.device), False)]
