@@ -44,7 +44,7 @@ def main():
             json.dump(report, f, indent=1)
         return
     if args.prefill:
-        profile_prefill(lm, args.prefill, report)
+        profile_prefill(lm, args.prefill, report, args.out)
         with open(os.path.join(args.out, f"profile_prefill_{args.prefill}.json"), "w") as f:
             json.dump(report, f, indent=1)
         return
@@ -131,7 +131,7 @@ def summarize(prof, steps: int, name: str, report: dict) -> None:
         print(f"  {ms:8.3f} ms  {n:6.0f}x  {k[:90]}")
 
 
-def launches(prof, path: str) -> None:
+def launches(prof, path: str) -> list[dict]:
     """Every kernel (and memcpy / memset) of the profiled step in start order, with its grid, its time and the
     idle time between the end of the previous one and its start: the list that shows which neighbours to fuse."""
     trace = path + ".trace"
@@ -152,9 +152,26 @@ def launches(prof, path: str) -> None:
         json.dump({"kernels": len(rows), "busy_us": busy, "span_us": wall, "launches": rows}, f, indent=0)
     print(f"{os.path.basename(path)}: {len(rows)} launches, {busy:.0f} us busy over a {wall:.0f} us span, "
           f"{sum(r['gap_us'] for r in rows):.0f} us of gaps", flush=True)
+    return rows
 
 
-def profile_prefill(lm, tokens: int, report: dict) -> None:
+def print_gaps(rows, top: int = 10) -> None:
+    """Where the GPU waited inside a step: the largest idle gaps, each with the kernels around it and the time into
+    the span at which it began, and the idle time by tenth of the span."""
+    t, marks = 0.0, []
+    for i, r in enumerate(rows):
+        marks.append(t)  # time into the span at which launch i's gap begins
+        t += r["gap_us"] + r["us"]
+    tenths = [0.0] * 10
+    for i, r in enumerate(rows):
+        tenths[min(9, int(10 * marks[i] / max(t, 1e-9)))] += r["gap_us"]
+    print("idle us by tenth of the span: " + " ".join(f"{v:.0f}" for v in tenths), flush=True)
+    for i in sorted(range(1, len(rows)), key=lambda i: -rows[i]["gap_us"])[:top]:
+        print(f"  gap {rows[i]['gap_us']:7.1f} us at {marks[i] / 1e3:6.2f} ms: {rows[i - 1]['name'][:45]} -> "
+              f"{rows[i]['name'][:45]}", flush=True)
+
+
+def profile_prefill(lm, tokens: int, report: dict, out: str) -> None:
     ec = EngineConfig(max_num_seqs=4, kv_cache_tokens=tokens + 4096, chunk_size=tokens, cuda_graphs=False,
                       max_model_len=tokens + 64, verbose=False)
     eng = Engine(lm, device="cuda", dtype="bfloat16", engine_config=ec)
@@ -170,6 +187,7 @@ def profile_prefill(lm, tokens: int, report: dict) -> None:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         one_prefill()
     summarize(prof, 1, f"prefill_{tokens}", report)
+    print_gaps(launches(prof, os.path.join(out, f"launches_prefill_{tokens}.json")))
     # where the host waits: the wall time of step() against the time the GPU is done, and every synchronising
     # CUDA call inside the step, counted by the innermost hylo / fla frame that made it
     rid = eng.add_request(prompt, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))

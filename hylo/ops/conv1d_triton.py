@@ -147,16 +147,73 @@ def _conv_prefill_kernel(x_ptr, w_ptr, pool_ptr, slots_ptr, qsl_ptr, tok_row_ptr
     tl.store(out_ptr + dst, out.to(out_ptr.dtype.element_ty), mask=m2)
 
 
-# (tokens per program, channels per program, warps) of the prefill conv; tools/tune_kernels.py --only conv sweeps
-# them (bench/results/tune-conv-prefill-20261203.json, 8192 tokens x 8192 channels on the H200, before the
+@triton.jit
+def _conv_window_elem(x_ptr, sbase, t, p, stride_x, offs, mc, smask):
+    """Input p of a row (p < 0: entry K-1+p = 3+p of the row's conv state) at token t, in float32."""
+    xv = tl.load(x_ptr + t.to(tl.int64) * stride_x + offs, mask=mc & (p >= 0), other=0.0).to(tl.float32)
+    sv = tl.load(sbase + 3 + p, mask=smask & (p < 0), other=0.0).to(tl.float32)
+    return tl.where(p >= 0, xv, sv)
+
+
+@triton.jit
+def _conv_prefill_walk_kernel(x_ptr, w_ptr, pool_ptr, slots_ptr, qsl_ptr, tok_row_ptr, out_ptr, stride_x, T, P0, P1,
+                              stride_pool, C, BT: tl.constexpr, BC: tl.constexpr):
+    """Width 4 only. One program per (BT consecutive tokens, BC channels inside one output plane) walks its tokens
+    in order with the previous three inputs in registers: every input is loaded once (the 2D kernel above loads
+    each K times and computes K sets of addresses and masks per element). A token that starts a row takes its
+    window from that row's conv state; the row boundaries come from the row offsets, one lookup per row."""
+    t0 = tl.program_id(0) * BT
+    c0 = tl.program_id(1) * BC
+    offs = c0 + tl.arange(0, BC)
+    mc = offs < C
+    w0 = tl.load(w_ptr + offs * 4, mask=mc, other=0.0).to(tl.float32)
+    w1 = tl.load(w_ptr + offs * 4 + 1, mask=mc, other=0.0).to(tl.float32)
+    w2 = tl.load(w_ptr + offs * 4 + 2, mask=mc, other=0.0).to(tl.float32)
+    w3 = tl.load(w_ptr + offs * 4 + 3, mask=mc, other=0.0).to(tl.float32)
+    # the block's plane (starts and widths are multiples of 8, checked by the caller): row t at ps * T + t * wd
+    ps = tl.where(c0 >= P0 + P1, P0 + P1, tl.where(c0 >= P0, P0, 0)).to(tl.int64)
+    wd = tl.where(c0 >= P0 + P1, C - P0 - P1, tl.where(c0 >= P0, P1, P0)).to(tl.int64)
+    dst = out_ptr + tl.multiple_of(ps * T + c0 - ps, 8) + tl.arange(0, BC)
+    # the three inputs before t0, from x or from the conv state of t0's row
+    row = tl.load(tok_row_ptr + t0)
+    end = tl.load(qsl_ptr + row + 1)
+    slot = tl.load(slots_ptr + row)
+    sbase = pool_ptr + tl.where(slot >= 0, slot, 0).to(tl.int64) * stride_pool + offs * 3
+    smask = mc & (slot >= 0)
+    i0 = t0 - tl.load(qsl_ptr + row)
+    a = _conv_window_elem(x_ptr, sbase, t0 - 3, i0 - 3, stride_x, offs, mc, smask)
+    b = _conv_window_elem(x_ptr, sbase, t0 - 2, i0 - 2, stride_x, offs, mc, smask)
+    c = _conv_window_elem(x_ptr, sbase, t0 - 1, i0 - 1, stride_x, offs, mc, smask)
+    for tt in range(0, BT):
+        t = t0 + tt
+        if t < T:
+            xv = tl.load(x_ptr + t.to(tl.int64) * stride_x + offs, mask=mc, other=0.0).to(tl.float32)
+            if t == end:  # t starts the next (non-empty) row: its window is that row's conv state
+                row = tl.load(tok_row_ptr + t)
+                end = tl.load(qsl_ptr + row + 1)
+                slot = tl.load(slots_ptr + row)
+                sbase = pool_ptr + tl.where(slot >= 0, slot, 0).to(tl.int64) * stride_pool + offs * 3
+                smask = mc & (slot >= 0)
+                a = tl.load(sbase, mask=smask, other=0.0).to(tl.float32)
+                b = tl.load(sbase + 1, mask=smask, other=0.0).to(tl.float32)
+                c = tl.load(sbase + 2, mask=smask, other=0.0).to(tl.float32)
+            acc = a * w0 + b * w1 + c * w2 + xv * w3
+            tl.store(dst + t.to(tl.int64) * wd, (acc / (1.0 + tl.exp(-acc))).to(out_ptr.dtype.element_ty), mask=mc)
+            a, b, c = b, c, xv
+
+
+# (tokens per program, channels per program, warps[, walk]) of the prefill conv; walk = 1 picks the walking kernel
+# (width 4, blocks inside one plane). tools/tune_kernels.py --only conv sweeps them
+# (bench/results/tune-conv-prefill-20261203.json, 8192 tokens x 8192 channels on the H200, 2D kernel before the
 # need_state branch: 269 us for (4, 256, 4), 293 for (32, 128, 4), up to 729 with 8 warps; the bytes take 63).
-def _parse_conv_cfg(text: str) -> tuple[int, int, int]:
+def _parse_conv_cfg(text: str) -> tuple[int, ...]:
     try:
         cfg = tuple(int(v) for v in text.split(","))
     except ValueError:
         cfg = ()
-    if len(cfg) != 3 or min(cfg) < 1:
-        raise ValueError(f"HYLO_CONV_PREFILL_CFG={text!r}: expected three positive integers, tokens,channels,warps")
+    if len(cfg) not in (3, 4) or min(cfg[:3]) < 1 or cfg[3:] not in ((), (0,), (1,)):
+        raise ValueError(f"HYLO_CONV_PREFILL_CFG={text!r}: expected tokens,channels,warps (three positive integers) "
+                         "and optionally walk (0 or 1)")
     return cfg
 
 
@@ -185,7 +242,7 @@ def _conv_prefill_state_kernel(x_ptr, pool_ptr, slots_ptr, qsl_ptr, stride_x, st
 
 def conv_prefill(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor,
                  query_start_loc: torch.Tensor, extend_lens: list[int], token_row: torch.Tensor | None = None,
-                 planes: tuple[int, int] | None = None, cfg: tuple[int, int, int] | None = None):
+                 planes: tuple[int, int] | None = None, cfg: tuple[int, ...] | None = None):
     """Varlen prefill: x [T, C] packed by row; each row continues from its slot's conv state (-1: zeros, nothing
     written) and leaves its last K-1 inputs there. ``token_row`` [T] (each token's row, on the device) is derived
     from ``extend_lens`` when not given. Returns silu(conv) [T, C] in x's dtype; with ``planes`` (P0, P1), the
@@ -199,11 +256,17 @@ def conv_prefill(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor, slot
         batch = len(extend_lens)
         tok_row = token_row if token_row is not None else torch.repeat_interleave(
             torch.arange(batch), torch.tensor(extend_lens, dtype=torch.long)).to(x.device)
-        bt, bc, warps = cfg or CONV_PREFILL_CFG
+        bt, bc, warps, *walk = cfg or CONV_PREFILL_CFG
         block_plane = p0 % bc == 0 and p1 % bc == 0 and (channels - p0 - p1) % 8 == 0
-        _conv_prefill_kernel[(triton.cdiv(num_tokens, bt), triton.cdiv(channels, bc))](
-            x, weight, pool, slots, query_start_loc, tok_row, flat, x.stride(0), num_tokens, p0, p1, pool.stride(0),
-            channels, K=k, BT=bt, BC=bc, BLOCK_PLANE=block_plane, num_warps=warps)
+        grid = (triton.cdiv(num_tokens, bt), triton.cdiv(channels, bc))
+        if walk == [1] and k == 4 and block_plane:
+            _conv_prefill_walk_kernel[grid](x, weight, pool, slots, query_start_loc, tok_row, flat, x.stride(0),
+                                            num_tokens, p0, p1, pool.stride(0), channels, BT=bt, BC=bc,
+                                            num_warps=warps)
+        else:
+            _conv_prefill_kernel[grid](x, weight, pool, slots, query_start_loc, tok_row, flat, x.stride(0), num_tokens,
+                                       p0, p1, pool.stride(0), channels, K=k, BT=bt, BC=bc, BLOCK_PLANE=block_plane,
+                                       num_warps=warps)
         _conv_prefill_state_kernel[(batch, triton.cdiv(channels, 256))](
             x, pool, slots, query_start_loc, x.stride(0), pool.stride(0), channels, K=k, BC=256, num_warps=4)
     if planes is None:

@@ -182,6 +182,12 @@ def test_conv_prefill_matches_reference(dev, lens, kernel, dtype):
                            qsl.to(dev), lens, planes=(64, 128), cfg=(8, 64, 2))
     assert [p.shape[1] for p in aligned] == [64, 128, 104]
     assert torch.equal(torch.cat(aligned, dim=1), out[:, :296])
+    # the walking kernel (width 4, blocks inside a plane): blocks of 3 and 16 tokens, rows starting mid-block
+    if kernel == 4:
+        for bt in (3, 16):
+            walked = conv_prefill(x[:, :296].to(dev), w[:296].to(dev), pool.clone().to(dev)[:, :296], slots.to(dev),
+                                  qsl.to(dev), lens, planes=(64, 128), cfg=(bt, 64, 2, 1))
+            assert torch.allclose(torch.cat(walked, dim=1).float(), out[:, :296].float(), atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("lens", [[130, 1, 64], [8192], [63, 64, 65, 200]])
@@ -199,6 +205,7 @@ def test_conv_prefill_setting_names_a_bad_value():
     from hylo.ops.conv1d_triton import _parse_conv_cfg
 
     assert _parse_conv_cfg("8,128,4") == (8, 128, 4)
-    for bad in ("8,128", "a,b,c", "8,0,4"):
+    assert _parse_conv_cfg("32,256,4,1") == (32, 256, 4, 1)
+    for bad in ("8,128", "a,b,c", "8,0,4", "8,128,4,2", "8,128,4,1,1"):
         with pytest.raises(ValueError, match="HYLO_CONV_PREFILL_CFG"):
             _parse_conv_cfg(bad)
