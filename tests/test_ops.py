@@ -274,3 +274,18 @@ def test_row_aligned_router_weight_is_made_once_and_remade_after_an_in_place_cha
         w.mul_(2.0)
     b = _row_aligned(w)
     assert b is not a and torch.equal(b[:65], w)
+
+
+def test_kernel_settings_from_the_environment_name_a_bad_value(monkeypatch):
+    """Launch configurations a benchmark takes from a sweep (``HYLO_GDN_*_CFG`` and the like): parsed, or refused
+    with the variable named."""
+    from hylo.ops.triton_utils import env_cfg
+
+    monkeypatch.delenv("HYLO_TEST_CFG", raising=False)
+    assert env_cfg("HYLO_TEST_CFG", (32, 4)) == (32, 4)
+    monkeypatch.setenv("HYLO_TEST_CFG", "64,8")
+    assert env_cfg("HYLO_TEST_CFG", (32, 4)) == (64, 8)
+    for bad in ("64", "64,0", "a,b", "64,8,2"):
+        monkeypatch.setenv("HYLO_TEST_CFG", bad)
+        with pytest.raises(ValueError, match="HYLO_TEST_CFG"):
+            env_cfg("HYLO_TEST_CFG", (32, 4))

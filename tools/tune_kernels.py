@@ -106,6 +106,12 @@ def tuned_env(results) -> list[str]:
     lines = []
     if "conv_prefill" in results:
         lines.append("export HYLO_CONV_PREFILL_CFG=" + ",".join(map(str, results["conv_prefill"]["rows"][0]["cfg"])))
+    # the GDN step kernels and the decode / verify conv: the tile that does best over batch 1, 8 and 64 together
+    for var, prefix in (("HYLO_GDN_DECODE_CFG", "gdn_steps_b{}_s1"), ("HYLO_GDN_VERIFY_CFG", "gdn_steps_b{}_s4"),
+                        ("HYLO_GDN_REPLAY_CFG", "gdn_replay_b{}_s4"), ("HYLO_CONV_STEPS_CFG", "conv_steps_b{}_s1")):
+        winner = overall_winner([results.get(prefix.format(bs)) for bs in (1, 8, 64)])
+        if winner:
+            lines.append(f"export {var}=" + ",".join(map(str, winner)))
     best = lambda name: results[name]["rows"][0]["us"] if name in results else float("inf")  # noqa: E731
     # the grouped kernels' table: the 64-token winner up to 1024 pairs, the 256-token one beyond
     cfg = lambda name: ",".join(map(str, results[name]["rows"][0]["cfg"]))  # noqa: E731
@@ -117,6 +123,20 @@ def tuned_env(results) -> list[str]:
             lines.append(f"export HYLO_GROUPED_MM_MIN_PAIRS={pairs}")
             break
     return lines
+
+
+def overall_winner(sweeps) -> tuple | None:
+    """The configuration with the least sum, over the given sweeps (all of them present), of its time over that
+    sweep's best time; None when a sweep is missing."""
+    if not sweeps or any(s is None for s in sweeps):
+        return None
+    score = {}
+    for s in sweeps:
+        best = s["rows"][0]["us"]
+        for row in s["rows"]:
+            score.setdefault(tuple(row["cfg"]), []).append(row["us"] / best)
+    complete = {cfg: sum(v) for cfg, v in score.items() if len(v) == len(sweeps)}
+    return min(complete, key=complete.get) if complete else None
 
 
 def expert_weights(dev, dt, layers=LAYERS):

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from .triton_pdl import pdl_enter
-from .triton_utils import pdl_launch
+from .triton_utils import env_cfg, pdl_launch
 
 
 @triton.jit
@@ -66,8 +66,8 @@ def _conv_steps_kernel(
             tl.store(state_base + j, sv.to(pool_ptr.dtype.element_ty), mask=mc & valid)
 
 
-# (channels per program, warps); tools/tune_kernels.py --only steps sweeps them
-CONV_STEPS_CFG = (256, 4)
+# (channels per program, warps); tools/tune_kernels.py --only steps sweeps them, HYLO_CONV_STEPS_CFG overrides them
+CONV_STEPS_CFG = env_cfg("HYLO_CONV_STEPS_CFG", (256, 4))
 
 
 def conv_steps(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, steps: int = 1,

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from .triton_pdl import pdl_enter
-from .triton_utils import next_pow2, pdl_launch
+from .triton_utils import env_cfg, next_pow2, pdl_launch
 
 DECODE, VERIFY_STATES, VERIFY_INPUTS, REPLAY = 0, 1, 2, 3
 
@@ -94,10 +94,12 @@ def _gdn_steps_kernel(
                  mask=m2 & valid)
 
 
-# (value channels per program, warps) for decode (S = 1) and for the multi-step verify and replay, which do k + 1
-# steps of arithmetic per state load and may want other tiles; tools/tune_kernels.py --only steps sweeps them
-STEPS_CFG = (32, 4)
-MULTI_STEPS_CFG = (32, 4)
+# (value channels per program, warps) for decode (S = 1), the multi-step verify and the replay, which do up to
+# k + 1 steps of arithmetic per state load and may want other tiles; tools/tune_kernels.py --only steps sweeps
+# them, and HYLO_GDN_{DECODE,VERIFY,REPLAY}_CFG override them
+STEPS_CFG = env_cfg("HYLO_GDN_DECODE_CFG", (32, 4))
+MULTI_STEPS_CFG = env_cfg("HYLO_GDN_VERIFY_CFG", (32, 4))
+REPLAY_CFG = env_cfg("HYLO_GDN_REPLAY_CFG", (32, 4))
 
 
 def gdn_steps(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
@@ -139,7 +141,7 @@ def replay_commit(x: torch.Tensor, ab: torch.Tensor, A_log: torch.Tensor, dt_bia
         return
     assert A_log.shape == dt_bias.shape == (layers, hv) and A_log.is_contiguous() and dt_bias.is_contiguous()
     _launch(x[0], ab[0, :, 0], ab[0, :, 1], A_log, dt_bias, pool[0], slots, None, pool, accepted, layers,
-            num_k_heads, head_k_dim, head_v_dim, steps, REPLAY, cfg or MULTI_STEPS_CFG,
+            num_k_heads, head_k_dim, head_v_dim, steps, REPLAY, cfg or REPLAY_CFG,
             (x.stride(0), ab.stride(0), pool.stride(0)),
             (0, 0))
 

@@ -29,6 +29,21 @@ def use_triton(t: torch.Tensor) -> bool:
     return t.is_cuda or INTERPRET
 
 
+def env_cfg(var: str, default: tuple[int, ...]) -> tuple[int, ...]:
+    """A kernel's launch configuration from the environment variable ``var`` ("32,4"), else ``default``: the
+    settings through which a benchmark right after a sweep takes the sweep's winners (``tune_kernels --env``)."""
+    text = os.environ.get(var)
+    if text is None:
+        return default
+    try:
+        cfg = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        cfg = ()
+    if len(cfg) != len(default) or min(cfg) < 1:
+        raise ValueError(f"{var}={text!r}: expected {len(default)} positive integers separated by commas")
+    return cfg
+
+
 def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
