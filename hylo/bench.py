@@ -116,7 +116,7 @@ def run_bench(model_name: str = "bench-6b", vs_hf: bool = False, quick: bool = F
     # prefill 1 x 8192
     prompt = torch.randint(0, mc.vocab_size, (8192,), generator=torch.Generator().manual_seed(1)).tolist()
     best = math.inf
-    for _ in range(3):
+    for _ in range(5):  # the first compiles; the best of the other four (the host's share is noisy)
         rid = eng.add_request(prompt, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
         torch.cuda.synchronize()
         t0 = time.perf_counter()
