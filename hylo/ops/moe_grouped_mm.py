@@ -1,8 +1,8 @@
 """The routed experts of a large prefill chunk through torch's grouped GEMM (``torch._grouped_mm``: CUTLASS on
 Hopper and later), which runs the expert matmuls at tile sizes our Triton grouped kernel cannot hold.
 
-Pairs (token, expert) are sorted by expert on the device, their token rows gathered, and each expert's rows
-multiplied by its weights in one launch per projection; the group boundaries are a device tensor, so nothing here
+Pairs (token, expert) are sorted by expert on the device (a counting sort in three launches), their token rows
+gathered, and each expert's rows multiplied by its weights in one launch per projection; the group boundaries are a device tensor, so nothing here
 waits for the host. Around the two GEMMs only two Triton passes remain: ``silu(gate) * up`` of the sorted rows,
 and, at the end, each token's weighted sum of its k down-projected rows, gathered from the sorted order (the
 un-sort and the reduction in one read; an ``index_copy`` back to pair order alone took 0.55 ms per layer on the
@@ -68,6 +68,81 @@ def _gather_sum_kernel(ys_ptr, pos_ptr, wts_ptr, out_ptr, H: tl.constexpr, TOP_K
     tl.store(out_ptr + t.to(tl.int64) * H + offs, acc, mask=m)
 
 
+@triton.jit
+def _expert_hist_kernel(ids_ptr, hist_ptr, P, BP: tl.constexpr, BE: tl.constexpr):
+    """Program c: the histogram of experts over pairs [c * BP, (c + 1) * BP) -> hist[c, :]."""
+    c = tl.program_id(0)
+    offs = c * BP + tl.arange(0, BP)
+    ids = tl.load(ids_ptr + offs, mask=offs < P, other=0).to(tl.int32)
+    tl.store(hist_ptr + c * BE + tl.arange(0, BE), tl.histogram(ids, BE, mask=offs < P))
+
+
+@triton.jit
+def _expert_scan_kernel(hist_ptr, base_ptr, ends_ptr, NC, E, BE: tl.constexpr, BC: tl.constexpr):
+    """One program: expert e's sorted rows start after all pairs of experts < e (``ends[e]`` is where they end);
+    within them, chunk c's pairs of e come after those of chunks < c. base[c, e] is where they start."""
+    offs_e = tl.arange(0, BE)
+    total = tl.zeros([BE], dtype=tl.int32)
+    c0 = 0
+    while c0 < NC:  # while loops: the interpreter cannot run a for loop with run-time bounds
+        rows = c0 + tl.arange(0, BC)
+        total += tl.sum(tl.load(hist_ptr + rows[:, None] * BE + offs_e[None, :], mask=(rows < NC)[:, None],
+                                other=0), 0)
+        c0 += BC
+    ends = tl.cumsum(total, 0)
+    tl.store(ends_ptr + offs_e, ends, mask=offs_e < E)
+    running = ends - total  # each expert's first sorted row
+    c0 = 0
+    while c0 < NC:
+        rows = c0 + tl.arange(0, BC)
+        m = (rows < NC)[:, None]
+        h = tl.load(hist_ptr + rows[:, None] * BE + offs_e[None, :], mask=m, other=0)
+        tl.store(base_ptr + rows[:, None] * BE + offs_e[None, :], running[None, :] + tl.cumsum(h, 0) - h, mask=m)
+        running += tl.sum(h, 0)
+        c0 += BC
+
+
+@triton.jit
+def _expert_scatter_kernel(ids_ptr, base_ptr, pos_ptr, tok_ptr, P, TOP_K: tl.constexpr, BP: tl.constexpr,
+                           BE: tl.constexpr):
+    """Program c: each of its pairs goes to its expert's next row, in pair order: pos[pair] = that row, and
+    tok[row] = the pair's token (pair // TOP_K)."""
+    c = tl.program_id(0)
+    offs = c * BP + tl.arange(0, BP)
+    m = offs < P
+    ids = tl.load(ids_ptr + offs, mask=m, other=BE).to(tl.int32)  # past the end: no expert's column
+    hit = (ids[:, None] == tl.arange(0, BE)[None, :]).to(tl.int32)
+    rank = tl.sum(hit * (tl.cumsum(hit, 0) - 1), 1)  # earlier pairs of the chunk with the same expert
+    row = tl.load(base_ptr + c * BE + ids, mask=m, other=0) + rank
+    tl.store(pos_ptr + offs, row.to(tl.int64), mask=m)
+    tl.store(tok_ptr + row, (offs // TOP_K).to(tl.int64), mask=m)
+
+
+SORT_CHUNK = 128  # pairs per program of the counting sort
+
+
+def sort_pairs_by_expert(flat_ids: torch.Tensor, num_experts: int, top_k: int):
+    """A stable counting sort of the (token, expert) pairs by expert, in three launches (``argsort`` with the
+    inverse permutation and the group ends took about fifteen: cub's radix sort alone is eight, plus memsets).
+    flat_ids: [P] (pair j is token j // top_k's). Returns (pos [P] int64: each pair's row in the sorted order,
+    tok [P] int64: the token of each sorted row, ends [E] int32: where each expert's rows end)."""
+    num_pairs, dev = flat_ids.numel(), flat_ids.device
+    be = max(16, triton.next_power_of_2(num_experts + 1))  # + 1: a column no expert owns, for masked pairs
+    chunks = triton.cdiv(num_pairs, SORT_CHUNK)
+    hist = torch.empty(chunks, be, dtype=torch.int32, device=dev)
+    base = torch.empty_like(hist)
+    ends = torch.empty(num_experts, dtype=torch.int32, device=dev)
+    pos = torch.empty(num_pairs, dtype=torch.int64, device=dev)
+    tok = torch.empty(num_pairs, dtype=torch.int64, device=dev)
+    if num_pairs == 0:
+        return pos, tok, ends.zero_()
+    _expert_hist_kernel[(chunks,)](flat_ids, hist, num_pairs, BP=SORT_CHUNK, BE=be, num_warps=4)
+    _expert_scan_kernel[(1,)](hist, base, ends, chunks, num_experts, BE=be, BC=32, num_warps=4)
+    _expert_scatter_kernel[(chunks,)](flat_ids, base, pos, tok, num_pairs, TOP_K=top_k, BP=SORT_CHUNK, BE=be,
+                                      num_warps=8)
+    return pos, tok, ends
+
+
 def fused_moe_grouped_mm(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                          topk_ids: torch.Tensor) -> torch.Tensor:
     """x: [T, H]; w13: [E, 2I, H]; w2: [E, H, I]; topk_*: [T, k]. Returns each token's weighted sum of its experts'
@@ -75,14 +150,12 @@ def fused_moe_grouped_mm(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
     num_tokens, top_k = topk_ids.shape
     num_experts, inter = w13.shape[0], w2.shape[-1]
     hidden = x.shape[1]
-    flat = topk_ids.reshape(-1)
+    flat = topk_ids.reshape(-1).contiguous()
     num_pairs = flat.numel()
-    order = flat.argsort(stable=True)  # pairs grouped by expert
-    pos = torch.empty_like(order).scatter_(0, order, torch.arange(num_pairs, device=x.device))  # pair -> sorted row
-    counts = torch.zeros(num_experts, dtype=torch.int32, device=x.device).scatter_add_(
-        0, flat, torch.ones_like(flat, dtype=torch.int32))
-    ends = counts.cumsum(0, dtype=torch.int32)  # group g holds sorted rows [ends[g-1], ends[g])
-    xs = x.index_select(0, order // top_k)
+    # pairs grouped by expert: pos = each pair's sorted row, tok = each sorted row's token, and group g holds the
+    # sorted rows [ends[g-1], ends[g])
+    pos, tok, ends = sort_pairs_by_expert(flat, num_experts, top_k)
+    xs = x.index_select(0, tok)
     h = torch._grouped_mm(xs, w13.transpose(1, 2), offs=ends)  # [P, 2I]
     act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     br, bi = 16, triton.next_power_of_2(inter)

@@ -248,3 +248,18 @@ def test_grouped_cfg_setting_parses_and_names_bad_entries():
         parse_grouped_cfg("max:64,64,64")
     with pytest.raises(ValueError, match="'max'"):
         parse_grouped_cfg("1024:16,64,128,4,3")
+
+
+@pytest.mark.parametrize("tokens,experts,top_k", [(1000, 65, 11), (37, 9, 3), (1, 5, 2)])
+def test_counting_sort_of_pairs_equals_a_stable_argsort(dev, tokens, experts, top_k):
+    """The prefill MoE's sort of (token, expert) pairs by expert: the order of a stable argsort, its inverse, and
+    the group ends, with experts that get no pair and pair counts that are not multiples of the chunk."""
+    from hylo.ops.moe_grouped_mm import sort_pairs_by_expert
+
+    g = torch.Generator().manual_seed(tokens)
+    ids = torch.randint(0, experts - 1, (tokens * top_k,), generator=g)  # the last expert gets no pair
+    pos, tok, ends = sort_pairs_by_expert(ids.to(dev), experts, top_k)
+    order = ids.argsort(stable=True)
+    assert torch.equal(tok.cpu(), order // top_k)
+    assert torch.equal(pos.cpu()[order], torch.arange(ids.numel()))
+    assert torch.equal(ends.cpu(), torch.bincount(ids, minlength=experts).cumsum(0).int())
