@@ -31,11 +31,9 @@ def _load_fla_chunk():
     """flash-linear-attention's chunked gated delta rule (the ``fla-core`` package), if installed and on a GPU."""
     if INTERPRET:  # fla's kernels need a real device
         return None
-    try:
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-    except Exception:
-        return None
-    return chunk_gated_delta_rule
+    from ..ops import gdn_fla
+
+    return gdn_fla.load()
 
 
 @dataclass(frozen=True)
@@ -133,9 +131,9 @@ class GDNBackend(Backend):
         rec_pool = self.state_pool.recurrent[layer]
         if self.fast and not batch.mode.is_extend:
             return self._steps_triton(layer, conv_pool, rec_pool, mixed_qkv, a, b, params, shape, batch)
-        g, beta = gdn_ops.gdn_gating(params.A_log, a, params.dt_bias, b)
         if batch.mode.is_extend:
-            return self._extend(conv_pool, rec_pool, mixed_qkv, g, beta, params, shape, batch)
+            return self._extend(conv_pool, rec_pool, mixed_qkv, a, b, params, shape, batch)
+        g, beta = gdn_ops.gdn_gating(params.A_log, a, params.dt_bias, b)
         if batch.mode.is_decode:
             x = conv_ops.causal_conv1d_update_ref(mixed_qkv, conv_pool, params.conv_weight, batch.state_slots)
             q, k, v = shape.split(x)
@@ -143,16 +141,19 @@ class GDNBackend(Backend):
         assert batch.mode is ForwardMode.TARGET_VERIFY
         return self._verify(layer, conv_pool, rec_pool, mixed_qkv, a, b, g, beta, params, shape, batch)
 
-    def _extend(self, conv_pool, rec_pool, mixed_qkv, g, beta, params, shape, batch):
+    def _extend(self, conv_pool, rec_pool, mixed_qkv, a, b, params, shape, batch):
         """Prefill: the causal conv from each row's conv state (one varlen Triton launch on CUDA, per row otherwise),
         then the chunked delta rule from each row's recurrent state (fla's varlen kernel when installed)."""
         if self.fast:
             from ..ops.conv1d_triton import conv_prefill
 
-            # for fla: q, k and v as three contiguous planes, so that its kernels need no copies of them
-            planes = (shape.key_dim, shape.key_dim) if self.fla_chunk is not None else None
+            # for fla: q, k and v as three contiguous planes, so that its kernels need no copies of them, q and k
+            # L2-normalised on the way where the conv kernel can (fla would otherwise do it in two more passes)
+            fla = self.fla_chunk is not None
             x = conv_prefill(mixed_qkv, params.conv_weight, conv_pool, batch.state_slots, batch.query_start_loc,
-                             batch.extend_lens_cpu, self._prefill_index(batch).token_row, planes)
+                             batch.extend_lens_cpu, self._prefill_index(batch).token_row,
+                             (shape.key_dim, shape.key_dim) if fla else None,
+                             l2norm_head=shape.head_k_dim if fla else 0)
         else:
             xs, start = [], 0
             for slot, length in zip(batch.state_slots_cpu, batch.extend_lens_cpu):
@@ -164,7 +165,8 @@ class GDNBackend(Backend):
                 start += length
             x = torch.cat(xs)
         if self.fla_chunk is not None:
-            return self._chunk_fla(rec_pool, x, g, beta, shape, batch)
+            return self._chunk_fla(rec_pool, x[:3], a, b, params, shape, batch, qk_normed=x[3])
+        g, beta = gdn_ops.gdn_gating(params.A_log, a, params.dt_bias, b)
         out = torch.empty(x.shape[0], shape.num_v_heads, shape.head_v_dim, dtype=torch.float32, device=x.device)
         start = 0
         for slot, length in zip(batch.state_slots_cpu, batch.extend_lens_cpu):
@@ -247,9 +249,10 @@ class GDNBackend(Backend):
                                                        self.state_pool.recurrent.device))
         return self._prefill[1]
 
-    def _chunk_fla(self, rec_pool, planes, g, beta, shape, batch):
+    def _chunk_fla(self, rec_pool, planes, a, b, params, shape, batch, qk_normed=False):
         """One varlen chunked delta rule (fla) for all rows, starting from and ending in their slots. ``planes``:
-        the conv output's q, k, v, each contiguous."""
+        the conv output's q, k, v, each contiguous (q and k L2-normalised already if ``qk_normed``); a, b: the raw
+        gate inputs (the gate is computed inside)."""
         ix = self._prefill_index(batch)
         # more value than key heads go in as they are: fla maps value head h to key head h // (Hv / Hk) itself
         tokens = planes[0].shape[0]
@@ -257,12 +260,10 @@ class GDNBackend(Backend):
         k = planes[1].view(tokens, shape.num_k_heads, shape.head_k_dim)
         v = planes[2].view(tokens, shape.num_v_heads, shape.head_v_dim)
         init = rec_pool[ix.slot_or_zero].float() * ix.has_slot[:, None, None, None]
-        o, final = self.fla_chunk(q[None], k[None], v[None], g=g[None], beta=beta[None], initial_state=init,
-                                  output_final_state=True, cu_seqlens=ix.cu_seqlens,
-                                  cu_seqlens_cpu=ix.cu_seqlens_cpu, chunk_indices=ix.chunk_indices,
-                                  chunk_size=FLA_CHUNK, use_qk_l2norm_in_kernel=True)
+        o, final = self.fla_chunk(q, k, v, a, b, params.A_log, params.dt_bias, init, ix.cu_seqlens,
+                                  ix.cu_seqlens_cpu, ix.chunk_indices, FLA_CHUNK, qk_normed)
         rec_pool[ix.kept_slots] = final[ix.kept_rows].to(rec_pool.dtype)
-        return o[0]  # in the inputs' dtype: the layer casts the core output to it anyway (no float32 round trip)
+        return o  # in the inputs' dtype: the layer casts the core output to it anyway (no float32 round trip)
 
     def _verify(self, layer, conv_pool, rec_pool, mixed_qkv, a, b, g, beta, params, shape, batch):
         """k + 1 steps per row from the slot's state; the conv windows and either the step inputs or the states after

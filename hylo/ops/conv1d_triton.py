@@ -157,11 +157,13 @@ def _conv_window_elem(x_ptr, sbase, t, p, stride_x, offs, mc, smask):
 
 @triton.jit
 def _conv_prefill_walk_kernel(x_ptr, w_ptr, pool_ptr, slots_ptr, qsl_ptr, tok_row_ptr, out_ptr, stride_x, T, P0, P1,
-                              stride_pool, C, BT: tl.constexpr, BC: tl.constexpr):
+                              stride_pool, C, BT: tl.constexpr, BC: tl.constexpr, NORM_D: tl.constexpr = 0):
     """Width 4 only. One program per (BT consecutive tokens, BC channels inside one output plane) walks its tokens
     in order with the previous three inputs in registers: every input is loaded once (the 2D kernel above loads
     each K times and computes K sets of addresses and masks per element). A token that starts a row takes its
-    window from that row's conv state; the row boundaries come from the row offsets, one lookup per row."""
+    window from that row's conv state; the row boundaries come from the row offsets, one lookup per row.
+    NORM_D > 0: the first two planes (GDN q and k) leave L2-normalised per head of NORM_D channels (BC a multiple),
+    as fla's l2norm would normalise them next: from the output rounded to its dtype, in float32."""
     t0 = tl.program_id(0) * BT
     c0 = tl.program_id(1) * BC
     offs = c0 + tl.arange(0, BC)
@@ -198,7 +200,13 @@ def _conv_prefill_walk_kernel(x_ptr, w_ptr, pool_ptr, slots_ptr, qsl_ptr, tok_ro
                 b = tl.load(sbase + 1, mask=smask, other=0.0).to(tl.float32)
                 c = tl.load(sbase + 2, mask=smask, other=0.0).to(tl.float32)
             acc = a * w0 + b * w1 + c * w2 + xv * w3
-            tl.store(dst + t.to(tl.int64) * wd, (acc / (1.0 + tl.exp(-acc))).to(out_ptr.dtype.element_ty), mask=mc)
+            y = acc / (1.0 + tl.exp(-acc))
+            if NORM_D > 0:
+                if c0 < P0 + P1:
+                    yh = tl.reshape(y.to(out_ptr.dtype.element_ty).to(tl.float32), [BC // NORM_D, NORM_D])
+                    yh = yh / tl.sqrt(tl.sum(yh * yh, 1) + 1e-6)[:, None]
+                    y = tl.reshape(yh, [BC])
+            tl.store(dst + t.to(tl.int64) * wd, y.to(out_ptr.dtype.element_ty), mask=mc)
             a, b, c = b, c, xv
 
 
@@ -242,16 +250,18 @@ def _conv_prefill_state_kernel(x_ptr, pool_ptr, slots_ptr, qsl_ptr, stride_x, st
 
 def conv_prefill(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor,
                  query_start_loc: torch.Tensor, extend_lens: list[int], token_row: torch.Tensor | None = None,
-                 planes: tuple[int, int] | None = None, cfg: tuple[int, ...] | None = None):
+                 planes: tuple[int, int] | None = None, cfg: tuple[int, ...] | None = None, l2norm_head: int = 0):
     """Varlen prefill: x [T, C] packed by row; each row continues from its slot's conv state (-1: zeros, nothing
     written) and leaves its last K-1 inputs there. ``token_row`` [T] (each token's row, on the device) is derived
     from ``extend_lens`` when not given. Returns silu(conv) [T, C] in x's dtype; with ``planes`` (P0, P1), the
     same as three contiguous tensors [T, P0], [T, P1], [T, C - P0 - P1] (the GDN q, k, v: fla's kernels take them
-    contiguous, and would otherwise copy each)."""
+    contiguous, and would otherwise copy each). With ``l2norm_head`` (and planes) a fourth value says whether the
+    first two planes came out L2-normalised per head of that many channels (done where the walking kernel runs)."""
     num_tokens, channels = x.shape
     k = weight.shape[-1]
     p0, p1 = planes if planes is not None else (channels, 0)
     flat = torch.empty(num_tokens * channels, dtype=x.dtype, device=x.device)
+    normed = False
     if num_tokens:
         batch = len(extend_lens)
         tok_row = token_row if token_row is not None else torch.repeat_interleave(
@@ -260,9 +270,10 @@ def conv_prefill(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor, slot
         block_plane = p0 % bc == 0 and p1 % bc == 0 and (channels - p0 - p1) % 8 == 0
         grid = (triton.cdiv(num_tokens, bt), triton.cdiv(channels, bc))
         if walk == [1] and k == 4 and block_plane:
+            normed = l2norm_head > 0 and planes is not None and bc % l2norm_head == 0
             _conv_prefill_walk_kernel[grid](x, weight, pool, slots, query_start_loc, tok_row, flat, x.stride(0),
                                             num_tokens, p0, p1, pool.stride(0), channels, BT=bt, BC=bc,
-                                            num_warps=warps)
+                                            NORM_D=l2norm_head if normed else 0, num_warps=warps)
         else:
             _conv_prefill_kernel[grid](x, weight, pool, slots, query_start_loc, tok_row, flat, x.stride(0), num_tokens,
                                        p0, p1, pool.stride(0), channels, K=k, BT=bt, BC=bc, BLOCK_PLANE=block_plane,
@@ -272,5 +283,6 @@ def conv_prefill(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor, slot
     if planes is None:
         return flat.view(num_tokens, channels)
     a, b = num_tokens * p0, num_tokens * (p0 + p1)
-    return (flat[:a].view(num_tokens, p0), flat[a:b].view(num_tokens, p1),
-            flat[b:].view(num_tokens, channels - p0 - p1))
+    out = (flat[:a].view(num_tokens, p0), flat[a:b].view(num_tokens, p1),
+           flat[b:].view(num_tokens, channels - p0 - p1))
+    return out + (normed,) if l2norm_head else out

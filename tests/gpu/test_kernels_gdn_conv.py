@@ -143,6 +143,11 @@ def test_commit_copies_the_accepted_checkpoint(dev):
     assert torch.equal(ref.recurrent[:, 5], ref.verify_recurrent[:, 0, 2])
 
 
+def _l2_heads(t: torch.Tensor, d: int) -> torch.Tensor:
+    heads = t.view(t.shape[0], -1, d)
+    return (heads / (heads.pow(2).sum(-1, keepdim=True) + 1e-6).sqrt()).view(t.shape)
+
+
 @pytest.mark.parametrize("lens,kernel", [([5, 1, 9], 4), ([2, 3], 4), ([1, 1, 1, 7], 3), ([40], 4)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_conv_prefill_matches_reference(dev, lens, kernel, dtype):
@@ -188,6 +193,17 @@ def test_conv_prefill_matches_reference(dev, lens, kernel, dtype):
             walked = conv_prefill(x[:, :296].to(dev), w[:296].to(dev), pool.clone().to(dev)[:, :296], slots.to(dev),
                                   qsl.to(dev), lens, planes=(64, 128), cfg=(bt, 64, 2, 1))
             assert torch.allclose(torch.cat(walked, dim=1).float(), out[:, :296].float(), atol=tol, rtol=tol)
+        # q and k L2-normalised per 32-channel head on the way (the fla prefill's inputs); v as it was
+        *normed, done = conv_prefill(x[:, :296].to(dev), w[:296].to(dev), pool.clone().to(dev)[:, :296],
+                                     slots.to(dev), qsl.to(dev), lens, planes=(64, 128), cfg=(16, 64, 2, 1),
+                                     l2norm_head=32)
+        assert done
+        ref_q, ref_k, ref_v = (p.float() for p in aligned)
+        for got, want in zip(normed, (_l2_heads(ref_q, 32), _l2_heads(ref_k, 32), ref_v)):
+            assert torch.allclose(got.float(), want, atol=tol, rtol=tol)
+        # the 2D kernel does not normalise: it says so
+        assert not conv_prefill(x[:, :296].to(dev), w[:296].to(dev), pool.clone().to(dev)[:, :296], slots.to(dev),
+                                qsl.to(dev), lens, planes=(64, 128), cfg=(8, 64, 2), l2norm_head=32)[3]
 
 
 @pytest.mark.parametrize("lens", [[130, 1, 64], [8192], [63, 64, 65, 200]])
@@ -209,3 +225,42 @@ def test_conv_prefill_setting_names_a_bad_value():
     for bad in ("8,128", "a,b,c", "8,0,4", "8,128,4,2", "8,128,4,1,1"):
         with pytest.raises(ValueError, match="HYLO_CONV_PREFILL_CFG"):
             _parse_conv_cfg(bad)
+
+
+def test_fla_prefill_direct_call_equals_fla_public_api(dev):
+    """The prefill's fla call under the public entry point (gate computed in fla's kernel, q and k normalised by
+    the caller or by fla) against fla's public function on the torch-computed gate: two rows, one from a state."""
+    if dev.type != "cuda":
+        pytest.skip("fla's kernels need CUDA")
+    from hylo.ops import gdn_fla
+    from hylo.ops.gdn import gdn_gating, l2norm
+
+    fla = gdn_fla.load()
+    if fla is None or not fla.direct:
+        pytest.skip("fla-core with its 0.6 forward is not installed")
+    g = torch.Generator().manual_seed(11)
+    lens, hk, hv, d = [100, 157], 2, 4, 64
+    t = sum(lens)
+    q, k = torch.randn(t, hk, d, generator=g), torch.randn(t, hk, d, generator=g)
+    v = torch.randn(t, hv, d, generator=g)
+    a, b = torch.randn(t, hv, generator=g), torch.randn(t, hv, generator=g)
+    A_log, dt_bias = torch.rand(hv, generator=g), torch.randn(hv, generator=g)
+    init = torch.randn(2, hv, d, d, generator=g) * 0.1
+    init[1] = 0
+    cu = torch.tensor([0, lens[0], t])
+    from hylo.backends.gdn import FLA_CHUNK, PrefillIndex
+
+    ix = PrefillIndex.build([3, -1], lens, dev)
+    cuda = lambda *ts: [x.to(dev, torch.bfloat16) for x in ts]  # noqa: E731
+    qc, kc, vc, ac, bc = cuda(q, k, v, a, b)
+    A_c, dt_c, init_c = A_log.to(dev), dt_bias.to(dev), init.to(dev)
+    o1, f1 = fla(qc, kc, vc, ac, bc, A_c, dt_c, init_c, ix.cu_seqlens, cu, ix.chunk_indices, FLA_CHUNK)
+    o2, f2 = fla(*cuda(l2norm(q.float()), l2norm(k.float())), vc, ac, bc, A_c, dt_c, init_c, ix.cu_seqlens, cu,
+                 ix.chunk_indices, FLA_CHUNK, qk_normed=True)
+    gg, beta = gdn_gating(A_c, ac, dt_c, bc)
+    o3, f3 = fla.public(qc[None], kc[None], vc[None], g=gg[None], beta=beta[None], scale=d ** -0.5,
+                        initial_state=init_c, output_final_state=True, cu_seqlens=ix.cu_seqlens,
+                        chunk_indices=ix.chunk_indices, chunk_size=FLA_CHUNK, use_qk_l2norm_in_kernel=True)
+    for o, f in ((o1, f1), (o2, f2)):
+        assert torch.allclose(o.float(), o3[0].float(), atol=3e-2, rtol=3e-2)
+        assert torch.allclose(f, f3, atol=3e-2, rtol=3e-2)
