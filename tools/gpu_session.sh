@@ -7,7 +7,7 @@
 #    launches, in place of the prefill profile; tests-bench: the GPU tests, bench-short, then a step's launches)
 # Everything is written under OUT (the device tool's $OUT); the summary lines go to stdout.
 set -u
-phase=${1:?tests, tests-host, tests-bench, tune-bench, bench, bench-first or bench-short}
+phase=${1:?tests, tests-host, tests-bench, check, tune-bench, bench, bench-first or bench-short}
 out=${2:?output folder}
 mkdir -p "$out"
 
@@ -50,9 +50,10 @@ case "$phase" in
   bench) sweeps; [ -f "$out/tuned.env" ] && . "$out/tuned.env"; bench 380 --vs-hf ;;
   bench-first) bench 380 --vs-hf; sweeps ;;  # little device time left: the committed defaults first
   bench-short) bench 0 ;;
+  check) gputests; bench 0 ;;  # the least device time that both checks a tree and measures it
   tests-bench) gputests; bench 0; launches ;;  # a new tree's first call: is it right, how fast, which launches
   tune-bench)  # the step and conv sweeps, the bench with their winners, the prefill profile (where the GPU waits)
-    timeout 60 python3 -m pytest -q -p no:cacheprovider tests/gpu -k "prefill" > "$out/gputests.txt" 2>&1
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/gpu -k "prefill" > "$out/gputests.txt" 2>&1
     echo "pytest (prefill kernels) rc=$?"; tail -3 "$out/gputests.txt"
     timeout 280 python3 tools/tune_kernels.py --only conv steps --out "$out" --env "$out/tuned.env" > "$out/tune.txt" 2>&1
     grep -v "^    " "$out/tune.txt" | tail -40; cat "$out/tuned.env" 2>/dev/null

@@ -211,9 +211,10 @@ def _conv_prefill_walk_kernel(x_ptr, w_ptr, pool_ptr, slots_ptr, qsl_ptr, tok_ro
 
 
 # (tokens per program, channels per program, warps[, walk]) of the prefill conv; walk = 1 picks the walking kernel
-# (width 4, blocks inside one plane). tools/tune_kernels.py --only conv sweeps them
-# (bench/results/tune-conv-prefill-20261203.json, 8192 tokens x 8192 channels on the H200, 2D kernel before the
-# need_state branch: 269 us for (4, 256, 4), 293 for (32, 128, 4), up to 729 with 8 warps; the bytes take 63).
+# (width 4, blocks inside one plane), else the 2D kernel, which also runs where the walk cannot (with
+# CONV_PREFILL_2D_CFG). tools/tune_kernels.py --only conv sweeps both, 8192 tokens x 8192 channels on the H200:
+# the walk (16, 512, 4) takes 143.6 us against the 2D kernel's best 268.6 (4, 256, 4); the bytes take 62.7
+# (run -1524, bench/results/tune-steps-conv-20261203-1524.json).
 def _parse_conv_cfg(text: str) -> tuple[int, ...]:
     try:
         cfg = tuple(int(v) for v in text.split(","))
@@ -225,7 +226,8 @@ def _parse_conv_cfg(text: str) -> tuple[int, ...]:
     return cfg
 
 
-CONV_PREFILL_CFG = _parse_conv_cfg(os.environ.get("HYLO_CONV_PREFILL_CFG", "4,256,4"))
+CONV_PREFILL_CFG = _parse_conv_cfg(os.environ.get("HYLO_CONV_PREFILL_CFG", "16,512,4,1"))
+CONV_PREFILL_2D_CFG = (4, 256, 4)
 
 
 @triton.jit
@@ -267,17 +269,19 @@ def conv_prefill(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor, slot
         tok_row = token_row if token_row is not None else torch.repeat_interleave(
             torch.arange(batch), torch.tensor(extend_lens, dtype=torch.long)).to(x.device)
         bt, bc, warps, *walk = cfg or CONV_PREFILL_CFG
-        block_plane = p0 % bc == 0 and p1 % bc == 0 and (channels - p0 - p1) % 8 == 0
+        block_plane = lambda bc: p0 % bc == 0 and p1 % bc == 0 and (channels - p0 - p1) % 8 == 0  # noqa: E731
+        if walk == [1] and not (k == 4 and block_plane(bc)):  # the walk cannot run here: the 2D kernel's tiles
+            bt, bc, warps, walk = *CONV_PREFILL_2D_CFG, []
         grid = (triton.cdiv(num_tokens, bt), triton.cdiv(channels, bc))
-        if walk == [1] and k == 4 and block_plane:
+        if walk == [1]:
             normed = l2norm_head > 0 and planes is not None and bc % l2norm_head == 0
             _conv_prefill_walk_kernel[grid](x, weight, pool, slots, query_start_loc, tok_row, flat, x.stride(0),
                                             num_tokens, p0, p1, pool.stride(0), channels, BT=bt, BC=bc,
                                             NORM_D=l2norm_head if normed else 0, num_warps=warps)
         else:
             _conv_prefill_kernel[grid](x, weight, pool, slots, query_start_loc, tok_row, flat, x.stride(0), num_tokens,
-                                       p0, p1, pool.stride(0), channels, K=k, BT=bt, BC=bc, BLOCK_PLANE=block_plane,
-                                       num_warps=warps)
+                                       p0, p1, pool.stride(0), channels, K=k, BT=bt, BC=bc,
+                                       BLOCK_PLANE=block_plane(bc), num_warps=warps)
         _conv_prefill_state_kernel[(batch, triton.cdiv(channels, 256))](
             x, pool, slots, query_start_loc, x.stride(0), pool.stride(0), channels, K=k, BC=256, num_warps=4)
     if planes is None:

@@ -17,6 +17,8 @@ state is read from the pool by slot (-1: zero state, nothing written). The same 
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -95,11 +97,25 @@ def _gdn_steps_kernel(
 
 
 # (value channels per program, warps) for decode (S = 1), the multi-step verify and the replay, which do up to
-# k + 1 steps of arithmetic per state load and may want other tiles; tools/tune_kernels.py --only steps sweeps
-# them, and HYLO_GDN_{DECODE,VERIFY,REPLAY}_CFG override them
-STEPS_CFG = env_cfg("HYLO_GDN_DECODE_CFG", (32, 4))
-MULTI_STEPS_CFG = env_cfg("HYLO_GDN_VERIFY_CFG", (32, 4))
-REPLAY_CFG = env_cfg("HYLO_GDN_REPLAY_CFG", (32, 4))
+# k + 1 steps of arithmetic per state load, by batch size: (up to this many rows, tile). From
+# ``tools/tune_kernels.py --only steps`` on the H200 (run -1524, bench-6b shapes, microseconds per layer): decode
+# b8 13.1 -> 11.1 with (32, 2), b64 82.6 -> 73.1 with (64, 4); verify (S = 4) b8 21.8 -> 16.2 and b64 112.6 -> 102.3
+# with (64, 4) (b1 keeps (32, 4): 7.0 against 8.6); replay b64 83.2 -> 76.5 with (64, 4).
+# HYLO_GDN_{DECODE,VERIFY,REPLAY}_CFG replace a table by one tile for every batch size.
+_ANY = 1 << 62
+
+
+def _table(var: str, table: tuple) -> tuple:
+    return ((_ANY, env_cfg(var, table[0][1])),) if os.environ.get(var) is not None else table
+
+
+STEPS_CFG = _table("HYLO_GDN_DECODE_CFG", ((16, (32, 2)), (_ANY, (64, 4))))
+MULTI_STEPS_CFG = _table("HYLO_GDN_VERIFY_CFG", ((4, (32, 4)), (_ANY, (64, 4))))
+REPLAY_CFG = _table("HYLO_GDN_REPLAY_CFG", ((_ANY, (64, 4)),))
+
+
+def _tile(table, batch: int) -> tuple[int, int]:
+    return next(cfg for limit, cfg in table if batch <= limit)
 
 
 def gdn_steps(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
@@ -123,7 +139,7 @@ def gdn_steps(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Te
         assert keep_ab.dtype == a.dtype == b.dtype and keep_ab.shape[1:] == (2, hv) and keep_ab.is_contiguous()
     vbuf = verify if verify is not None else keep_ab if keep_ab is not None else pool
     _launch(x, a, b, A_log, dt_bias, pool, slots, out, vbuf, slots, 1, num_k_heads, head_k_dim, head_v_dim, steps,
-            mode, cfg or (STEPS_CFG if steps == 1 else MULTI_STEPS_CFG), (0, 0, 0),
+            mode, cfg or _tile(STEPS_CFG if steps == 1 else MULTI_STEPS_CFG, batch), (0, 0, 0),
             (vbuf.stride(0), vbuf.stride(1)) if mode == VERIFY_STATES else (0, 0))
     return out
 
@@ -141,7 +157,7 @@ def replay_commit(x: torch.Tensor, ab: torch.Tensor, A_log: torch.Tensor, dt_bia
         return
     assert A_log.shape == dt_bias.shape == (layers, hv) and A_log.is_contiguous() and dt_bias.is_contiguous()
     _launch(x[0], ab[0, :, 0], ab[0, :, 1], A_log, dt_bias, pool[0], slots, None, pool, accepted, layers,
-            num_k_heads, head_k_dim, head_v_dim, steps, REPLAY, cfg or REPLAY_CFG,
+            num_k_heads, head_k_dim, head_v_dim, steps, REPLAY, cfg or _tile(REPLAY_CFG, batch),
             (x.stride(0), ab.stride(0), pool.stride(0)),
             (0, 0))
 

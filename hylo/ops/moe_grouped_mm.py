@@ -137,7 +137,7 @@ def sort_pairs_by_expert(flat_ids: torch.Tensor, num_experts: int, top_k: int):
     if num_pairs == 0:
         return pos, tok, ends.zero_()
     _expert_hist_kernel[(chunks,)](flat_ids, hist, num_pairs, BP=SORT_CHUNK, BE=be, num_warps=4)
-    _expert_scan_kernel[(1,)](hist, base, ends, chunks, num_experts, BE=be, BC=32, num_warps=4)
+    _expert_scan_kernel[(1,)](hist, base, ends, chunks, num_experts, BE=be, BC=64, num_warps=8)
     _expert_scatter_kernel[(chunks,)](flat_ids, base, pos, tok, num_pairs, TOP_K=top_k, BP=SORT_CHUNK, BE=be,
                                       num_warps=8)
     return pos, tok, ends
