@@ -79,10 +79,11 @@ def decode_attention_ref(q, k_cache, v_cache, req_to_token, req_slots, seq_lens,
 
 
 # Whether torch's fused attention takes K/V with fewer heads than the queries (``enable_gqa``) in a fused kernel
-# (cuDNN or flash), by (device, masked): probed on the first call of each kind. Without it the K/V heads are
+# (cuDNN or flash), by (device, dtype, heads, KV heads, head size, masked): probed on the first call of each kind
+# (float32 has no fused kernel at all; a verdict for one kind says nothing about another). Without it the K/V heads are
 # repeated first, which at an 8192-token prefill of bench-6b writes 2 x 67 MB per attention layer (1.0 ms over its
 # 6 layers on the H200, run -1322).
-_GQA_FUSED: dict[tuple[str, bool], bool] = {}
+_GQA_FUSED: dict[tuple, bool] = {}
 
 
 def _sdpa(q, k, v, mask, scaling):
@@ -95,7 +96,7 @@ def _sdpa(q, k, v, mask, scaling):
     heads, kv_heads = q.shape[1], k.shape[1]
     kw = dict(attn_mask=mask, is_causal=mask is None, scale=scaling)
     if heads != kv_heads and q.is_cuda:
-        key = (str(q.device), mask is not None)
+        key = (str(q.device), q.dtype, heads, kv_heads, q.shape[-1], mask is not None)
         if _GQA_FUSED.get(key, True):
             try:  # fused kernels only: never the math fallback, which would materialise every score
                 with warnings.catch_warnings(), sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]):

@@ -91,4 +91,4 @@ def test_prefill_attention_reads_shared_kv_heads_in_place(dev):
     assert torch.allclose(out.cpu().float(), ref, atol=3e-2, rtol=3e-2)
     # the causal call (a prefill without a cached prefix) found a fused kernel that takes the shared heads as they
     # are, not repeated (the masked one may not: it then repeats them, as before)
-    assert ops._GQA_FUSED[(str(out.device), False)]
+    assert ops._GQA_FUSED[(str(out.device), torch.bfloat16, heads, kv_heads, dim, False)]
