@@ -80,9 +80,9 @@ def decode_attention_ref(q, k_cache, v_cache, req_to_token, req_slots, seq_lens,
 
 # Whether torch's fused attention takes K/V with fewer heads than the queries (``enable_gqa``) in a fused kernel
 # (cuDNN or flash), by (device, dtype, heads, KV heads, head size, masked): probed on the first call of each kind
-# (float32 has no fused kernel at all; a verdict for one kind says nothing about another). Without it the K/V heads are
-# repeated first, which at an 8192-token prefill of bench-6b writes 2 x 67 MB per attention layer (1.0 ms over its
-# 6 layers on the H200, run -1322).
+# (float32 has no fused kernel at all; a verdict for one kind says nothing about another). Without it the K/V
+# heads are repeated first, which at an 8192-token prefill of bench-6b writes 2 x 67 MB per attention layer
+# (1.0 ms over its 6 layers on the H200, run -1322).
 _GQA_FUSED: dict[tuple, bool] = {}
 
 

@@ -2,12 +2,12 @@
 Hopper and later), which runs the expert matmuls at tile sizes our Triton grouped kernel cannot hold.
 
 Pairs (token, expert) are sorted by expert on the device (a counting sort in three launches), their token rows
-gathered, and each expert's rows multiplied by its weights in one launch per projection; the group boundaries are a device tensor, so nothing here
-waits for the host. Around the two GEMMs only two Triton passes remain: ``silu(gate) * up`` of the sorted rows,
-and, at the end, each token's weighted sum of its k down-projected rows, gathered from the sorted order (the
-un-sort and the reduction in one read; an ``index_copy`` back to pair order alone took 0.55 ms per layer on the
-H200 at 8192 tokens, more than both GEMMs' share of the routing overhead). The result is one float32 row per token,
-[T, 1, H], which the residual add takes like any unreduced rows.
+gathered, and each expert's rows multiplied by its weights in one launch per projection; the group boundaries
+are a device tensor, so nothing here waits for the host. Around the two GEMMs only two Triton passes remain:
+``silu(gate) * up`` of the sorted rows, and, at the end, each token's weighted sum of its k down-projected rows,
+gathered from the sorted order (the un-sort and the reduction in one read; an ``index_copy`` back to pair order
+alone took 0.55 ms per layer on the H200 at 8192 tokens, more than both GEMMs' share of the routing overhead).
+The result is one float32 row per token, [T, 1, H], which the residual add takes like any unreduced rows.
 """
 
 from __future__ import annotations
