@@ -270,8 +270,12 @@ def conv_prefill(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor, slot
             torch.arange(batch), torch.tensor(extend_lens, dtype=torch.long)).to(x.device)
         bt, bc, warps, *walk = cfg or CONV_PREFILL_CFG
         block_plane = lambda bc: p0 % bc == 0 and p1 % bc == 0 and (channels - p0 - p1) % 8 == 0  # noqa: E731
-        if walk == [1] and not (k == 4 and block_plane(bc)):  # the walk cannot run here: the 2D kernel's tiles
-            bt, bc, warps, walk = *CONV_PREFILL_2D_CFG, []
+        if walk == [1]:
+            # narrower blocks where the planes are not multiples of the tile (smaller models), down to 64 channels
+            while bc > 64 and not block_plane(bc):
+                bc //= 2
+            if not (k == 4 and block_plane(bc)):  # the walk cannot run here: the 2D kernel's tiles
+                bt, bc, warps, walk = *CONV_PREFILL_2D_CFG, []
         grid = (triton.cdiv(num_tokens, bt), triton.cdiv(channels, bc))
         if walk == [1]:
             normed = l2norm_head > 0 and planes is not None and bc % l2norm_head == 0

@@ -201,6 +201,11 @@ def test_conv_prefill_matches_reference(dev, lens, kernel, dtype):
         ref_q, ref_k, ref_v = (p.float() for p in aligned)
         for got, want in zip(normed, (_l2_heads(ref_q, 32), _l2_heads(ref_k, 32), ref_v)):
             assert torch.allclose(got.float(), want, atol=tol, rtol=tol)
+        # a walk tile wider than the planes narrows to fit them (512 -> 64 channels here) and still normalises
+        *narrowed, done = conv_prefill(x[:, :296].to(dev), w[:296].to(dev), pool.clone().to(dev)[:, :296],
+                                       slots.to(dev), qsl.to(dev), lens, planes=(64, 128), cfg=(16, 512, 2, 1),
+                                       l2norm_head=32)
+        assert done and all(torch.equal(a, b) for a, b in zip(narrowed, normed))
         # the 2D kernel does not normalise: it says so
         assert not conv_prefill(x[:, :296].to(dev), w[:296].to(dev), pool.clone().to(dev)[:, :296], slots.to(dev),
                                 qsl.to(dev), lens, planes=(64, 128), cfg=(8, 64, 2), l2norm_head=32)[3]
