@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..core import SamplingBatch
+from .triton_utils import use_triton
 
 _M32 = 0xFFFFFFFF
 
@@ -23,18 +24,33 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
+def noise_keys(seeds: torch.Tensor, steps: torch.Tensor, stream: int = 0) -> torch.Tensor:
+    """Each row's noise key, a 32-bit hash of (seed, step, stream) held in int64. [B]."""
+    key = _mix32((seeds & _M32) ^ ((seeds >> 32) * 0x9E3779B1 & _M32))
+    return _mix32(key ^ ((steps * 0x85EBCA77 + stream * 0xC2B2AE3D) & _M32))
+
+
 def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, width: int, stream: int = 0) -> torch.Tensor:
     """Uniform (0, 1) noise of shape [B, width], a pure function of (seed, step, column, stream)."""
     cols = torch.arange(width, device=seeds.device, dtype=torch.int64)
-    key = _mix32((seeds & _M32) ^ ((seeds >> 32) * 0x9E3779B1 & _M32))
-    key = _mix32(key ^ ((steps * 0x85EBCA77 + stream * 0xC2B2AE3D) & _M32))
+    key = noise_keys(seeds, steps, stream)
     x = _mix32((key[:, None] ^ (cols[None, :] * 0x27D4EB2F & _M32)) & _M32)
     x = _mix32(x ^ 0x165667B1) >> 8  # 24 bits: exactly representable in float32, so u is never 0 or 1
     return (x.float() + 0.5) * (1.0 / 16777216.0)
 
 
 def draw(probs: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor, stream: int = 0) -> torch.Tensor:
-    """One token per row from ``probs`` ([B, V]) by the exponential race, with noise keyed by (seed, step, stream)."""
+    """One token per row from ``probs`` ([B, V]) by the exponential race, with noise keyed by (seed, step, stream).
+    On CUDA one Triton pass over the probabilities (``sampling_triton``: the same noise, never materialised)."""
+    if use_triton(probs) and probs.stride(-1) == 1:
+        from .sampling_triton import draw_triton
+
+        return draw_triton(probs, noise_keys(seeds, steps, stream))
+    return draw_ref(probs, seeds, steps, stream)
+
+
+def draw_ref(probs: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor, stream: int = 0) -> torch.Tensor:
+    """The torch form of :func:`draw`: the [B, V] noise, then the race."""
     return (probs / -torch.log(uniform_noise(seeds, steps, probs.shape[-1], stream))).argmax(-1)
 
 
