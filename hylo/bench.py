@@ -157,9 +157,17 @@ def run_bench(model_name: str = "bench-6b", vs_hf: bool = False, quick: bool = F
             if ctx == 1024 and not quick:
                 records.append(_device_decode_record(eng, bs, ctx, floor))
             clear(eng, rids)
+            if ctx == 1024 and bs in (1, 64) and not quick:  # the same step for rows that sample (temperature 0.8)
+                rids = fake_prefill(eng, bs, ctx, temperature=0.8)
+                ms = time_steps(eng, steps)
+                records.append(dict(_decode_record(bs, ctx, True, ms, floor), sampling="temperature 0.8"))
+                save()
+                print(f"[bench] decode bs={bs} ctx={ctx} graphs=True sampled (temperature 0.8): {ms:.2f} ms/step, "
+                      f"floor {floor:.2f} ms ({ms / floor:.2f}x)", flush=True)
+                clear(eng, rids)
     plain_ms = {r["batch_size"]: r["ms_per_token"] for r in records  # wall time, like the spec records
                 if r["phase"] == "decode" and r["cuda_graph"] and r["context"] == 1024 and r["spec"] is None
-                and not r.get("gpu_only")}
+                and not r.get("gpu_only") and not r.get("sampling")}
     del eng
     torch.cuda.empty_cache()
 

@@ -13,15 +13,17 @@ from .core import ReqStatus, SamplingParams
 from .engine.engine import Engine
 
 
-def fake_prefill(engine: Engine, bs: int, ctx: int) -> list[str]:
-    """Put ``bs`` requests straight into the decoding state at context ``ctx`` (no prefill is run)."""
+def fake_prefill(engine: Engine, bs: int, ctx: int, temperature: float = 0.0) -> list[str]:
+    """Put ``bs`` requests straight into the decoding state at context ``ctx`` (no prefill is run); they sample
+    at ``temperature`` (0: greedy)."""
     sched, caches = engine.scheduler, engine.caches
     gen = torch.Generator().manual_seed(ctx * 7 + bs)
     vocab = engine.model_config.vocab_size
     rids = []
     for _ in range(bs):
         prompt = torch.randint(0, vocab, (ctx - 1,), generator=gen).tolist()
-        rid = engine.add_request(prompt, SamplingParams(max_tokens=10 ** 6, temperature=0, ignore_eos=True))
+        rid = engine.add_request(prompt, SamplingParams(max_tokens=10 ** 6, temperature=temperature, seed=len(rids),
+                                                        ignore_eos=True))
         req = sched.waiting.pop()
         req.req_slot = caches.req_slots.alloc()
         req.state_slot = caches.state_pool.alloc()

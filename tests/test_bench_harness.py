@@ -23,6 +23,18 @@ def test_fake_prefill_decodes_and_frees():
     assert c.kv_pool.num_free == c.kv_pool.num_tokens and c.req_slots.num_free == 4
 
 
+def test_fake_prefill_of_sampling_rows():
+    """The bench's sampled decode rows: fake-prefilled requests that sample, seeded, and decode like greedy ones."""
+    eng = Engine(None, device="cpu", engine_config=EngineConfig(verbose=False, max_num_seqs=4))
+    rids = fake_prefill(eng, 2, 40, temperature=0.8)
+    time_steps(eng, 3, warmup=1)
+    reqs = [eng._reqs[r] for r in rids]
+    assert all(r.params.temperature == 0.8 and r.params.seed is not None for r in reqs)
+    assert all(len(r.output_ids) == 5 for r in reqs)
+    for rid in rids:
+        eng.abort(rid)
+
+
 def _simulated_mean_accept(rows: int, target: float, steps: int, built_with: float | None = None) -> float:
     """Mean tokens per verify step of ``rows`` fake-prefilled MTP requests (k = 3) with simulated acceptance
     (the engine built with ``built_with``, then set to ``target``, as the benchmark does between records)."""
