@@ -41,7 +41,10 @@ def rejection_accept(drafts: torch.Tensor, draft_probs: torch.Tensor | None, tar
     vocab = target_probs.shape[-1]
     p_d = target_probs[:, :k].gather(-1, drafts[..., None])[..., 0]  # [B, k]
     q_d = torch.ones_like(p_d) if draft_probs is None else draft_probs.gather(-1, drafts[..., None])[..., 0]
-    u = torch.stack([uniform_noise(seeds, steps + i, 1, STREAM_ACCEPT)[:, 0] for i in range(k)], 1)
+    # the acceptance noise of draft i is keyed by step steps + i: all k at once (one hash, not k)
+    offsets = torch.arange(k, device=drafts.device)
+    u = uniform_noise(seeds[:, None].expand(batch, k).reshape(-1), (steps[:, None] + offsets).reshape(-1), 1,
+                      STREAM_ACCEPT).view(batch, k)
     accepted = _leading_true(u * q_d < p_d)
     rows = torch.arange(batch, device=drafts.device)
     p_a = target_probs[rows, accepted]  # [B, V]
