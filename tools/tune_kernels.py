@@ -84,14 +84,15 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
     ap.add_argument("--only", nargs="+", default=["moe", "gemv", "split"],
-                    choices=["moe", "grouped", "gemv", "split", "prefill", "conv", "steps"])
+                    choices=["moe", "grouped", "gemv", "split", "prefill", "conv", "steps", "sampling"])
     ap.add_argument("--env", default=None, help="write the best settings found as shell exports to this file")
     args = ap.parse_args()
     torch.manual_seed(0)
     dev, dt = torch.device("cuda"), torch.bfloat16
     results = {}
     sections = {"moe": tune_moe, "grouped": tune_grouped, "gemv": tune_gemv, "split": tune_split,
-                "prefill": tune_prefill_moe, "conv": tune_conv_prefill, "steps": tune_steps}
+                "prefill": tune_prefill_moe, "conv": tune_conv_prefill, "steps": tune_steps,
+                "sampling": time_sampling}
     for name in args.only:
         sections[name](dev, dt, results)
         # written after every section, so that a run cut short by a time limit keeps what it measured
@@ -456,6 +457,25 @@ def tune_steps(dev, dt, results, gdn_layers=18, hk=16, hv=32, d=128, width=4):
         sweep(f"conv_steps_b{bs}_s{steps}", list(itertools.product((64, 128, 256, 512), (1, 2, 4))), cv,
               max(rows * conv_dim * 2 * 2 / COPY_TBPS / 1e6, 1e-3), results)
         LAYERS = saved
+
+
+def time_sampling(dev, dt, results, vocab=151936):
+    """The draw of sampled rows, the fused Triton pass against the torch form (the [B, V] noise, then the race), at
+    batch 1, 8 and 64 over bench-6b's vocabulary; the floor reads the float32 probabilities once."""
+    from hylo.ops.sampling import draw_ref, noise_keys
+    from hylo.ops.sampling_triton import draw_triton
+
+    for bs in (1, 8, 64):
+        probs = torch.softmax(torch.randn(bs, vocab, device=dev), -1)
+        seeds, steps = torch.arange(bs, device=dev) * 7919, torch.arange(bs, device=dev) + 11
+        keys = noise_keys(seeds, steps)
+        same = torch.equal(draw_triton(probs, keys), draw_ref(probs, seeds, steps))
+        fused = time_eager(lambda: draw_triton(probs, noise_keys(seeds, steps))) * 1e3
+        torch_us = time_eager(lambda: draw_ref(probs, seeds, steps)) * 1e3
+        floor = bs * vocab * 4 / COPY_TBPS / 1e6
+        results[f"draw_b{bs}"] = {"floor_us": floor, "fused_us": fused, "torch_us": torch_us, "same_tokens": same}
+        print(f"draw b{bs}: fused {fused:.1f} us, torch {torch_us:.1f} us, floor {floor:.1f} us; same tokens: {same}",
+              flush=True)
 
 
 if __name__ == "__main__":
