@@ -57,7 +57,7 @@ case "$phase" in
   tune-bench)  # the step and conv sweeps, the bench with their winners, the prefill profile (where the GPU waits)
     timeout 150 python3 -m pytest -q -p no:cacheprovider tests/gpu -k "prefill" > "$out/gputests.txt" 2>&1
     echo "pytest (prefill kernels) rc=$?"; tail -3 "$out/gputests.txt"
-    timeout 280 python3 tools/tune_kernels.py --only conv steps --out "$out" --env "$out/tuned.env" > "$out/tune.txt" 2>&1
+    timeout 280 python3 tools/tune_kernels.py --only conv steps sampling --out "$out" --env "$out/tuned.env" > "$out/tune.txt" 2>&1
     grep -v "^    " "$out/tune.txt" | tail -40; cat "$out/tuned.env" 2>/dev/null
     [ -f "$out/tuned.env" ] && . "$out/tuned.env"
     bench 150
