@@ -462,15 +462,14 @@ def tune_steps(dev, dt, results, gdn_layers=18, hk=16, hv=32, d=128, width=4):
 def time_sampling(dev, dt, results, vocab=151936):
     """The draw of sampled rows, the fused Triton pass against the torch form (the [B, V] noise, then the race), at
     batch 1, 8 and 64 over bench-6b's vocabulary; the floor reads the float32 probabilities once."""
-    from hylo.ops.sampling import draw_ref, noise_keys
+    from hylo.ops.sampling import draw_ref
     from hylo.ops.sampling_triton import draw_triton
 
     for bs in (1, 8, 64):
         probs = torch.softmax(torch.randn(bs, vocab, device=dev), -1)
         seeds, steps = torch.arange(bs, device=dev) * 7919, torch.arange(bs, device=dev) + 11
-        keys = noise_keys(seeds, steps)
-        same = torch.equal(draw_triton(probs, keys), draw_ref(probs, seeds, steps))
-        fused = time_eager(lambda: draw_triton(probs, noise_keys(seeds, steps))) * 1e3
+        same = torch.equal(draw_triton(probs, seeds, steps), draw_ref(probs, seeds, steps))
+        fused = time_eager(lambda: draw_triton(probs, seeds, steps)) * 1e3
         torch_us = time_eager(lambda: draw_ref(probs, seeds, steps)) * 1e3
         floor = bs * vocab * 4 / COPY_TBPS / 1e6
         results[f"draw_b{bs}"] = {"floor_us": floor, "fused_us": fused, "torch_us": torch_us, "same_tokens": same}

@@ -31,7 +31,17 @@ def noise_keys(seeds: torch.Tensor, steps: torch.Tensor, stream: int = 0) -> tor
 
 
 def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, width: int, stream: int = 0) -> torch.Tensor:
-    """Uniform (0, 1) noise of shape [B, width], a pure function of (seed, step, column, stream)."""
+    """Uniform (0, 1) noise of shape [B, width], a pure function of (seed, step, column, stream). On CUDA, for a few
+    columns (acceptance tests), one Triton launch computes the same bits."""
+    if width <= 64 and use_triton(seeds):
+        from .sampling_triton import uniform_noise_triton
+
+        return uniform_noise_triton(seeds, steps, width, stream)
+    return uniform_noise_ref(seeds, steps, width, stream)
+
+
+def uniform_noise_ref(seeds: torch.Tensor, steps: torch.Tensor, width: int, stream: int = 0) -> torch.Tensor:
+    """The torch form of :func:`uniform_noise`."""
     cols = torch.arange(width, device=seeds.device, dtype=torch.int64)
     key = noise_keys(seeds, steps, stream)
     x = _mix32((key[:, None] ^ (cols[None, :] * 0x27D4EB2F & _M32)) & _M32)
@@ -45,13 +55,13 @@ def draw(probs: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor, stream: 
     if use_triton(probs) and probs.stride(-1) == 1:
         from .sampling_triton import draw_triton
 
-        return draw_triton(probs, noise_keys(seeds, steps, stream))
+        return draw_triton(probs, seeds, steps, stream)
     return draw_ref(probs, seeds, steps, stream)
 
 
 def draw_ref(probs: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor, stream: int = 0) -> torch.Tensor:
     """The torch form of :func:`draw`: the [B, V] noise, then the race."""
-    return (probs / -torch.log(uniform_noise(seeds, steps, probs.shape[-1], stream))).argmax(-1)
+    return (probs / -torch.log(uniform_noise_ref(seeds, steps, probs.shape[-1], stream))).argmax(-1)
 
 
 def filter_probs(probs: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:

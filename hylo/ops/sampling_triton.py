@@ -2,8 +2,9 @@
 exponential race ``argmax(p / -log u)`` fused, so the noise over the vocabulary is never materialised.
 
 The torch form computes the noise as about thirty elementwise passes over a [B, V] int64 tensor: at batch 64 and a
-151936-word vocabulary, 78 MB per pass. Here each program streams its row's probabilities once, hashing each
-column's key in registers with the same int64 arithmetic (values kept below 2^32), so the noise is bit-identical.
+151936-word vocabulary, 78 MB per pass. Here each program streams its row's probabilities once, hashing its row key
+and each column in registers with the same int64 arithmetic (values kept below 2^32), so the noise is
+bit-identical. The few-column noise of acceptance tests is one launch too (``uniform_noise_triton``).
 """
 
 from __future__ import annotations
@@ -26,14 +27,56 @@ def _mix32(x, m32, c1, c2):
 
 
 @triton.jit
-def _draw_kernel(probs_ptr, keys_ptr, out_ptr, V, stride_p, BV: tl.constexpr):
+def _i64(value):
+    """A one-element int64 constant (a literal at or above 2^31 would otherwise be typed uint32)."""
+    return tl.full([1], value, tl.int64)
+
+
+@triton.jit
+def _row_key(seeds_ptr, steps_ptr, row, stream, m32, c1, c2):
+    """``ops.sampling.noise_keys`` of row ``row``: a one-element int64 tensor."""
+    seed = tl.load(seeds_ptr + row + tl.arange(0, 1)).to(tl.int64)
+    step = tl.load(steps_ptr + row + tl.arange(0, 1)).to(tl.int64)
+    key = _mix32((seed & m32) ^ ((seed >> 32) * _i64(0x9E3779B1) & m32), m32, c1, c2)
+    return _mix32(key ^ ((step * _i64(0x85EBCA77) + _i64(stream) * _i64(0xC2B2AE3D)) & m32), m32, c1, c2)
+
+
+@triton.jit
+def _column_noise(key, cols, m32, c1, c2):
+    """The uniform (0, 1) noise of (key, column), float32."""
+    x = _mix32((key ^ ((cols.to(tl.int64) * _i64(0x27D4EB2F)) & m32)) & m32, m32, c1, c2)
+    x = _mix32(x ^ _i64(0x165667B1), m32, c1, c2) >> 8
+    return (x.to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+
+
+@triton.jit
+def _noise_kernel(seeds_ptr, steps_ptr, out_ptr, stream, W, BW: tl.constexpr):
+    """Program b: row b of ``ops.sampling.uniform_noise`` (W columns), bit for bit."""
+    row = tl.program_id(0)
+    m32, c1, c2 = _i64(_M32), _i64(0x7FEB352D), _i64(0x846CA68B)
+    key = _row_key(seeds_ptr, steps_ptr, row, stream, m32, c1, c2)
+    cols = tl.arange(0, BW)
+    tl.store(out_ptr + row * W + cols, _column_noise(key, cols, m32, c1, c2), mask=cols < W)
+
+
+def uniform_noise_triton(seeds: torch.Tensor, steps: torch.Tensor, width: int, stream: int = 0) -> torch.Tensor:
+    """``ops.sampling.uniform_noise`` for a few columns per row (acceptance tests, simulated acceptance) in one
+    launch instead of about thirty: [B, width] float32."""
+    batch = seeds.shape[0]
+    out = torch.empty(batch, width, dtype=torch.float32, device=seeds.device)
+    if batch and width:
+        _noise_kernel[(batch,)](seeds.contiguous(), steps.contiguous(), out, stream, width,
+                                BW=max(16, triton.next_power_of_2(width)), num_warps=1)
+    return out
+
+
+@triton.jit
+def _draw_kernel(probs_ptr, seeds_ptr, steps_ptr, out_ptr, stream, V, stride_p, BV: tl.constexpr):
     """Program b: the index of the largest p / -log(u) over row b (the first one on ties), u the noise of (row b's
     key, column)."""
     row = tl.program_id(0)
-    m32 = tl.full([BV], _M32, tl.int64)
-    c1 = tl.full([BV], 0x7FEB352D, tl.int64)
-    c2 = tl.full([BV], 0x846CA68B, tl.int64)
-    key = tl.load(keys_ptr + row)
+    m32, c1, c2 = _i64(_M32), _i64(0x7FEB352D), _i64(0x846CA68B)
+    key = _row_key(seeds_ptr, steps_ptr, row, stream, m32, c1, c2)
     best = tl.full([BV], -1.0, tl.float32)
     best_idx = tl.full([BV], 0, tl.int64)
     v0 = 0
@@ -41,13 +84,9 @@ def _draw_kernel(probs_ptr, keys_ptr, out_ptr, V, stride_p, BV: tl.constexpr):
         cols = v0 + tl.arange(0, BV)
         m = cols < V
         p = tl.load(probs_ptr + row.to(tl.int64) * stride_p + cols, mask=m, other=0.0).to(tl.float32)
-        c = cols.to(tl.int64)
-        x = _mix32((key ^ ((c * tl.full([BV], 0x27D4EB2F, tl.int64)) & m32)) & m32, m32, c1, c2)
-        x = _mix32(x ^ tl.full([BV], 0x165667B1, tl.int64), m32, c1, c2) >> 8
-        u = (x.to(tl.float32) + 0.5) * (1.0 / 16777216.0)
-        score = tl.where(m, p / -tl.log(u), -1.0)
+        score = tl.where(m, p / -tl.log(_column_noise(key, cols, m32, c1, c2)), -1.0)
         better = score > best  # strict: an earlier column keeps a tie
-        best_idx = tl.where(better, c, best_idx)
+        best_idx = tl.where(better, cols.to(tl.int64), best_idx)
         best = tl.where(better, score, best)
         v0 += BV
     top = tl.max(best, 0)
@@ -55,11 +94,11 @@ def _draw_kernel(probs_ptr, keys_ptr, out_ptr, V, stride_p, BV: tl.constexpr):
     tl.store(out_ptr + row, tl.min(tl.where(best == top, best_idx, V), 0))
 
 
-def draw_triton(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """probs [B, V] (unit stride along V); keys [B] int64, each row's noise key (``sampling.noise_keys``).
-    Returns [B] int64."""
+def draw_triton(probs: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor, stream: int = 0) -> torch.Tensor:
+    """``ops.sampling.draw`` in one launch: probs [B, V] (unit stride along V); seeds, steps [B] int64. [B] int64."""
     batch, vocab = probs.shape
     out = torch.empty(batch, dtype=torch.int64, device=probs.device)
     if batch:
-        _draw_kernel[(batch,)](probs, keys.contiguous(), out, vocab, probs.stride(0), BV=2048, num_warps=8)
+        _draw_kernel[(batch,)](probs, seeds.contiguous(), steps.contiguous(), out, stream, vocab, probs.stride(0),
+                               BV=2048, num_warps=8)
     return out

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from hylo.ops.sampling import draw_ref, noise_keys
+from hylo.ops.sampling import draw_ref
 
 
 @pytest.mark.parametrize("batch,vocab", [(3, 5000), (1, 2049), (6, 100)])
@@ -17,13 +17,27 @@ def test_fused_draw_equals_the_torch_draw(dev, batch, vocab):
     for stream in (0, 3):
         # flat probabilities: the draw is the column of the largest noise, so any difference in the hash shows
         flat = torch.full((batch, vocab), 1.0 / vocab)
-        keys = noise_keys(seeds, steps, stream)
-        got = draw_triton(flat.to(dev), keys.to(dev)).cpu()
+        sd, st = seeds.to(dev), steps.to(dev)
+        got = draw_triton(flat.to(dev), sd, st, stream).cpu()
         assert torch.equal(got, draw_ref(flat, seeds, steps, stream))
         # peaked random distributions, one row a point mass
         probs = torch.softmax(torch.randn(batch, vocab, generator=g) * 3, -1)
         probs[0] = 0
         probs[0, vocab // 2] = 1
-        got = draw_triton(probs.to(dev), keys.to(dev)).cpu()
+        got = draw_triton(probs.to(dev), sd, st, stream).cpu()
         assert torch.equal(got, draw_ref(probs, seeds, steps, stream))
         assert got[0] == vocab // 2
+
+
+@pytest.mark.parametrize("width", [1, 3, 40])
+def test_noise_kernel_equals_the_torch_noise(dev, width):
+    """The one-launch noise of acceptance tests: the same bits as the torch form, for any seed and stream."""
+    from hylo.ops.sampling import uniform_noise_ref
+    from hylo.ops.sampling_triton import uniform_noise_triton
+
+    g = torch.Generator().manual_seed(width)
+    seeds = torch.randint(-2 ** 62, 2 ** 62, (7,), generator=g)
+    steps = torch.randint(0, 10 ** 9, (7,), generator=g)
+    for stream in (0, 1, 3):
+        got = uniform_noise_triton(seeds.to(dev), steps.to(dev), width, stream).cpu()
+        assert torch.equal(got, uniform_noise_ref(seeds, steps, width, stream))
