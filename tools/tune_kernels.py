@@ -4,9 +4,10 @@ the few-row GEMV against cuBLAS (``F.linear``) for the dense projections and spl
 
 Decode measurements replay a CUDA graph of 24 calls over 24 different weight sets (one per layer, as in the model,
 so nothing is served from L2) and report microseconds per call against the bytes-over-copy-rate floor of one call;
-prefill ones time eager calls against the matmul-rate floor. Usage:
-python tools/tune_kernels.py [--only moe grouped gemv split prefill steps] [--out DIR]; prints the best
-configurations and writes tune_kernels.json.
+prefill ones time eager calls against the matmul-rate floor. The GDN sections (the prefill conv, the step kernels,
+the sampled-row draw) live in ``tune_gdn.py``, the shared timing in ``tune_common.py``. Usage:
+python tools/tune_kernels.py [--only moe grouped gemv split prefill conv steps sampling] [--out DIR]
+[--env FILE]; prints the best configurations and writes tune_kernels.json.
 """
 
 import argparse
@@ -18,66 +19,12 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from hylo.bench_floors import _time_cuda, measure_matmul_rate
+from hylo.bench_floors import measure_matmul_rate
 from hylo.ops import moe_grouped_mm as G
 from hylo.ops import moe_triton as M
-from hylo.ops.conv1d_triton import conv_steps
-from hylo.ops.gdn_triton import gdn_steps, replay_commit
 from hylo.ops.linear_triton import gemv
-
-LAYERS, H, I, E, TOP_K = 24, 2048, 512, 64, 10
-COPY_TBPS = 4.28
-
-
-def time_graph(fn, reps=20) -> float:
-    """Microseconds per call of ``fn`` (which makes LAYERS calls), from CUDA-graph replays."""
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(reps):
-        g.replay()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) * 1e3 / reps / LAYERS
-
-
-def sweep(name, configs, make_fn, floor_us, results):
-    rows = []
-    for cfg in configs:
-        try:
-            us = time_graph(make_fn(cfg))
-        except Exception as exc:  # a config that does not compile (registers, shared memory)
-            print(f"  {name} {cfg}: failed ({type(exc).__name__})")
-            continue
-        rows.append((us, cfg))
-    rows.sort()
-    results[name] = {"floor_us": floor_us, "rows": [{"us": us, "cfg": list(cfg)} for us, cfg in rows]}
-    best = rows[0]
-    print(f"{name}: floor {floor_us:.1f} us; best {best[0]:.1f} us ({best[0] / floor_us:.2f}x) {best[1]}; "
-          f"worst {rows[-1][0]:.1f}", flush=True)
-    for us, cfg in rows[:4]:
-        print(f"    {us:7.1f} us  {cfg}")
-
-
-def kernel_split(name, fn, results):
-    """Microseconds per layer of each kernel that ``fn`` (LAYERS calls) launches, from the torch profiler: which
-    part of a whole-layer time to work on."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    split = {e.key[:60]: e.device_time_total / LAYERS for e in prof.key_averages() if e.device_time_total > 0}
-    results[name]["kernels_us"] = split
-    print("    per kernel: " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(split.items(), key=lambda kv: -kv[1])))
+from tune_common import COPY_TBPS, E, H, I, LAYERS, TOP_K, kernel_split, sweep, time_eager
+from tune_gdn import time_sampling, tune_conv_prefill, tune_steps
 
 
 def main():
@@ -303,12 +250,6 @@ def tune_split(dev, dt, results):
         sweep(f"split_gemv_{n}x{k}_m{rows}", cfgs, tri, floor, results)
 
 
-def time_eager(fn, reps=3) -> float:
-    """Milliseconds per call of ``fn`` after one warm-up call (no graph: the kernels are long)."""
-    fn()
-    return _time_cuda(fn, reps)
-
-
 def tune_prefill_moe(dev, dt, results, tokens=8192, layers=4):
     """The grouped gate/up and down GEMMs of one MoE layer at ``tokens`` tokens; cfg = (BM, BN, BK, warps, stages).
     Floor: 2 x pairs x 3 x I x H FLOPs of the expert matmuls at the measured bf16 matmul rate."""
@@ -375,106 +316,6 @@ def tune_prefill_moe(dev, dt, results, tokens=8192, layers=4):
     results[f"prefill_grouped_mm_t{tokens}"] = {"floor_ms": floor13 + floor2, "ms": ms}
     print(f"prefill torch._grouped_mm MoE layer (sort, gather, both GEMMs, scatter): {ms:.3f} ms; floor "
           f"{floor13 + floor2:.3f} ms ({ms / (floor13 + floor2):.2f}x)", flush=True)
-
-
-def tune_conv_prefill(dev, dt, results, tokens=8192):
-    """The GDN prefill conv (q | k | v planes, read from the fused projection's rows), eager, against its bytes."""
-    from hylo.ops.conv1d_triton import conv_prefill
-
-    kd, vd, width = 2048, 4096, 4
-    channels = 2 * kd + vd
-    proj = torch.randn(tokens, channels + vd + 64, device=dev, dtype=dt)
-    x = proj[:, :channels]
-    w = torch.randn(channels, width, device=dev, dtype=dt)
-    pool = torch.zeros(4, channels, width - 1, device=dev, dtype=dt)
-    slots = torch.tensor([1], device=dev)
-    qsl = torch.tensor([0, tokens], device=dev)
-    rows = torch.zeros(tokens, dtype=torch.long, device=dev)
-    floor = 2 * tokens * channels * 2 / COPY_TBPS / 1e6
-    # the 2D kernel's best shapes of run -1246, then the walking kernel (each input loaded once)
-    cfgs = [(4, 256, 4), (16, 64, 4), (32, 128, 4)]
-    cfgs += [(bt, bc, w_, 1) for bt in (16, 32, 64) for bc in (256, 512, 1024) for w_ in (2, 4)]
-    rows_out = []
-    for cfg in cfgs:
-        try:
-            us = time_eager(lambda: conv_prefill(x, w, pool, slots, qsl, [tokens], rows, (kd, kd), cfg=cfg)) * 1e3
-        except Exception as exc:
-            print(f"  conv {cfg}: failed ({type(exc).__name__})")
-            continue
-        rows_out.append((us, cfg))
-    rows_out.sort()
-    results["conv_prefill"] = {"floor_us": floor, "rows": [{"us": us, "cfg": list(c)} for us, c in rows_out]}
-    print(f"conv_prefill {tokens}: floor {floor:.1f} us; " + "; ".join(f"{c} {us:.1f}" for us, c in rows_out[:6]),
-          flush=True)
-
-
-def tune_steps(dev, dt, results, gdn_layers=18, hk=16, hv=32, d=128, width=4):
-    """The GDN decode / verify step kernels (conv, then the recurrent step with its float32 state by slot) at
-    bench-6b's shapes (16 key / 32 value heads of 128, conv over 8192 channels of width 4), one state pool per
-    layer; a verify (S = 4) keeps its inputs, as the default replay commit has it, and the replay commit (every
-    layer in one launch, two accepted drafts per row: accept length 3) is swept beside it. cfg: (value channels or
-    conv channels per program, warps)."""
-    conv_dim = (2 * hk + hv) * d
-    state = hv * d * d * 4
-    for bs, steps in ((1, 1), (8, 1), (64, 1), (1, 4), (8, 4), (64, 4)):
-        rows = bs * steps
-        slots = torch.arange(bs, device=dev)
-        rec = torch.zeros(gdn_layers, bs, hv, d, d, device=dev, dtype=torch.float32)
-        conv = [torch.zeros(bs, conv_dim, width - 1, device=dev, dtype=dt) for _ in range(gdn_layers)]
-        verify_conv = torch.empty(bs, steps, conv_dim, width - 1, device=dev, dtype=dt) if steps > 1 else None
-        x = torch.randn(gdn_layers, rows, conv_dim, device=dev, dtype=dt)
-        ab = torch.randn(gdn_layers, rows, 2, hv, device=dev, dtype=dt)
-        kept_ab = torch.empty(rows, 2, hv, device=dev, dtype=dt) if steps > 1 else None
-        A_log, dt_bias = torch.randn(gdn_layers, hv, device=dev, dtype=dt), torch.randn(gdn_layers, hv, device=dev,
-                                                                                         dtype=dt)
-        accepted = torch.full((bs,), min(2, steps - 1), device=dev, dtype=torch.long)
-        cw = torch.randn(conv_dim, width, device=dev, dtype=dt)
-
-        def gdn(cfg):
-            def fn():
-                for layer in range(gdn_layers):
-                    gdn_steps(x[layer], ab[layer, :, 0], ab[layer, :, 1], A_log[layer], dt_bias[layer], rec[layer],
-                              slots, hk, d, d, steps, cfg=cfg, keep_ab=kept_ab)
-            return fn
-
-        def replay(cfg):
-            return lambda: replay_commit(x, ab, A_log, dt_bias, rec, slots, accepted, hk, d, d, steps, cfg=cfg)
-
-        def cv(cfg):
-            def fn():
-                for layer in range(gdn_layers):
-                    conv_steps(x[layer], cw, conv[layer], slots, steps, verify_conv, cfg=cfg)
-            return fn
-
-        global LAYERS
-        saved, LAYERS = LAYERS, gdn_layers  # time_graph divides by LAYERS: times per layer
-        tiles = list(itertools.product((16, 32, 64, 128), (2, 4, 8)))
-        # floors per layer: decode reads and writes each state, a verify reads it, the replay reads and writes it
-        sweep(f"gdn_steps_b{bs}_s{steps}", tiles, gdn, bs * state * (2 if steps == 1 else 1) / COPY_TBPS / 1e6,
-              results)
-        if steps > 1:
-            sweep(f"gdn_replay_b{bs}_s{steps}", tiles, replay, bs * state * 2 / COPY_TBPS / 1e6, results)
-        sweep(f"conv_steps_b{bs}_s{steps}", list(itertools.product((64, 128, 256, 512), (1, 2, 4))), cv,
-              max(rows * conv_dim * 2 * 2 / COPY_TBPS / 1e6, 1e-3), results)
-        LAYERS = saved
-
-
-def time_sampling(dev, dt, results, vocab=151936):
-    """The draw of sampled rows, the fused Triton pass against the torch form (the [B, V] noise, then the race), at
-    batch 1, 8 and 64 over bench-6b's vocabulary; the floor reads the float32 probabilities once."""
-    from hylo.ops.sampling import draw_ref
-    from hylo.ops.sampling_triton import draw_triton
-
-    for bs in (1, 8, 64):
-        probs = torch.softmax(torch.randn(bs, vocab, device=dev), -1)
-        seeds, steps = torch.arange(bs, device=dev) * 7919, torch.arange(bs, device=dev) + 11
-        same = torch.equal(draw_triton(probs, seeds, steps), draw_ref(probs, seeds, steps))
-        fused = time_eager(lambda: draw_triton(probs, seeds, steps)) * 1e3
-        torch_us = time_eager(lambda: draw_ref(probs, seeds, steps)) * 1e3
-        floor = bs * vocab * 4 / COPY_TBPS / 1e6
-        results[f"draw_b{bs}"] = {"floor_us": floor, "fused_us": fused, "torch_us": torch_us, "same_tokens": same}
-        print(f"draw b{bs}: fused {fused:.1f} us, torch {torch_us:.1f} us, floor {floor:.1f} us; same tokens: {same}",
-              flush=True)
 
 
 if __name__ == "__main__":
