@@ -40,6 +40,7 @@ case "$phase" in
     gputests
     timeout 150 python3 tools/profile_step.py --prefill 8192 --out "$out" > "$out/prof_prefill.txt" 2>&1
     head -16 "$out/prof_prefill.txt" | tail -14; grep -A4 "synchronising" "$out/prof_prefill.txt"
+    grep -A1 "layer timeline" "$out/prof_prefill.txt"
     launches
     ;;
   tests-host)
@@ -62,7 +63,7 @@ case "$phase" in
     [ -f "$out/tuned.env" ] && . "$out/tuned.env"
     bench 150
     timeout 100 python3 tools/profile_step.py --prefill 8192 --out "$out" > "$out/prof_prefill.txt" 2>&1
-    grep -E "^==|idle|gap|prefill 8192" "$out/prof_prefill.txt" | head -24
+    grep -E "^==|idle|gap|prefill 8192" "$out/prof_prefill.txt" | head -24; grep -A1 "layer timeline" "$out/prof_prefill.txt"
     ;;  # the least device time: hylo's own rows only, as far as the device limit lets it go
   *) echo "unknown phase $phase" >&2; exit 2 ;;
 esac

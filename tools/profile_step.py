@@ -171,6 +171,45 @@ def print_gaps(rows, top: int = 10) -> None:
               f"{rows[i]['name'][:45]}", flush=True)
 
 
+def layer_timeline(eng, prompt) -> list[dict]:
+    """One prefill step without the profiler (which slows the host it is meant to watch): for every decoder layer,
+    when the host had launched it and when the GPU finished it, both from the step's start (a CUDA event after
+    each layer, read once the step is done). Where the GPU finishes a layer right after the host launched it, the
+    GPU was waiting for the host there; the GPU's lead shrinking from layer to layer means the same."""
+    marks = []
+
+    def after(module, args, output):
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        marks.append((time.perf_counter(), ev))
+
+    hooks = [layer.register_forward_hook(after) for layer in eng.model_worker.model.layers]
+    try:
+        rid = eng.add_request(prompt, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+        torch.cuda.synchronize()
+        start = torch.cuda.Event(enable_timing=True)
+        start.record()
+        t0 = time.perf_counter()
+        eng.step()
+        host_ms = (time.perf_counter() - t0) * 1e3
+        torch.cuda.synchronize()
+        wall_ms = (time.perf_counter() - t0) * 1e3
+        clear(eng, [rid])
+    finally:
+        for h in hooks:
+            h.remove()
+    rows, prev_gpu = [], 0.0
+    for i, (t, ev) in enumerate(marks):
+        gpu = start.elapsed_time(ev)
+        rows.append({"layer": i, "host_ms": (t - t0) * 1e3, "gpu_done_ms": gpu, "gpu_layer_ms": gpu - prev_gpu})
+        prev_gpu = gpu
+    print(f"prefill layer timeline: step() returned after {host_ms:.1f} ms, GPU done at {wall_ms:.1f} ms "
+          f"(layer: host launched / GPU finished / GPU finished minus host launched, ms)", flush=True)
+    print("  " + "  ".join(f"{r['layer']}: {r['host_ms']:.1f}/{r['gpu_done_ms']:.1f}/"
+                           f"{r['gpu_done_ms'] - r['host_ms']:+.1f}" for r in rows), flush=True)
+    return rows
+
+
 def profile_prefill(lm, tokens: int, report: dict, out: str) -> None:
     ec = EngineConfig(max_num_seqs=4, kv_cache_tokens=tokens + 4096, chunk_size=tokens, cuda_graphs=False,
                       max_model_len=tokens + 64, verbose=False)
@@ -184,6 +223,7 @@ def profile_prefill(lm, tokens: int, report: dict, out: str) -> None:
         clear(eng, [rid])
 
     one_prefill()  # compile / autotune
+    report[f"prefill_{tokens}_layers"] = layer_timeline(eng, prompt)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         one_prefill()
     summarize(prof, 1, f"prefill_{tokens}", report)
