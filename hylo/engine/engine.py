@@ -323,7 +323,7 @@ class Engine:
             while req.num_computed < len(ids):
                 sched = self.scheduler.schedule()
                 hidden = self.model_worker.forward_hidden(self.model_worker.build_batch(sched))
-                chunks.append(self.model.compute_logits(hidden))
+                chunks.append(self.model.compute_logits(hidden).float())
                 req.num_computed += sched.extend_lens[0]
         finally:
             self.scheduler.finish(req, "abort")

@@ -88,7 +88,10 @@ class Qwen3NextForCausalLM(nn.Module):
         return self.tp.all_reduce(out)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_gather_last(F.linear(hidden, self.lm_head).float())
+        """Logits in the activations' dtype: the greedy argmax reads them as they are (a cast to float32 is exact,
+        so it would pick the same tokens: at batch 256 the cast alone moved 233 MB per step), and sampling casts
+        them itself."""
+        return self.tp.all_gather_last(F.linear(hidden, self.lm_head))
 
     def load(self, r: TensorReader, progress: bool = False) -> None:
         mc = self.config
