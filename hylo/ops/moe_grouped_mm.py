@@ -119,14 +119,18 @@ def _expert_scatter_kernel(ids_ptr, base_ptr, pos_ptr, tok_ptr, P, TOP_K: tl.con
 
 
 SORT_CHUNK = 128  # pairs per program of the counting sort
+SORT_MAX_EXPERTS = 255  # beyond, a chunk's [pairs, experts] one-hot no longer fits a program's registers
 
 
 def sort_pairs_by_expert(flat_ids: torch.Tensor, num_experts: int, top_k: int):
     """A stable counting sort of the (token, expert) pairs by expert, in three launches (``argsort`` with the
     inverse permutation and the group ends took about fifteen: cub's radix sort alone is eight, plus memsets).
     flat_ids: [P] (pair j is token j // top_k's). Returns (pos [P] int64: each pair's row in the sorted order,
-    tok [P] int64: the token of each sorted row, ends [E] int32: where each expert's rows end)."""
+    tok [P] int64: the token of each sorted row, ends [E] int32: where each expert's rows end). Models with more
+    experts than SORT_MAX_EXPERTS (Qwen3-Next-80B has 512) sort with torch's argsort instead."""
     num_pairs, dev = flat_ids.numel(), flat_ids.device
+    if num_experts > SORT_MAX_EXPERTS:
+        return _sort_pairs_torch(flat_ids, num_experts, top_k)
     be = max(16, triton.next_power_of_2(num_experts + 1))  # + 1: a column no expert owns, for masked pairs
     chunks = triton.cdiv(num_pairs, SORT_CHUNK)
     hist = torch.empty(chunks, be, dtype=torch.int32, device=dev)
@@ -141,6 +145,16 @@ def sort_pairs_by_expert(flat_ids: torch.Tensor, num_experts: int, top_k: int):
     _expert_scatter_kernel[(chunks,)](flat_ids, base, pos, tok, num_pairs, TOP_K=top_k, BP=SORT_CHUNK, BE=be,
                                       num_warps=8)
     return pos, tok, ends
+
+
+def _sort_pairs_torch(flat_ids: torch.Tensor, num_experts: int, top_k: int):
+    """:func:`sort_pairs_by_expert` through torch's stable argsort (for many experts)."""
+    order = flat_ids.argsort(stable=True)
+    pos = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=flat_ids.device).scatter_add_(
+        0, flat_ids, torch.ones_like(flat_ids, dtype=torch.int32))  # not bincount: it reads the maximum back
+    ends = counts.cumsum(0, dtype=torch.int32)
+    return pos, order // top_k, ends
 
 
 def fused_moe_grouped_mm(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
