@@ -104,7 +104,7 @@ def _sdpa(q, k, v, mask, scaling):
                     out = F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **kw)
                 _GQA_FUSED[key] = True
                 return out
-            except RuntimeError:
+            except (RuntimeError, TypeError, AttributeError):  # no such kernel here, or a torch before enable_gqa
                 _GQA_FUSED[key] = False
     if heads != kv_heads:
         k, v = (t.repeat_interleave(heads // kv_heads, 1) for t in (k, v))
