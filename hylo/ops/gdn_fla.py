@@ -4,16 +4,16 @@ fla's public ``chunk_gated_delta_rule`` is built for training: a dynamo guard, a
 Function and a contiguity guard wrap every call, and it takes the decay ``g`` ready-made, which the caller computes
 in about ten small torch launches per layer. Here, when fla's forward pass can be reached under it (fla-core
 0.6.0's ``chunk_gated_delta_rule_fwd``), it is called directly with the gate computed in fla's chunk-cumsum kernel
-(``-exp(A_log) * softplus(a + dt_bias)``, the same formula as ``ops.gdn.gdn_gating``). An 8192-token prefill of
-bench-6b launches about 1650 kernels, and its host time decides whether the GPU waits, so launches matter here.
-Other fla versions go through the public function.
+(``-exp(A_log) * softplus(a + dt_bias)``, the formula of ``ops.gdn.gdn_gating``). An 8192-token prefill of bench-6b
+launches about 1650 kernels, and its host time decides whether the GPU waits, so launches matter here. Other fla
+versions go through the public function, with the gate from ``gdn_gating``.
 """
 
 from __future__ import annotations
 
 import inspect
 
-import torch.nn.functional as F
+from .gdn import gdn_gating
 
 _DIRECT_ARGS = {"cu_seqlens", "chunk_indices", "use_gate_in_kernel", "A_log", "dt_bias", "chunk_size"}
 
@@ -31,17 +31,16 @@ class FlaPrefill:
         """q, k: [T, Hk, Dk]; v: [T, Hv, Dv] (contiguous); a, b: [T, Hv] raw gate inputs; initial_state:
         [N, Hv, Dk, Dv] float32. q and k are L2-normalised here unless ``qk_normed``. Returns (o [T, Hv, Dv] in
         v's dtype, final states [N, Hv, Dk, Dv] float32)."""
-        beta = b.float().sigmoid()
         scale = q.shape[-1] ** -0.5
         if self.direct:
             if not qk_normed:
                 q, k = self.l2norm(q)[0], self.l2norm(k)[0]
             _, o, _, final, _, _ = self.forward(
-                q[None], k[None], v[None], a.contiguous()[None], beta[None], scale, initial_state, True,
-                cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, use_gate_in_kernel=True, A_log=A_log,
+                q[None], k[None], v[None], a.contiguous()[None], b.float().sigmoid()[None], scale, initial_state,
+                True, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, use_gate_in_kernel=True, A_log=A_log,
                 dt_bias=dt_bias, chunk_size=chunk_size)
             return o[0], final
-        g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())
+        g, beta = gdn_gating(A_log, a, dt_bias, b)
         o, final = self.public(q[None], k[None], v[None], g=g[None], beta=beta[None], scale=scale,
                                initial_state=initial_state, output_final_state=True, cu_seqlens=cu_seqlens,
                                cu_seqlens_cpu=cu_seqlens_cpu, chunk_indices=chunk_indices, chunk_size=chunk_size,
