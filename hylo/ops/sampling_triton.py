@@ -17,35 +17,37 @@ _M32 = tl.constexpr(0xFFFFFFFF)
 
 
 @triton.jit
-def _mix32(x, m32, c1, c2):
-    """The 32-bit finaliser of ``ops.sampling._mix32`` on int64 values below 2^32."""
-    x = x ^ (x >> 16)
-    x = (x * c1) & m32
-    x = x ^ (x >> 15)
-    x = (x * c2) & m32
-    return x ^ (x >> 16)
-
-
-@triton.jit
 def _i64(value):
     """A one-element int64 constant (a literal at or above 2^31 would otherwise be typed uint32)."""
     return tl.full([1], value, tl.int64)
 
 
 @triton.jit
-def _row_key(seeds_ptr, steps_ptr, row, stream, m32, c1, c2):
-    """``ops.sampling.noise_keys`` of row ``row``: a one-element int64 tensor."""
-    seed = tl.load(seeds_ptr + row + tl.arange(0, 1)).to(tl.int64)
-    step = tl.load(steps_ptr + row + tl.arange(0, 1)).to(tl.int64)
-    key = _mix32((seed & m32) ^ ((seed >> 32) * _i64(0x9E3779B1) & m32), m32, c1, c2)
-    return _mix32(key ^ ((step * _i64(0x85EBCA77) + _i64(stream) * _i64(0xC2B2AE3D)) & m32), m32, c1, c2)
+def _mix32(x):
+    """The 32-bit finaliser of ``ops.sampling._mix32`` on int64 values below 2^32."""
+    x = x ^ (x >> 16)
+    x = (x * _i64(0x7FEB352D)) & _i64(_M32)
+    x = x ^ (x >> 15)
+    x = (x * _i64(0x846CA68B)) & _i64(_M32)
+    return x ^ (x >> 16)
 
 
 @triton.jit
-def _column_noise(key, cols, m32, c1, c2):
+def _row_key(seeds_ptr, steps_ptr, row, stream):
+    """``ops.sampling.noise_keys`` of row ``row``: a one-element int64 tensor."""
+    m32 = _i64(_M32)
+    seed = tl.load(seeds_ptr + row + tl.arange(0, 1)).to(tl.int64)
+    step = tl.load(steps_ptr + row + tl.arange(0, 1)).to(tl.int64)
+    key = _mix32((seed & m32) ^ ((seed >> 32) * _i64(0x9E3779B1) & m32))
+    return _mix32(key ^ ((step * _i64(0x85EBCA77) + _i64(stream) * _i64(0xC2B2AE3D)) & m32))
+
+
+@triton.jit
+def _column_noise(key, cols):
     """The uniform (0, 1) noise of (key, column), float32."""
-    x = _mix32((key ^ ((cols.to(tl.int64) * _i64(0x27D4EB2F)) & m32)) & m32, m32, c1, c2)
-    x = _mix32(x ^ _i64(0x165667B1), m32, c1, c2) >> 8
+    m32 = _i64(_M32)
+    x = _mix32((key ^ ((cols.to(tl.int64) * _i64(0x27D4EB2F)) & m32)) & m32)
+    x = _mix32(x ^ _i64(0x165667B1)) >> 8
     return (x.to(tl.float32) + 0.5) * (1.0 / 16777216.0)
 
 
@@ -53,10 +55,9 @@ def _column_noise(key, cols, m32, c1, c2):
 def _noise_kernel(seeds_ptr, steps_ptr, out_ptr, stream, W, BW: tl.constexpr):
     """Program b: row b of ``ops.sampling.uniform_noise`` (W columns), bit for bit."""
     row = tl.program_id(0)
-    m32, c1, c2 = _i64(_M32), _i64(0x7FEB352D), _i64(0x846CA68B)
-    key = _row_key(seeds_ptr, steps_ptr, row, stream, m32, c1, c2)
+    key = _row_key(seeds_ptr, steps_ptr, row, stream)
     cols = tl.arange(0, BW)
-    tl.store(out_ptr + row * W + cols, _column_noise(key, cols, m32, c1, c2), mask=cols < W)
+    tl.store(out_ptr + row * W + cols, _column_noise(key, cols), mask=cols < W)
 
 
 def uniform_noise_triton(seeds: torch.Tensor, steps: torch.Tensor, width: int, stream: int = 0) -> torch.Tensor:
@@ -75,8 +76,7 @@ def _draw_kernel(probs_ptr, seeds_ptr, steps_ptr, out_ptr, stream, V, stride_p, 
     """Program b: the index of the largest p / -log(u) over row b (the first one on ties), u the noise of (row b's
     key, column)."""
     row = tl.program_id(0)
-    m32, c1, c2 = _i64(_M32), _i64(0x7FEB352D), _i64(0x846CA68B)
-    key = _row_key(seeds_ptr, steps_ptr, row, stream, m32, c1, c2)
+    key = _row_key(seeds_ptr, steps_ptr, row, stream)
     best = tl.full([BV], -1.0, tl.float32)
     best_idx = tl.full([BV], 0, tl.int64)
     v0 = 0
@@ -84,7 +84,7 @@ def _draw_kernel(probs_ptr, seeds_ptr, steps_ptr, out_ptr, stream, V, stride_p, 
         cols = v0 + tl.arange(0, BV)
         m = cols < V
         p = tl.load(probs_ptr + row.to(tl.int64) * stride_p + cols, mask=m, other=0.0).to(tl.float32)
-        score = tl.where(m, p / -tl.log(_column_noise(key, cols, m32, c1, c2)), -1.0)
+        score = tl.where(m, p / -tl.log(_column_noise(key, cols)), -1.0)
         better = score > best  # strict: an earlier column keeps a tie
         best_idx = tl.where(better, cols.to(tl.int64), best_idx)
         best = tl.where(better, score, best)
