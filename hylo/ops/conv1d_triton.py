@@ -148,6 +148,15 @@ def _conv_prefill_kernel(x_ptr, w_ptr, pool_ptr, slots_ptr, qsl_ptr, tok_row_ptr
 
 
 @triton.jit
+def _conv_row_at(tok_row_ptr, qsl_ptr, slots_ptr, pool_ptr, t, stride_pool, offs, mc):
+    """The row of token t: its first token, the token after its last, and its conv state's addresses and mask."""
+    row = tl.load(tok_row_ptr + t)
+    slot = tl.load(slots_ptr + row)
+    sbase = pool_ptr + tl.where(slot >= 0, slot, 0).to(tl.int64) * stride_pool + offs * 3
+    return tl.load(qsl_ptr + row), tl.load(qsl_ptr + row + 1), sbase, mc & (slot >= 0)
+
+
+@triton.jit
 def _conv_window_elem(x_ptr, sbase, t, p, stride_x, offs, mc, smask):
     """Input p of a row (p < 0: entry K-1+p = 3+p of the row's conv state) at token t, in float32."""
     xv = tl.load(x_ptr + t.to(tl.int64) * stride_x + offs, mask=mc & (p >= 0), other=0.0).to(tl.float32)
@@ -177,12 +186,8 @@ def _conv_prefill_walk_kernel(x_ptr, w_ptr, pool_ptr, slots_ptr, qsl_ptr, tok_ro
     wd = tl.where(c0 >= P0 + P1, C - P0 - P1, tl.where(c0 >= P0, P1, P0)).to(tl.int64)
     dst = out_ptr + tl.multiple_of(ps * T + c0 - ps, 8) + tl.arange(0, BC)
     # the three inputs before t0, from x or from the conv state of t0's row
-    row = tl.load(tok_row_ptr + t0)
-    end = tl.load(qsl_ptr + row + 1)
-    slot = tl.load(slots_ptr + row)
-    sbase = pool_ptr + tl.where(slot >= 0, slot, 0).to(tl.int64) * stride_pool + offs * 3
-    smask = mc & (slot >= 0)
-    i0 = t0 - tl.load(qsl_ptr + row)
+    start, end, sbase, smask = _conv_row_at(tok_row_ptr, qsl_ptr, slots_ptr, pool_ptr, t0, stride_pool, offs, mc)
+    i0 = t0 - start
     a = _conv_window_elem(x_ptr, sbase, t0 - 3, i0 - 3, stride_x, offs, mc, smask)
     b = _conv_window_elem(x_ptr, sbase, t0 - 2, i0 - 2, stride_x, offs, mc, smask)
     c = _conv_window_elem(x_ptr, sbase, t0 - 1, i0 - 1, stride_x, offs, mc, smask)
@@ -191,11 +196,8 @@ def _conv_prefill_walk_kernel(x_ptr, w_ptr, pool_ptr, slots_ptr, qsl_ptr, tok_ro
         if t < T:
             xv = tl.load(x_ptr + t.to(tl.int64) * stride_x + offs, mask=mc, other=0.0).to(tl.float32)
             if t == end:  # t starts the next (non-empty) row: its window is that row's conv state
-                row = tl.load(tok_row_ptr + t)
-                end = tl.load(qsl_ptr + row + 1)
-                slot = tl.load(slots_ptr + row)
-                sbase = pool_ptr + tl.where(slot >= 0, slot, 0).to(tl.int64) * stride_pool + offs * 3
-                smask = mc & (slot >= 0)
+                _, end, sbase, smask = _conv_row_at(tok_row_ptr, qsl_ptr, slots_ptr, pool_ptr, t, stride_pool,
+                                                    offs, mc)
                 a = tl.load(sbase, mask=smask, other=0.0).to(tl.float32)
                 b = tl.load(sbase + 1, mask=smask, other=0.0).to(tl.float32)
                 c = tl.load(sbase + 2, mask=smask, other=0.0).to(tl.float32)
@@ -269,7 +271,10 @@ def conv_prefill(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor, slot
         tok_row = token_row if token_row is not None else torch.repeat_interleave(
             torch.arange(batch), torch.tensor(extend_lens, dtype=torch.long)).to(x.device)
         bt, bc, warps, *walk = cfg or CONV_PREFILL_CFG
-        block_plane = lambda bc: p0 % bc == 0 and p1 % bc == 0 and (channels - p0 - p1) % 8 == 0  # noqa: E731
+
+        def block_plane(bc: int) -> bool:  # every block of bc channels lies in one plane, stored 8 at a time
+            return p0 % bc == 0 and p1 % bc == 0 and (channels - p0 - p1) % 8 == 0
+
         if walk == [1]:
             # narrower blocks where the planes are not multiples of the tile (smaller models), down to 64 channels
             while bc > 64 and not block_plane(bc):
