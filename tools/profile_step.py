@@ -99,8 +99,8 @@ def profile_host(lm, batch_sizes: list[int], report: dict, steps: int = 30) -> N
         clear(eng, rids)
         report[f"host_bs{bs}"] = dict(wall_ms_per_step=wall, graph_ms_per_step=gpu, profiled_gpu_busy=busy,
                                       cprofile_ms_per_step=profiled, cprofile_top=top)
-        print(f"== host bs{bs}: wall {wall:.2f} ms/step, decode graph alone {gpu or float('nan'):.2f} ms, busy under the torch "
-              f"profiler {busy['gpu_busy_fraction']:.3f}, {profiled:.2f} ms/step under cProfile", flush=True)
+        print(f"== host bs{bs}: wall {wall:.2f} ms/step, decode graph alone {gpu or float('nan'):.2f} ms, busy under "
+              f"the torch profiler {busy['gpu_busy_fraction']:.3f}, {profiled:.2f} ms/step under cProfile", flush=True)
         print("\n".join(top.splitlines()[:40]), flush=True)
 
 
@@ -159,12 +159,12 @@ def print_gaps(rows, top: int = 10) -> None:
     """Where the GPU waited inside a step: the largest idle gaps, each with the kernels around it and the time into
     the span at which it began, and the idle time by tenth of the span."""
     t, marks = 0.0, []
-    for i, r in enumerate(rows):
-        marks.append(t)  # time into the span at which launch i's gap begins
+    for r in rows:
+        marks.append(t)  # time into the span at which this launch's gap begins
         t += r["gap_us"] + r["us"]
     tenths = [0.0] * 10
-    for i, r in enumerate(rows):
-        tenths[min(9, int(10 * marks[i] / max(t, 1e-9)))] += r["gap_us"]
+    for mark, r in zip(marks, rows):
+        tenths[min(9, int(10 * mark / max(t, 1e-9)))] += r["gap_us"]
     print("idle us by tenth of the span: " + " ".join(f"{v:.0f}" for v in tenths), flush=True)
     for i in sorted(range(1, len(rows)), key=lambda i: -rows[i]["gap_us"])[:top]:
         print(f"  gap {rows[i]['gap_us']:7.1f} us at {marks[i] / 1e3:6.2f} ms: {rows[i - 1]['name'][:45]} -> "
