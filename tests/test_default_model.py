@@ -42,7 +42,8 @@ def test_it_is_the_default_and_small(llm, record):
 
 def test_matches_hf_transformers(llm):
     """HF loads the directory as is; prefill logits agree, and hylo's greedy tokens are HF's argmax on the same
-    sequence (a full forward without cache: see transformers issue #45513 on multi-token cached forwards)."""
+    sequence, up to float32 ties (a full forward without cache: see transformers issue #45513 on multi-token cached
+    forwards)."""
     hf = load_hf(PATH)
     tok = llm.tokenizer
     prompts = ["def fibonacci(n):\n", "import os\nimport sys\n\n\nclass Config:\n    def __init__(self",
@@ -54,7 +55,12 @@ def test_matches_hf_transformers(llm):
             logits = hf(torch.tensor([ids + out.token_ids])).logits[0].float()
         ours = llm.engine.prompt_logits(ids)
         assert torch.allclose(ours, logits[:len(ids)], atol=2e-3, rtol=1e-3)
-        assert logits[len(ids) - 1:-1].argmax(-1).tolist() == out.token_ids
+        # each of hylo's tokens is HF's argmax at its position, up to float32 ties: two logits 1e-5 apart (seen on
+        # the second token of the first prompt) may order either way between two correct implementations
+        steps = logits[len(ids) - 1:-1]
+        ours_at = steps.gather(1, torch.tensor(out.token_ids)[:, None])[:, 0]
+        assert (ours_at >= steps.max(-1).values - 1e-4).all(), (steps.argmax(-1).tolist(), out.token_ids)
+        assert (steps.argmax(-1) == torch.tensor(out.token_ids)).float().mean() > 0.8
 
 
 def test_heldout_loss_is_the_recorded_one(llm, record):

@@ -3,6 +3,7 @@
 #   bash tools/gpu_session.sh tests OUT   # pytest tests/gpu (about 240 s), the prefill profile, a step's launches
 #   bash tools/gpu_session.sh bench OUT   # kernel sweeps whose winners the bench then uses, then the bench
 #   (bench-first: the bench, then the sweeps; bench-short: hylo's bench rows alone, for a short device budget;
+#    changed: the GPU tests selected by HYLO_TESTS_K, the bench and the prefill profile;
 #    tests-host: the GPU tests, then the host profile of overlapped decode at batch 1, 64 and 256 and a step's
 #    launches, in place of the prefill profile; tests-bench: the GPU tests, bench-short, then a step's launches)
 # The GPU suite alone takes 350-400 s on a fresh machine since session 9 (Triton compiles every kernel first): the
@@ -65,5 +66,13 @@ case "$phase" in
     timeout 100 python3 tools/profile_step.py --prefill 8192 --out "$out" > "$out/prof_prefill.txt" 2>&1
     grep -E "^==|idle|gap|prefill 8192" "$out/prof_prefill.txt" | head -24; grep -A1 "layer timeline" "$out/prof_prefill.txt"
     ;;  # the least device time: hylo's own rows only, as far as the device limit lets it go
+  changed)  # a tree whose last check passed: the GPU tests of what changed since (-k), the bench, the prefill profile
+    timeout 240 python3 -m pytest -q -p no:cacheprovider tests/gpu -k "${HYLO_TESTS_K:?HYLO_TESTS_K}" \
+      > "$out/gputests.txt" 2>&1
+    echo "pytest -k \"$HYLO_TESTS_K\" rc=$?"; grep -E "passed|failed|FAILED|Error" "$out/gputests.txt" | tail -15
+    bench 200
+    timeout 120 python3 tools/profile_step.py --prefill 8192 --out "$out" > "$out/prof_prefill.txt" 2>&1
+    head -16 "$out/prof_prefill.txt" | tail -14; grep -A1 "layer timeline" "$out/prof_prefill.txt"
+    ;;
   *) echo "unknown phase $phase" >&2; exit 2 ;;
 esac

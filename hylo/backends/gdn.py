@@ -81,6 +81,7 @@ class PrefillIndex:
     cu_seqlens_cpu: torch.Tensor  # the same on the host, which spares fla its read-back
     chunk_indices: torch.Tensor  # [chunks, 2] (row, chunk within the row) of fla's chunks: fla would build it
     # on the host and copy it with a blocking copy (the one synchronisation left in an 8192-token prefill)
+    all_slots: bool = True  # every row has a state slot (kept_rows is then every row, in order)
 
     @classmethod
     def build(cls, slots: list[int], lens: list[int], device) -> "PrefillIndex":
@@ -96,7 +97,8 @@ class PrefillIndex:
                     kept_rows=torch.tensor(kept, dtype=torch.long),
                     kept_slots=torch.tensor([slots[i] for i in kept], dtype=torch.long), cu_seqlens=cu,
                     chunk_indices=torch.stack([row_of(chunks), chunk_pos], 1))
-        return cls(cu_seqlens_cpu=cu, **{k: v.to(device, non_blocking=True) for k, v in host.items()})
+        return cls(cu_seqlens_cpu=cu, all_slots=len(kept) == len(slots),
+                   **{k: v.to(device, non_blocking=True) for k, v in host.items()})
 
 
 class GDNBackend(Backend):
@@ -259,10 +261,15 @@ class GDNBackend(Backend):
         q = planes[0].view(tokens, shape.num_k_heads, shape.head_k_dim)
         k = planes[1].view(tokens, shape.num_k_heads, shape.head_k_dim)
         v = planes[2].view(tokens, shape.num_v_heads, shape.head_v_dim)
-        init = rec_pool[ix.slot_or_zero].float() * ix.has_slot[:, None, None, None]
+        init = rec_pool.index_select(0, ix.slot_or_zero).float()
+        if not ix.all_slots:  # rows without a state slot start from zeros
+            init.mul_(ix.has_slot[:, None, None, None])
         o, final = self.fla_chunk(q, k, v, a, b, params.A_log, params.dt_bias, init, ix.cu_seqlens,
                                   ix.cu_seqlens_cpu, ix.chunk_indices, FLA_CHUNK, qk_normed)
-        rec_pool[ix.kept_slots] = final[ix.kept_rows].to(rec_pool.dtype)
+        if ix.all_slots:  # the common case in one launch (an 8192-token prefill launches about 800 kernels)
+            rec_pool.index_copy_(0, ix.kept_slots, final.to(rec_pool.dtype))
+        else:
+            rec_pool[ix.kept_slots] = final[ix.kept_rows].to(rec_pool.dtype)
         return o  # in the inputs' dtype: the layer casts the core output to it anyway (no float32 round trip)
 
     def _verify(self, layer, conv_pool, rec_pool, mixed_qkv, a, b, g, beta, params, shape, batch):

@@ -13,6 +13,7 @@ from ..cache.memory import Caches
 from ..core import ForwardBatch, ForwardMode, SamplingBatch
 from ..models.qwen3_next import Qwen3NextForCausalLM
 from ..ops.sampling import sample
+from ..ops.triton_utils import use_triton
 from .graphs import GraphRunner
 from .scheduler import ScheduledBatch
 
@@ -67,6 +68,7 @@ class ModelWorker:
         self.backend = HybridBackend(AttentionBackend(caches.kv_pool, caches.req_slots),
                                      GDNBackend(caches.state_pool), model.config.layer_types, extra_attn_layers)
         self.graphs: GraphRunner | None = None
+        self._greedy_scratch: tuple[torch.Tensor, torch.Tensor] | None = None  # greedy_record's, made on first use
 
     def build_batch(self, sched: ScheduledBatch, input_ids: torch.Tensor | None = None,
                     drafts: torch.Tensor | None = None) -> ForwardBatch:
@@ -136,13 +138,25 @@ class ModelWorker:
         return batch
 
     def table_batch(self, mode: ForwardMode, n: int, req_slots: torch.Tensor, state_slots: torch.Tensor,
-                    max_seq_len: int, drafts: torch.Tensor | None = None,
-                    input_ids: torch.Tensor | None = None) -> ForwardBatch:
+                    max_seq_len: int, drafts: torch.Tensor | None = None, input_ids: torch.Tensor | None = None,
+                    kv: torch.Tensor | None = None) -> ForwardBatch:
         """A batch of decoding rows (``n`` tokens each) built on the device from the rows' slots alone: positions
         from the committed lengths, the newest token (then the drafts ``drafts[req_slot]``), the KV locations from
-        ``req_to_token``. This is the prologue of the staged graphs too, where a padded row (request slot 0) reads
-        as an empty row: length n, positions from 0, KV at the dummy location (slot 0's ``req_to_token`` row)."""
+        ``req_to_token``, after writing the new ones ``kv`` [3, W] (request slots, positions, locations) into it.
+        This is the prologue of the staged graphs too, where a padded row (request slot 0) reads as an empty row:
+        length n, positions from 0, KV at the dummy location (slot 0's ``req_to_token`` row). One Triton launch on
+        the GPU (``ops.tables_triton``); the torch form below is its reference."""
         slots, dev = self.caches.req_slots, self.device
+        if use_triton(req_slots):
+            from ..ops.tables_triton import table_batch
+
+            ids, positions, locs, seq_lens, qsl = table_batch(slots.req_to_token, slots.seq_len, slots.last_token,
+                                                              req_slots, n, drafts, kv)
+            return ForwardBatch(mode=mode, input_ids=ids if input_ids is None else input_ids, positions=positions,
+                                req_slots=req_slots, state_slots=state_slots, seq_lens=seq_lens,
+                                query_start_loc=qsl, out_cache_loc=locs, max_seq_len=max_seq_len, tokens_per_row=n)
+        if kv is not None:
+            slots.scatter_locations(*kv)
         base = slots.seq_len[req_slots].masked_fill(req_slots == 0, 0)
         pos2d = base[:, None] + torch.arange(n, device=dev)[None, :]
         if input_ids is None:
@@ -166,11 +180,10 @@ class ModelWorker:
     def capture_staged(self, name: str, mode: ForwardMode, n: int, fn, drafts: torch.Tensor | None = None) -> None:
         """Capture ``fn`` as a staged graph (graphs.py) over decoding rows of ``n`` tokens, whose prologue writes the
         step's new KV locations and gathers the batch from the request tables (``table_batch``)."""
-        tables, max_context = self.caches.req_slots, self.graphs.max_context
+        max_context = self.graphs.max_context
 
         def prologue(req_slots, state_slots, kv):
-            tables.scatter_locations(*kv)
-            return self.table_batch(mode, n, req_slots, state_slots, max_context, drafts)
+            return self.table_batch(mode, n, req_slots, state_slots, max_context, drafts, kv=kv)
         # a decoding row reserves at most n new locations per step in the steady state; room for twice that
         self.graphs.capture_staged(name, mode, n, prologue, fn, kv_per_row=2 * n)
 
@@ -219,14 +232,33 @@ class ModelWorker:
         sampling rows records its drawn tokens over them)."""
         self.graphs = GraphRunner(self.backend, self.device, capture_sizes, self.caches.req_slots.max_context,
                                   verbose)
-        model, backend, tables = self.model, self.backend, self.caches.req_slots
+        model, backend = self.model, self.backend
+        if use_triton(self.caches.req_slots.seq_len):  # before any capture: the graphs keep its address
+            from ..ops.tables_triton import greedy_scratch
+
+            self._greedy_scratch = greedy_scratch(max(self.graphs.max_bs, self.caches.req_slots.max_num_seqs + 1),
+                                                  self.device)
 
         def decode(batch, extras):
             logits = model.compute_logits(model(batch, backend))
+            return {"logits": logits, "greedy": self.greedy_record(logits, batch)}
+        self.capture_staged("decode", ForwardMode.DECODE, 1, decode)
+
+    def greedy_record(self, logits: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """Every row's greedy token, recorded in the request tables with the rows' new lengths (``ReqSlots.record``;
+        one launch with the argmax on the GPU, ``ops.tables_triton``). Returns the tokens [B]."""
+        tables = self.caches.req_slots
+        if not use_triton(logits):
             greedy = logits.argmax(-1)
             tables.record(batch.req_slots, batch.seq_lens, batch.req_slots, greedy)
-            return {"logits": logits, "greedy": greedy}
-        self.capture_staged("decode", ForwardMode.DECODE, 1, decode)
+            return greedy
+        from ..ops.tables_triton import greedy_record, greedy_scratch
+
+        if self._greedy_scratch is None or self._greedy_scratch[0].shape[0] < logits.shape[0]:
+            self._greedy_scratch = greedy_scratch(max(logits.shape[0], self.caches.req_slots.max_num_seqs + 1),
+                                                  logits.device)
+        return greedy_record(logits, batch.req_slots, batch.seq_lens, tables.last_token, tables.seq_len,
+                             self._greedy_scratch)
 
     def forward_hidden(self, batch: ForwardBatch) -> torch.Tensor:
         self.backend.init_forward_metadata(batch)

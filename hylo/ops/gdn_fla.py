@@ -35,8 +35,9 @@ class FlaPrefill:
         if self.direct:
             if not qk_normed:
                 q, k = self.l2norm(q)[0], self.l2norm(k)[0]
+            a, beta = _gates(a, b)
             _, o, _, final, _, _ = self.forward(
-                q[None], k[None], v[None], a.contiguous()[None], b.float().sigmoid()[None], scale, initial_state,
+                q[None], k[None], v[None], a[None], beta[None], scale, initial_state,
                 True, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, use_gate_in_kernel=True, A_log=A_log,
                 dt_bias=dt_bias, chunk_size=chunk_size)
             return o[0], final
@@ -46,6 +47,15 @@ class FlaPrefill:
                                cu_seqlens_cpu=cu_seqlens_cpu, chunk_indices=chunk_indices, chunk_size=chunk_size,
                                use_qk_l2norm_in_kernel=not qk_normed)
         return o[0], final
+
+
+def _gates(a, b):
+    """The gate inputs as fla's forward takes them: a contiguous, beta = sigmoid(b) in float32."""
+    if a.is_cuda:
+        from .gdn_triton import prefill_gates
+
+        return prefill_gates(a, b)
+    return a.contiguous(), b.float().sigmoid()
 
 
 def load() -> FlaPrefill | None:

@@ -202,3 +202,31 @@ def commit_checkpoints(src: torch.Tensor, dst: torch.Tensor, slots: torch.Tensor
     _commit_kernel[(layers, batch, triton.cdiv(n, block))](
         src, dst, slots, accepted, src.stride(0), src.stride(1), src.stride(2), dst.stride(0), dst.stride(1), n,
         BLOCK=block, num_warps=4)
+
+
+@triton.jit
+def _prefill_gates_kernel(a_ptr, b_ptr, a_out_ptr, beta_ptr, T, H, stride_a, stride_b, BT: tl.constexpr,
+                          BH: tl.constexpr):
+    """Rows [BT] of the raw gate inputs, strided views of the input projection: a copied contiguous (in its dtype,
+    for fla's gate kernel), beta = sigmoid(b) in float32."""
+    rows = tl.program_id(0) * BT + tl.arange(0, BT)
+    cols = tl.arange(0, BH)
+    m = (rows < T)[:, None] & (cols < H)[None, :]
+    r = rows.to(tl.int64)[:, None]
+    tl.store(a_out_ptr + r * H + cols[None, :], tl.load(a_ptr + r * stride_a + cols[None, :], mask=m), mask=m)
+    b = tl.load(b_ptr + r * stride_b + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    tl.store(beta_ptr + r * H + cols[None, :], 1.0 / (1.0 + tl.exp(-b)), mask=m)
+
+
+def prefill_gates(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """a, b: [T, Hv] with unit column stride (rows may be strided). Returns (a contiguous, sigmoid(b) float32): one
+    launch where ``a.contiguous()`` and ``b.float().sigmoid()`` took three, in each GDN layer of a prefill."""
+    t, h = a.shape
+    a_out = torch.empty(t, h, dtype=a.dtype, device=a.device)
+    beta = torch.empty(t, h, dtype=torch.float32, device=a.device)
+    if t:
+        bh = next_pow2(h)
+        bt = max(1, 2048 // bh)
+        _prefill_gates_kernel[(triton.cdiv(t, bt),)](a, b, a_out, beta, t, h, a.stride(0), b.stride(0), BT=bt, BH=bh,
+                                                     num_warps=4)
+    return a_out, beta

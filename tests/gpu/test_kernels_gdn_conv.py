@@ -269,3 +269,17 @@ def test_fla_prefill_direct_call_equals_fla_public_api(dev):
     for o, f in ((o1, f1), (o2, f2)):
         assert torch.allclose(o.float(), o3[0].float(), atol=3e-2, rtol=3e-2)
         assert torch.allclose(f, f3, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("tokens,heads", [(1, 32), (77, 6), (300, 48)])
+def test_prefill_gates_equal_torch(dev, tokens, heads):
+    """The prefill's gate inputs from strided views of the input projection: a copied as it is, beta = sigmoid(b)
+    in float32 (row counts that are not multiples of the block, head counts that are not powers of two)."""
+    from hylo.ops.gdn_triton import prefill_gates
+
+    proj = torch.randn(tokens, 5 + 2 * heads, generator=torch.Generator().manual_seed(tokens)).to(dev, torch.bfloat16)
+    b, a = proj[:, 5:5 + heads], proj[:, 5 + heads:]
+    a_out, beta = prefill_gates(a, b)
+    assert a_out.is_contiguous() and torch.equal(a_out, a)
+    assert beta.dtype == torch.float32
+    torch.testing.assert_close(beta, b.float().sigmoid(), rtol=1e-6, atol=1e-6)

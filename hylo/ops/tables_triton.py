@@ -1,0 +1,130 @@
+"""The two ends of a captured decoding step, each one launch (Triton): the prologue that builds the step's batch
+from the device request tables, and the greedy epilogue that picks each row's token and records it.
+
+At batch 1 a decode step of bench-6b is about 1.7 ms, and these ends took 13 small torch launches before the model
+(index writes, gathers, additions: about 27 us with their gaps) and an argmax plus two index writes after it
+(about 12 us). The torch forms stay the reference: ``ModelWorker.table_batch`` and ``ReqSlots.record`` with
+``argmax``, which the tests compare these against.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+TABLE_BLOCK = 128  # rows (and KV triples) per iteration of the prologue's single program
+
+
+@triton.jit
+def _table_batch_kernel(req_ptr, trip_ptr, W, seq_len_ptr, last_ptr, r2t_ptr, drafts_ptr, ids_ptr, pos_ptr,
+                        lens_ptr, qsl_ptr, loc_ptr, B, stride_r2t, stride_d, N: tl.constexpr, BLOCK: tl.constexpr):
+    """One program. First the step's new KV locations, ``req_to_token[row, col] = loc`` for W (row, col, loc)
+    triples; then, after a barrier that makes those writes visible to the whole program, each of the B rows of
+    request slot s: its N positions from the committed length (0 for s = 0, the padding row), its KV locations
+    read back from ``req_to_token``, its fed tokens (the newest token, then the drafts ``drafts[s]``), its new
+    length and its query offset."""
+    i0 = 0
+    while i0 < W:  # while loops: the interpreter cannot run a for loop with run-time bounds
+        i = i0 + tl.arange(0, BLOCK)
+        m = i < W
+        r = tl.load(trip_ptr + i, mask=m, other=0)
+        c = tl.load(trip_ptr + W + i, mask=m, other=0)
+        loc = tl.load(trip_ptr + 2 * W + i, mask=m, other=0)
+        tl.store(r2t_ptr + r * stride_r2t + c, loc, mask=m)
+        i0 += BLOCK
+    tl.debug_barrier()
+    b0 = 0
+    while b0 < B:
+        b = b0 + tl.arange(0, BLOCK)
+        m = b < B
+        slot = tl.load(req_ptr + b, mask=m, other=0)
+        base = tl.where(slot == 0, 0, tl.load(seq_len_ptr + slot, mask=m, other=0))
+        tl.store(lens_ptr + b, base + N, mask=m)
+        tl.store(qsl_ptr + b, b.to(tl.int64) * N, mask=m)
+        for j in tl.static_range(N):
+            t = b.to(tl.int64) * N + j
+            tl.store(pos_ptr + t, base + j, mask=m)
+            # .cg: past L1, which the barrier does not make coherent with this program's own writes above
+            tl.store(loc_ptr + t, tl.load(r2t_ptr + slot * stride_r2t + base + j, mask=m, other=0,
+                                          cache_modifier=".cg"), mask=m)
+            if j == 0:
+                tok = tl.load(last_ptr + slot, mask=m, other=0)
+            else:
+                tok = tl.load(drafts_ptr + slot * stride_d + (j - 1), mask=m, other=0)
+            tl.store(ids_ptr + t, tok, mask=m)
+        b0 += BLOCK
+    tl.store(qsl_ptr + B, B.to(tl.int64) * N)
+
+
+def table_batch(req_to_token: torch.Tensor, seq_len: torch.Tensor, last_token: torch.Tensor,
+                req_slots: torch.Tensor, n: int, drafts: torch.Tensor | None = None,
+                kv: torch.Tensor | None = None):
+    """Rows of request slots ``req_slots`` [B] feeding ``n`` tokens each, after writing the KV triples ``kv``
+    [3, W] (rows, columns, locations) into ``req_to_token``. ``drafts`` [S, n - 1] (when n > 1). Returns
+    (input_ids, positions, out_cache_loc) [B * n] and (seq_lens [B], query_start_loc [B + 1]), all int64."""
+    bs, dev = req_slots.shape[0], req_slots.device
+    assert n == 1 or drafts is not None, "rows of more than one token feed drafts"
+    out = torch.empty(4 * bs * n + 2 * bs + 1, dtype=torch.int64, device=dev)
+    ids, pos, loc = out[:3 * bs * n].view(3, bs * n)
+    lens, qsl = out[3 * bs * n:3 * bs * n + bs], out[3 * bs * n + bs:3 * bs * n + 2 * bs + 1]
+    w = kv.shape[1] if kv is not None else 0
+    _table_batch_kernel[(1,)](req_slots, kv if kv is not None else req_slots, w, seq_len, last_token, req_to_token,
+                              drafts if drafts is not None else last_token, ids, pos, lens, qsl, loc, bs,
+                              req_to_token.stride(0), drafts.stride(0) if drafts is not None else 0, N=n,
+                              BLOCK=TABLE_BLOCK, num_warps=4)
+    return ids, pos, loc, lens, qsl
+
+
+@triton.jit
+def _greedy_record_kernel(logits_ptr, stride_l, V, req_ptr, lens_ptr, tok_ptr, last_ptr, seq_len_ptr, best_ptr,
+                          count_ptr, BV: tl.constexpr):
+    """Program (row, block of BV columns): the block's best column goes into the row's packed key by an atomic
+    max (the value's order-preserving int32 bits, then the column counted down from 2^31 - 1, so that of equal
+    values the first column wins, as in ``argmax``); the row's last program to finish unpacks the key, resets it
+    and the counter for the next step, and writes the token to ``tok`` and the request tables (its newest token
+    and committed length; the padding row, request slot 0, writes nothing)."""
+    row = tl.program_id(0)
+    offs = tl.program_id(1) * BV + tl.arange(0, BV)
+    m = offs < V
+    x = tl.load(logits_ptr + row.to(tl.int64) * stride_l + offs, mask=m, other=float("-inf")).to(tl.float32)
+    x = tl.where(x == 0.0, 0.0, x)  # -0.0 == 0.0 in argmax: one key for both
+    x = tl.where(x != x, float("nan"), x)  # every NaN as the positive one, above +inf (argmax returns a NaN)
+    bits = x.to(tl.int32, bitcast=True)
+    order = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # signed order of the bits = order of the values
+    key = (order.to(tl.int64) << 32) | (0x7FFFFFFF - offs).to(tl.int64)
+    key = tl.where(m, key, -0x7FFFFFFFFFFFFFFF - 1)
+    tl.atomic_max(best_ptr + row, tl.max(key, 0))
+    if tl.atomic_add(count_ptr + row, 1) == tl.num_programs(1) - 1:  # acq_rel: every other block's max is in
+        best = tl.atomic_xchg(best_ptr + row, -0x7FFFFFFFFFFFFFFF - 1)
+        tl.atomic_xchg(count_ptr + row, 0)
+        tok = 0x7FFFFFFF - (best & 0xFFFFFFFF)
+        tl.store(tok_ptr + row, tok)
+        slot = tl.load(req_ptr + row)
+        if slot != 0:
+            tl.store(last_ptr + slot, tok)
+            tl.store(seq_len_ptr + slot, tl.load(lens_ptr + row))
+
+
+GREEDY_BLOCK = 1024  # columns per program: about 150 programs per row at a 152k vocabulary
+
+
+def greedy_scratch(max_rows: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The epilogue's per-row packed keys and block counters, in their reset state (each launch leaves them so)."""
+    return (torch.full((max_rows,), -(1 << 63), dtype=torch.int64, device=device),
+            torch.zeros(max_rows, dtype=torch.int32, device=device))
+
+
+def greedy_record(logits: torch.Tensor, req_slots: torch.Tensor, seq_lens: torch.Tensor, last_token: torch.Tensor,
+                  seq_len: torch.Tensor, scratch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """``argmax`` of each row of ``logits`` [B, V] (float32 or 16-bit, unit column stride), recorded as
+    ``ReqSlots.record(req_slots, seq_lens, req_slots, tokens)`` does (except for request slot 0, the padding row,
+    whose table entries are never read). ``scratch``: ``greedy_scratch`` of at least B rows. Returns the tokens
+    [B] int64."""
+    rows, v = logits.shape
+    tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    if rows:
+        _greedy_record_kernel[(rows, triton.cdiv(v, GREEDY_BLOCK))](
+            logits, logits.stride(0), v, req_slots, seq_lens, tokens, last_token, seq_len, scratch[0], scratch[1],
+            BV=GREEDY_BLOCK, num_warps=4)
+    return tokens

@@ -1,0 +1,82 @@
+"""The captured step's two ends (ops/tables_triton.py) against their torch forms: the prologue that builds a batch
+from the request tables (``ModelWorker.table_batch`` after ``ReqSlots.scatter_locations``) and the greedy
+epilogue (``argmax``, then ``ReqSlots.record``)."""
+
+import pytest
+import torch
+
+from hylo.cache.req_slots import ReqSlots
+
+
+def _tables(dev, seqs=12, ctx=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    t = ReqSlots(seqs, ctx, dev)
+    t.req_to_token[1:] = torch.randint(1, 1000, (seqs, ctx), generator=g).to(dev)
+    t.seq_len[1:] = torch.randint(0, ctx - 10, (seqs,), generator=g).to(dev)
+    t.last_token[:] = torch.randint(0, 500, (seqs + 1,), generator=g).to(dev)
+    return t, g
+
+
+@pytest.mark.parametrize("n,bs,pad", [(1, 1, 0), (1, 5, 3), (4, 7, 1), (3, 300, 0)])
+def test_table_batch_kernel_equals_the_torch_prologue(dev, n, bs, pad):
+    """Rows of n tokens (with drafts when n > 1), padded rows of request slot 0, new KV triples that the same
+    launch must write before reading them back (some at the very positions the rows feed), and more rows than
+    one block of the kernel (300)."""
+    from hylo.engine.worker import ModelWorker
+    from hylo.ops.tables_triton import table_batch
+
+    seqs = max(12, bs)
+    t, g = _tables(dev, seqs, seed=n * 1000 + bs)
+    real = torch.randperm(seqs, generator=g)[:bs - pad] + 1
+    req = torch.cat([real, torch.zeros(pad, dtype=torch.long)]).to(dev)
+    drafts = torch.randint(0, 500, (seqs + 1, n - 1), generator=g).to(dev) if n > 1 else None
+    # new locations at each real row's fed positions, and (0, 0, 0) padding triples
+    rows = real.repeat_interleave(n)
+    cols = (t.seq_len[real.to(dev)].cpu()[:, None] + torch.arange(n)[None, :]).reshape(-1)
+    kv = torch.stack([rows, cols, torch.randint(5000, 6000, (rows.numel(),), generator=g)])
+    kv = torch.cat([kv, torch.zeros(3, 4, dtype=torch.long)], 1).to(dev)
+
+    ref_tables = ReqSlots(seqs, 64, dev)
+    for name in ("req_to_token", "seq_len", "last_token"):
+        getattr(ref_tables, name).copy_(getattr(t, name))
+    ref_tables.scatter_locations(*kv)
+    worker = ModelWorker.__new__(ModelWorker)  # table_batch needs only the tables and the device
+    worker.caches = type("C", (), {"req_slots": ref_tables})()
+    worker.device = torch.device(dev)
+    ref = worker.table_batch(None, n, req, req, 64, drafts)
+
+    ids, pos, loc, lens, qsl = table_batch(t.req_to_token, t.seq_len, t.last_token, req, n, drafts, kv)
+    assert torch.equal(t.req_to_token, ref_tables.req_to_token)
+    assert torch.equal(ids, ref.input_ids) and torch.equal(pos, ref.positions)
+    assert torch.equal(loc, ref.out_cache_loc) and torch.equal(lens, ref.seq_lens)
+    assert torch.equal(qsl, ref.query_start_loc)
+
+
+@pytest.mark.parametrize("rows,vocab,dtype", [(1, 3000, torch.bfloat16), (5, 1025, torch.float32),
+                                               (3, 151936, torch.bfloat16)])
+def test_greedy_record_equals_argmax_and_record(dev, rows, vocab, dtype):
+    """The fused argmax picks argmax's column (ties to the first, negative and -0.0 values, a NaN) and writes the
+    tables as ``record`` does; its scratch comes back reset, so a second launch gives the same again."""
+    from hylo.ops.tables_triton import greedy_record, greedy_scratch
+
+    t, g = _tables(dev, seed=rows)
+    logits = (torch.randn(rows, vocab, generator=g) * 3 - 20).to(dtype)
+    logits[0, vocab // 2] = logits[0, vocab // 3] = logits[0].max() + 1  # a tie: the first column wins
+    if rows > 1:
+        logits[1] = -0.0
+        logits[1, 7] = 0.0  # all zeros of both signs: column 0
+        logits[2, vocab - 1] = float("nan")
+    logits = logits.to(dev)
+    req = torch.tensor([3, 0, 5, 1, 2][:rows], device=dev)
+    lens = torch.randint(1, 60, (rows,), generator=g).to(dev)
+    scratch = greedy_scratch(8, dev)
+    ref = ReqSlots(12, 64, dev)
+    ref.seq_len.copy_(t.seq_len)
+    ref.last_token.copy_(t.last_token)
+    expect = logits.argmax(-1)
+    ref.record(req, lens, req, expect)
+    for _ in range(2):
+        tokens = greedy_record(logits, req, lens, t.last_token, t.seq_len, scratch)
+        assert torch.equal(tokens, expect)
+        assert torch.equal(t.last_token[1:], ref.last_token[1:]) and torch.equal(t.seq_len[1:], ref.seq_len[1:])
+        assert torch.equal(scratch[0], greedy_scratch(8, dev)[0]) and torch.equal(scratch[1], scratch[1] * 0)
