@@ -68,7 +68,6 @@ class ModelWorker:
         self.backend = HybridBackend(AttentionBackend(caches.kv_pool, caches.req_slots),
                                      GDNBackend(caches.state_pool), model.config.layer_types, extra_attn_layers)
         self.graphs: GraphRunner | None = None
-        self._greedy_scratch: tuple[torch.Tensor, torch.Tensor] | None = None  # greedy_record's, made on first use
 
     def build_batch(self, sched: ScheduledBatch, input_ids: torch.Tensor | None = None,
                     drafts: torch.Tensor | None = None) -> ForwardBatch:
@@ -233,11 +232,6 @@ class ModelWorker:
         self.graphs = GraphRunner(self.backend, self.device, capture_sizes, self.caches.req_slots.max_context,
                                   verbose)
         model, backend = self.model, self.backend
-        if use_triton(self.caches.req_slots.seq_len):  # before any capture: the graphs keep its address
-            from ..ops.tables_triton import greedy_scratch
-
-            self._greedy_scratch = greedy_scratch(max(self.graphs.max_bs, self.caches.req_slots.max_num_seqs + 1),
-                                                  self.device)
 
         def decode(batch, extras):
             logits = model.compute_logits(model(batch, backend))
@@ -252,13 +246,9 @@ class ModelWorker:
             greedy = logits.argmax(-1)
             tables.record(batch.req_slots, batch.seq_lens, batch.req_slots, greedy)
             return greedy
-        from ..ops.tables_triton import greedy_record, greedy_scratch
+        from ..ops.tables_triton import greedy_record
 
-        if self._greedy_scratch is None or self._greedy_scratch[0].shape[0] < logits.shape[0]:
-            self._greedy_scratch = greedy_scratch(max(logits.shape[0], self.caches.req_slots.max_num_seqs + 1),
-                                                  logits.device)
-        return greedy_record(logits, batch.req_slots, batch.seq_lens, tables.last_token, tables.seq_len,
-                             self._greedy_scratch)
+        return greedy_record(logits, batch.req_slots, batch.seq_lens, tables.last_token, tables.seq_len)
 
     def forward_hidden(self, batch: ForwardBatch) -> torch.Tensor:
         self.backend.init_forward_metadata(batch)

@@ -90,9 +90,18 @@ def sampling_probs(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     return filter_probs(probs, sb.top_k if sb.need_top_k else None, sb.top_p if sb.need_top_p else None)
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(-1)`` over the last dimension, in one Triton launch on the GPU (``ops.tables_triton``)."""
+    if not use_triton(logits) or logits.stride(-1) != 1:
+        return logits.argmax(-1)
+    from .tables_triton import argmax
+
+    return argmax(logits.reshape(-1, logits.shape[-1])).view(logits.shape[:-1])
+
+
 def sample(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     """Next token per row ([B] int64): argmax for greedy rows, a seeded draw for the others."""
-    greedy = logits.argmax(-1)
+    greedy = greedy_tokens(logits) if sb.all_greedy or sb.any_greedy else None
     if sb.all_greedy:
         return greedy
     drawn = draw(sampling_probs(logits, sb), sb.seeds, sb.steps)

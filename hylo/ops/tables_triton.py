@@ -77,13 +77,13 @@ def table_batch(req_to_token: torch.Tensor, seq_len: torch.Tensor, last_token: t
 
 
 @triton.jit
-def _greedy_record_kernel(logits_ptr, stride_l, V, req_ptr, lens_ptr, tok_ptr, last_ptr, seq_len_ptr, best_ptr,
-                          count_ptr, BV: tl.constexpr):
+def _greedy_kernel(logits_ptr, stride_l, V, req_ptr, lens_ptr, tok_ptr, last_ptr, seq_len_ptr, best_ptr, count_ptr,
+                   BV: tl.constexpr, RECORD: tl.constexpr):
     """Program (row, block of BV columns): the block's best column goes into the row's packed key by an atomic
     max (the value's order-preserving int32 bits, then the column counted down from 2^31 - 1, so that of equal
     values the first column wins, as in ``argmax``); the row's last program to finish unpacks the key, resets it
-    and the counter for the next step, and writes the token to ``tok`` and the request tables (its newest token
-    and committed length; the padding row, request slot 0, writes nothing)."""
+    and the counter for the next launch, and writes the token to ``tok``. With RECORD, also to the request tables
+    (its newest token and committed length; the padding row, request slot 0, writes nothing)."""
     row = tl.program_id(0)
     offs = tl.program_id(1) * BV + tl.arange(0, BV)
     m = offs < V
@@ -100,31 +100,48 @@ def _greedy_record_kernel(logits_ptr, stride_l, V, req_ptr, lens_ptr, tok_ptr, l
         tl.atomic_xchg(count_ptr + row, 0)
         tok = 0x7FFFFFFF - (best & 0xFFFFFFFF)
         tl.store(tok_ptr + row, tok)
-        slot = tl.load(req_ptr + row)
-        if slot != 0:
-            tl.store(last_ptr + slot, tok)
-            tl.store(seq_len_ptr + slot, tl.load(lens_ptr + row))
+        if RECORD:
+            slot = tl.load(req_ptr + row)
+            if slot != 0:
+                tl.store(last_ptr + slot, tok)
+                tl.store(seq_len_ptr + slot, tl.load(lens_ptr + row))
 
 
 GREEDY_BLOCK = 1024  # columns per program: about 150 programs per row at a 152k vocabulary
+_SCRATCH: dict = {}  # device -> (packed keys, block counters) per row, left in their reset state by every launch
 
 
-def greedy_scratch(max_rows: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The epilogue's per-row packed keys and block counters, in their reset state (each launch leaves them so)."""
-    return (torch.full((max_rows,), -(1 << 63), dtype=torch.int64, device=device),
-            torch.zeros(max_rows, dtype=torch.int32, device=device))
+def _scratch(rows: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-row scratch, allocated once per device (at the first, eager, launch: a graph's warm-up run comes
+    before its capture), for at least ``rows`` rows."""
+    have = _SCRATCH.get(device)
+    if have is None or have[0].shape[0] < rows:
+        n = max(rows, 4096)
+        have = _SCRATCH[device] = (torch.full((n,), -(1 << 63), dtype=torch.int64, device=device),
+                                   torch.zeros(n, dtype=torch.int32, device=device))
+    return have
 
 
-def greedy_record(logits: torch.Tensor, req_slots: torch.Tensor, seq_lens: torch.Tensor, last_token: torch.Tensor,
-                  seq_len: torch.Tensor, scratch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """``argmax`` of each row of ``logits`` [B, V] (float32 or 16-bit, unit column stride), recorded as
-    ``ReqSlots.record(req_slots, seq_lens, req_slots, tokens)`` does (except for request slot 0, the padding row,
-    whose table entries are never read). ``scratch``: ``greedy_scratch`` of at least B rows. Returns the tokens
-    [B] int64."""
+def _greedy(logits, record=None) -> torch.Tensor:
     rows, v = logits.shape
     tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows:
-        _greedy_record_kernel[(rows, triton.cdiv(v, GREEDY_BLOCK))](
-            logits, logits.stride(0), v, req_slots, seq_lens, tokens, last_token, seq_len, scratch[0], scratch[1],
-            BV=GREEDY_BLOCK, num_warps=4)
+        best, count = _scratch(rows, logits.device)
+        req, lens, last, seq_len = record if record is not None else (tokens,) * 4
+        _greedy_kernel[(rows, triton.cdiv(v, GREEDY_BLOCK))](logits, logits.stride(0), v, req, lens, tokens, last,
+                                                             seq_len, best, count, BV=GREEDY_BLOCK,
+                                                             RECORD=record is not None, num_warps=4)
     return tokens
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(-1)`` of [B, V] (float32 or 16-bit, unit column stride) in one launch over about V / 1024
+    programs per row (torch's reduction took 8.3 us for one bench-6b row on the H200)."""
+    return _greedy(logits)
+
+
+def greedy_record(logits: torch.Tensor, req_slots: torch.Tensor, seq_lens: torch.Tensor, last_token: torch.Tensor,
+                  seq_len: torch.Tensor) -> torch.Tensor:
+    """:func:`argmax`, recorded as ``ReqSlots.record(req_slots, seq_lens, req_slots, tokens)`` does (except for
+    request slot 0, the padding row, whose table entries are never read), in the same launch. Returns the tokens."""
+    return _greedy(logits, (req_slots, seq_lens, last_token, seq_len))

@@ -16,7 +16,7 @@ import torch
 
 from ..core import ForwardBatch, ForwardMode, SamplingBatch
 from ..models.qwen3_next_mtp import Qwen3NextMTP
-from ..ops.sampling import draw, sampling_probs
+from ..ops.sampling import draw, greedy_tokens, sampling_probs
 
 STREAM_DRAFT = 2
 
@@ -50,7 +50,7 @@ class MTPDrafter:
               base_steps: torch.Tensor | None, i: int) -> torch.Tensor:
         """Draft i from MTP logits: argmax for greedy rows (every row when ``sb`` is None), a draw from q for the
         others."""
-        token = logits.argmax(-1)
+        token = greedy_tokens(logits)
         if sb is not None and not sb.all_greedy:
             q = sampling_probs(logits, sb)
             token = torch.where(sb.temperatures > 0, draw(q, sb.seeds, base_steps + i, STREAM_DRAFT), token)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..ops.sampling import draw, uniform_noise
+from ..ops.sampling import draw, greedy_tokens, uniform_noise
 
 STREAM_ACCEPT = 1  # noise streams (see ops/sampling.uniform_noise): acceptance tests
 STREAM_RESAMPLE = 3  # the correction / bonus draw
@@ -24,7 +24,7 @@ def _leading_true(mask: torch.Tensor) -> torch.Tensor:
 def greedy_accept(drafts: torch.Tensor, target_logits: torch.Tensor):
     """drafts: [B, k]; target_logits: [B, k+1, V]. Returns (emitted [B, k+1], accepted [B]): the longest prefix
     matching the target's argmax, and the target's argmax after it (which equals the drafts before it)."""
-    best = target_logits.argmax(-1)
+    best = greedy_tokens(target_logits)
     return best, _leading_true(drafts == best[:, :-1])
 
 

@@ -56,8 +56,8 @@ def test_table_batch_kernel_equals_the_torch_prologue(dev, n, bs, pad):
                                                (3, 151936, torch.bfloat16)])
 def test_greedy_record_equals_argmax_and_record(dev, rows, vocab, dtype):
     """The fused argmax picks argmax's column (ties to the first, negative and -0.0 values, a NaN) and writes the
-    tables as ``record`` does; its scratch comes back reset, so a second launch gives the same again."""
-    from hylo.ops.tables_triton import greedy_record, greedy_scratch
+    tables as ``record`` does; its scratch comes back reset, so further launches give the same again."""
+    from hylo.ops.tables_triton import _SCRATCH, argmax, greedy_record
 
     t, g = _tables(dev, seed=rows)
     logits = (torch.randn(rows, vocab, generator=g) * 3 - 20).to(dtype)
@@ -69,14 +69,24 @@ def test_greedy_record_equals_argmax_and_record(dev, rows, vocab, dtype):
     logits = logits.to(dev)
     req = torch.tensor([3, 0, 5, 1, 2][:rows], device=dev)
     lens = torch.randint(1, 60, (rows,), generator=g).to(dev)
-    scratch = greedy_scratch(8, dev)
     ref = ReqSlots(12, 64, dev)
     ref.seq_len.copy_(t.seq_len)
     ref.last_token.copy_(t.last_token)
     expect = logits.argmax(-1)
     ref.record(req, lens, req, expect)
     for _ in range(2):
-        tokens = greedy_record(logits, req, lens, t.last_token, t.seq_len, scratch)
+        tokens = greedy_record(logits, req, lens, t.last_token, t.seq_len)
         assert torch.equal(tokens, expect)
         assert torch.equal(t.last_token[1:], ref.last_token[1:]) and torch.equal(t.seq_len[1:], ref.seq_len[1:])
-        assert torch.equal(scratch[0], greedy_scratch(8, dev)[0]) and torch.equal(scratch[1], scratch[1] * 0)
+        assert torch.equal(argmax(logits), expect)
+        best, count = _SCRATCH[logits.device]
+        assert bool((best == -(1 << 63)).all()) and not bool(count.any())
+
+
+def test_greedy_tokens_of_verify_shaped_logits(dev):
+    """The speculative paths' argmax over [B, k + 1, V] logits (verify) and [B, V] (drafts), as torch's."""
+    from hylo.ops.sampling import greedy_tokens
+
+    logits = torch.randn(3, 4, 5000, generator=torch.Generator().manual_seed(3)).to(dev, torch.bfloat16)
+    assert torch.equal(greedy_tokens(logits), logits.argmax(-1))
+    assert torch.equal(greedy_tokens(logits[:, 1]), logits[:, 1].argmax(-1))  # a strided row view
