@@ -1,8 +1,8 @@
 """The routed experts of a large prefill chunk through torch's grouped GEMM (``torch._grouped_mm``: CUTLASS on
 Hopper and later), which runs the expert matmuls at tile sizes our Triton grouped kernel cannot hold.
 
-Pairs (token, expert) are sorted by expert on the device (a counting sort in three launches, the last of which
-also gathers their token rows), and each expert's rows multiplied by its weights in one launch per projection; the group boundaries
+Pairs (token, expert) are sorted by expert on the device (a counting sort in three launches), their token rows
+gathered, and each expert's rows multiplied by its weights in one launch per projection; the group boundaries
 are a device tensor, so nothing here waits for the host. Around the two GEMMs only two Triton passes remain:
 ``silu(gate) * up`` of the sorted rows, and, at the end, each token's weighted sum of its k down-projected rows,
 gathered from the sorted order (the un-sort and the reduction in one read; an ``index_copy`` back to pair order
@@ -103,48 +103,34 @@ def _expert_scan_kernel(hist_ptr, base_ptr, ends_ptr, NC, E, BE: tl.constexpr, B
 
 
 @triton.jit
-def _expert_scatter_kernel(ids_ptr, base_ptr, pos_ptr, tok_ptr, x_ptr, xs_ptr, P, H, stride_x, TOP_K: tl.constexpr,
-                           BP: tl.constexpr, BE: tl.constexpr, HS: tl.constexpr, BH: tl.constexpr,
-                           GATHER: tl.constexpr):
-    """Program (c, s): each of chunk c's pairs goes to its expert's next row, in pair order: pos[pair] = that row,
-    and tok[row] = the pair's token (pair // TOP_K), written by the programs s = 0. With GATHER, every program also
-    copies columns [s * HS, (s + 1) * HS) of its pairs' token rows of x into those rows of xs: the gather in front
-    of the grouped GEMM, done where the rows are known (``index_select`` afterwards ran at half the copy rate)."""
+def _expert_scatter_kernel(ids_ptr, base_ptr, pos_ptr, tok_ptr, P, TOP_K: tl.constexpr, BP: tl.constexpr,
+                           BE: tl.constexpr):
+    """Program c: each of its pairs goes to its expert's next row, in pair order: pos[pair] = that row, and
+    tok[row] = the pair's token (pair // TOP_K)."""
     c = tl.program_id(0)
     offs = c * BP + tl.arange(0, BP)
     m = offs < P
     ids = tl.load(ids_ptr + offs, mask=m, other=BE).to(tl.int32)  # past the end: no expert's column
     hit = (ids[:, None] == tl.arange(0, BE)[None, :]).to(tl.int32)
     rank = tl.sum(hit * (tl.cumsum(hit, 0) - 1), 1)  # earlier pairs of the chunk with the same expert
-    row = (tl.load(base_ptr + c * BE + ids, mask=m, other=0) + rank).to(tl.int64)
-    tok = (offs // TOP_K).to(tl.int64)
-    if tl.program_id(1) == 0:
-        tl.store(pos_ptr + offs, row, mask=m)
-        tl.store(tok_ptr + row, tok, mask=m)
-    if GATHER:
-        for h in tl.static_range(0, HS, BH):  # rows of BH columns: one 128-byte line per row at BH = 64 (bf16)
-            cols = tl.program_id(1) * HS + h + tl.arange(0, BH)
-            mc = m[:, None] & (cols < H)[None, :]
-            v = tl.load(x_ptr + tok[:, None] * stride_x + cols[None, :], mask=mc)
-            tl.store(xs_ptr + row[:, None] * H + cols[None, :], v, mask=mc)
+    row = tl.load(base_ptr + c * BE + ids, mask=m, other=0) + rank
+    tl.store(pos_ptr + offs, row.to(tl.int64), mask=m)
+    tl.store(tok_ptr + row, (offs // TOP_K).to(tl.int64), mask=m)
 
 
 SORT_CHUNK = 128  # pairs per program of the counting sort
 SORT_MAX_EXPERTS = 255  # beyond, a chunk's [pairs, experts] one-hot no longer fits a program's registers
-GATHER_SPLIT = 512  # hidden columns each program of the sort's last launch gathers (a 2048-wide model: 4 programs)
 
 
-def sort_pairs_by_expert(flat_ids: torch.Tensor, num_experts: int, top_k: int, x: torch.Tensor | None = None):
+def sort_pairs_by_expert(flat_ids: torch.Tensor, num_experts: int, top_k: int):
     """A stable counting sort of the (token, expert) pairs by expert, in three launches (``argsort`` with the
     inverse permutation and the group ends took about fifteen: cub's radix sort alone is eight, plus memsets).
     flat_ids: [P] (pair j is token j // top_k's). Returns (pos [P] int64: each pair's row in the sorted order,
-    tok [P] int64: the token of each sorted row, ends [E] int32: where each expert's rows end), and with ``x``
-    [T, H] a fourth value, x's rows in the sorted order (``x[tok]``, gathered by the sort's last launch). Models
-    with more experts than SORT_MAX_EXPERTS (Qwen3-Next-80B has 512) sort with torch's argsort instead."""
+    tok [P] int64: the token of each sorted row, ends [E] int32: where each expert's rows end). Models with more
+    experts than SORT_MAX_EXPERTS (Qwen3-Next-80B has 512) sort with torch's argsort instead."""
     num_pairs, dev = flat_ids.numel(), flat_ids.device
     if num_experts > SORT_MAX_EXPERTS:
-        pos, tok, ends = _sort_pairs_torch(flat_ids, num_experts, top_k)
-        return (pos, tok, ends) if x is None else (pos, tok, ends, x.index_select(0, tok))
+        return _sort_pairs_torch(flat_ids, num_experts, top_k)
     be = max(16, triton.next_power_of_2(num_experts + 1))  # + 1: a column no expert owns, for masked pairs
     chunks = triton.cdiv(num_pairs, SORT_CHUNK)
     hist = torch.empty(chunks, be, dtype=torch.int32, device=dev)
@@ -152,18 +138,13 @@ def sort_pairs_by_expert(flat_ids: torch.Tensor, num_experts: int, top_k: int, x
     ends = torch.empty(num_experts, dtype=torch.int32, device=dev)
     pos = torch.empty(num_pairs, dtype=torch.int64, device=dev)
     tok = torch.empty(num_pairs, dtype=torch.int64, device=dev)
-    hidden = x.shape[1] if x is not None else 0
-    xs = x.new_empty(num_pairs, hidden) if x is not None else None
     if num_pairs == 0:
-        return (pos, tok, ends.zero_()) + ((xs,) if x is not None else ())
+        return pos, tok, ends.zero_()
     _expert_hist_kernel[(chunks,)](flat_ids, hist, num_pairs, BP=SORT_CHUNK, BE=be, num_warps=4)
     _expert_scan_kernel[(1,)](hist, base, ends, chunks, num_experts, BE=be, BC=64, num_warps=8)
-    hs = min(GATHER_SPLIT, max(64, triton.next_power_of_2(hidden)))  # columns per program
-    grid = (chunks, triton.cdiv(hidden, hs) if x is not None else 1)
-    _expert_scatter_kernel[grid](flat_ids, base, pos, tok, x if x is not None else pos, xs if x is not None else pos,
-                                 num_pairs, hidden, x.stride(0) if x is not None else 0, TOP_K=top_k, BP=SORT_CHUNK,
-                                 BE=be, HS=hs, BH=64, GATHER=x is not None, num_warps=8)
-    return (pos, tok, ends) + ((xs,) if x is not None else ())
+    _expert_scatter_kernel[(chunks,)](flat_ids, base, pos, tok, num_pairs, TOP_K=top_k, BP=SORT_CHUNK, BE=be,
+                                      num_warps=8)
+    return pos, tok, ends
 
 
 def _sort_pairs_torch(flat_ids: torch.Tensor, num_experts: int, top_k: int):
@@ -185,9 +166,10 @@ def fused_moe_grouped_mm(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
     hidden = x.shape[1]
     flat = topk_ids.reshape(-1).contiguous()
     num_pairs = flat.numel()
-    # pairs grouped by expert: pos = each pair's sorted row, xs = each sorted row's token row, and group g holds the
+    # pairs grouped by expert: pos = each pair's sorted row, tok = each sorted row's token, and group g holds the
     # sorted rows [ends[g-1], ends[g])
-    pos, _, ends, xs = sort_pairs_by_expert(flat, num_experts, top_k, x)
+    pos, tok, ends = sort_pairs_by_expert(flat, num_experts, top_k)
+    xs = x.index_select(0, tok)
     h = torch._grouped_mm(xs, w13.transpose(1, 2), offs=ends)  # [P, 2I]
     act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     br, bi = 16, triton.next_power_of_2(inter)
