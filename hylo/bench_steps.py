@@ -34,7 +34,7 @@ def fake_prefill(engine: Engine, bs: int, ctx: int, temperature: float = 0.0) ->
         locs = caches.kv_pool.alloc(n)
         if locs is None:
             raise RuntimeError(f"KV pool too small for batch {bs} at context {ctx}")
-        caches.req_slots.write_locations([req.req_slot] * n, list(range(n)), locs)
+        caches.req_slots.write_locations(torch.stack([torch.full((n,), req.req_slot), torch.arange(n), locs.long()]))
         req.kv_locs, req.num_kv = [locs], n
         req.decoding = True
         engine.model_worker.register_sampling([req])

@@ -128,3 +128,18 @@ def test_seeds_reproducible_and_independent_of_batch(ckpt_a):
     assert a == b
     other = llm.generate(prompts[0], SamplingParams(max_tokens=12, temperature=1.0, seed=43), use_tqdm=False)
     assert other[0].token_ids != a
+
+
+def test_scheduled_kv_runs_become_one_triple_per_position():
+    """The scheduler hands the worker its new KV positions as runs (request slot, first position, locations); the
+    worker's one copy to the device carries them as (slot, position, location) triples, in run order."""
+    import torch
+
+    from hylo.core import ForwardMode
+    from hylo.engine.scheduler import ScheduledBatch
+
+    plan = ScheduledBatch(reqs=[], extend_lens=[], prefix_lens=[], sample=[], mode=ForwardMode.EXTEND)
+    assert plan.kv_triples() is None
+    plan.kv_starts = [(3, 10), (1, 0), (7, 5)]
+    plan.kv_locs = [torch.tensor([50, 51, 52]), torch.tensor([9]), torch.tensor([20, 21])]
+    assert plan.kv_triples().tolist() == [[3, 3, 3, 1, 7, 7], [10, 11, 12, 0, 5, 6], [50, 51, 52, 9, 20, 21]]

@@ -46,14 +46,12 @@ class ReqSlots:
         assert 0 < slot <= self.max_num_seqs and slot not in self._free, f"bad request slot free: {slot}"
         self._free.append(slot)
 
-    def write_locations(self, rows: list[int], cols: list[int], locs: torch.Tensor) -> None:
-        """Record the KV locations of newly allocated positions (one copy to the device, one scatter)."""
-        if not rows:
+    def write_locations(self, triples: torch.Tensor | None) -> None:
+        """Record the KV locations of newly allocated positions, given as host int64 (request slot, position,
+        location) triples [3, W] (one copy to the device, one scatter)."""
+        if triples is None or not triples.shape[1]:
             return
-        dev = self.req_to_token.device
-        host = torch.stack([torch.tensor(rows, dtype=torch.int64), torch.tensor(cols, dtype=torch.int64),
-                            locs.to(torch.int64)])
-        self.scatter_locations(*host.to(dev, non_blocking=True))
+        self.scatter_locations(*triples.to(self.req_to_token.device, non_blocking=True))
 
     def scatter_locations(self, rows: torch.Tensor, cols: torch.Tensor, locs: torch.Tensor) -> None:
         """``req_to_token[rows[i], cols[i]] = locs[i]``, on the device (a staged graph's prologue runs this)."""

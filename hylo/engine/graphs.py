@@ -103,17 +103,13 @@ class _Staged:
         return s[:bs], s[bs:2 * bs], s[2 * bs:2 * bs + 3 * w].view(3, w)
 
     def host_stage(self, bs: int, req_slots: list[int], state_slots: list[int],
-                   kv: tuple[list[int], list[int], torch.Tensor] | None) -> torch.Tensor:
+                   kv: torch.Tensor | None) -> torch.Tensor:
         """The host side of the stage at captured size ``bs``, the padded tail marked: request slot 0, state slot -1."""
         pad, w = bs - len(req_slots), bs * self.kv_per_row
         host = torch.zeros(2 * bs + 3 * w, dtype=torch.int64)
         host[:2 * bs] = torch.tensor(req_slots + [0] * pad + state_slots + [-1] * pad, dtype=torch.int64)
-        if kv is not None and kv[0]:
-            m = len(kv[0])
-            triples = host[2 * bs:].view(3, w)
-            triples[0, :m] = torch.tensor(kv[0], dtype=torch.int64)
-            triples[1, :m] = torch.tensor(kv[1], dtype=torch.int64)
-            triples[2, :m] = kv[2]
+        if kv is not None and kv.shape[1]:
+            host[2 * bs:].view(3, w)[:, :kv.shape[1]] = kv
         return host
 
 
@@ -235,10 +231,10 @@ class GraphRunner:
         return self.padded_size(raw_bs) * self.passes[name].kv_per_row
 
     def run_staged(self, name: str, req_slots: list[int], state_slots: list[int],
-                   kv: tuple[list[int], list[int], torch.Tensor] | None) -> tuple[dict[str, torch.Tensor], ForwardBatch]:
-        """Stage the rows' slots, padded, and the new KV locations (``kv``: request slots, positions, locations; at
-        most ``kv_capacity``), in one copy to the device, then replay. Returns the outputs and the batch the
-        prologue built, for the real rows."""
+                   kv: torch.Tensor | None) -> tuple[dict[str, torch.Tensor], ForwardBatch]:
+        """Stage the rows' slots, padded, and the new KV locations (``kv`` [3, W]: request slots, positions,
+        locations; W at most ``kv_capacity``), in one copy to the device, then replay. Returns the outputs and the
+        batch the prologue built, for the real rows."""
         st = self.passes[name]
         raw_bs = len(req_slots)
         bs = self.padded_size(raw_bs)

@@ -49,9 +49,10 @@ class ScheduledBatch:
     prefix_lens: list[int]  # tokens already in the cache per row
     sample: list[bool]  # row produces a token in this step (its last known token is fed)
     mode: ForwardMode
-    # newly reserved KV positions: req_to_token[kv_rows[i], kv_cols[i]] = kv_locs[i]
-    kv_rows: list[int] = field(default_factory=list)
-    kv_cols: list[int] = field(default_factory=list)
+    # newly reserved KV positions, one run per entry: req_to_token[slot, first + j] = kv_locs[i][j] for
+    # (slot, first) = kv_starts[i] (runs, not per-token lists: an 8192-token chunk's lists cost the host about a
+    # millisecond before its first kernel)
+    kv_starts: list[tuple[int, int]] = field(default_factory=list)
     kv_locs: list[torch.Tensor] = field(default_factory=list)
     preempted: list[Req] = field(default_factory=list)
     # rows whose inputs (newest token, and for verify rows the position) come from the device tables
@@ -60,6 +61,17 @@ class ScheduledBatch:
     @property
     def num_tokens(self) -> int:
         return sum(self.extend_lens)
+
+    def kv_triples(self) -> torch.Tensor | None:
+        """The new KV positions as one host int64 tensor [3, W] of (request slot, position, location), or None."""
+        if not self.kv_locs:
+            return None
+        locs = torch.cat(self.kv_locs).to(torch.int64)
+        counts = torch.tensor([t.numel() for t in self.kv_locs], dtype=torch.int64)
+        slots, firsts = torch.tensor(self.kv_starts, dtype=torch.int64).T
+        run = torch.repeat_interleave(torch.arange(len(counts)), counts, output_size=locs.numel())
+        cols = torch.arange(locs.numel()) - (counts.cumsum(0) - counts)[run] + firsts[run]
+        return torch.stack([slots[run], cols, locs])
 
 
 class Scheduler:
@@ -283,8 +295,7 @@ class Scheduler:
             plan.preempted.append(req)
             return False
         if need:
-            plan.kv_rows.extend([req.req_slot] * need)
-            plan.kv_cols.extend(range(req.num_kv, end))
+            plan.kv_starts.append((req.req_slot, req.num_kv))
             plan.kv_locs.append(locs)
             req.kv_locs.append(locs)
             req.num_kv = end

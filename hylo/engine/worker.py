@@ -79,8 +79,7 @@ class ModelWorker:
         Verify rows feed their newest token and then their drafts, ``drafts[req_slot]`` (a device table).
         ``input_ids`` overrides the fed tokens altogether."""
         slots = self.caches.req_slots
-        if sched.kv_locs:
-            slots.write_locations(sched.kv_rows, sched.kv_cols, torch.cat(sched.kv_locs))
+        slots.write_locations(sched.kv_triples())
         self.register_sampling([r for r, p in zip(sched.reqs, sched.prefix_lens) if p == 0])
         dev = self.device
         req_slots_cpu = [r.req_slot for r in sched.reqs]
@@ -189,9 +188,9 @@ class ModelWorker:
     def run_staged(self, name: str, sched: ScheduledBatch) -> tuple[dict[str, torch.Tensor], ForwardBatch]:
         """Replay the staged graph ``name`` for a step of decoding rows: the host stages their slots and new KV
         locations (one copy) and the graph does the rest. Returns its outputs and its batch, for the real rows."""
-        kv = (sched.kv_rows, sched.kv_cols, torch.cat(sched.kv_locs)) if sched.kv_locs else None
-        if kv is not None and len(kv[0]) > self.graphs.kv_capacity(name, len(sched.reqs)):
-            self.caches.req_slots.write_locations(*kv)  # more than the stage carries: written before the replay
+        kv = sched.kv_triples()
+        if kv is not None and kv.shape[1] > self.graphs.kv_capacity(name, len(sched.reqs)):
+            self.caches.req_slots.write_locations(kv)  # more than the stage carries: written before the replay
             kv = None
         return self.graphs.run_staged(name, [r.req_slot for r in sched.reqs], [r.state_slot for r in sched.reqs], kv)
 

@@ -54,7 +54,7 @@ def _table_batch_kernel(req_ptr, trip_ptr, W, seq_len_ptr, last_ptr, r2t_ptr, dr
                 tok = tl.load(drafts_ptr + slot * stride_d + (j - 1), mask=m, other=0)
             tl.store(ids_ptr + t, tok, mask=m)
         b0 += BLOCK
-    tl.store(qsl_ptr + B, B.to(tl.int64) * N)
+    tl.store(qsl_ptr + B, B * N)  # B may be the constant 1 (Triton specialises it): no tensor methods
 
 
 def table_batch(req_to_token: torch.Tensor, seq_len: torch.Tensor, last_token: torch.Tensor,
