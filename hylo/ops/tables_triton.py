@@ -18,7 +18,8 @@ TABLE_BLOCK = 128  # rows (and KV triples) per iteration of the prologue's singl
 
 @triton.jit
 def _table_batch_kernel(req_ptr, trip_ptr, W, seq_len_ptr, last_ptr, r2t_ptr, drafts_ptr, ids_ptr, pos_ptr,
-                        lens_ptr, qsl_ptr, loc_ptr, B, stride_r2t, stride_d, N: tl.constexpr, BLOCK: tl.constexpr):
+                        lens_ptr, qsl_ptr, loc_ptr, B, stride_r2t, stride_d, N: tl.constexpr,
+                        HAS_DRAFTS: tl.constexpr, BLOCK: tl.constexpr):
     """One program. First the step's new KV locations, ``req_to_token[row, col] = loc`` for W (row, col, loc)
     triples; then, after a barrier that makes those writes visible to the whole program, each of the B rows of
     request slot s: its N positions from the committed length (0 for s = 0, the padding row), its KV locations
@@ -49,10 +50,11 @@ def _table_batch_kernel(req_ptr, trip_ptr, W, seq_len_ptr, last_ptr, r2t_ptr, dr
             tl.store(loc_ptr + t, tl.load(r2t_ptr + slot * stride_r2t + base + j, mask=m, other=0,
                                           cache_modifier=".cg"), mask=m)
             if j == 0:
-                tok = tl.load(last_ptr + slot, mask=m, other=0)
-            else:
-                tok = tl.load(drafts_ptr + slot * stride_d + (j - 1), mask=m, other=0)
-            tl.store(ids_ptr + t, tok, mask=m)
+                tl.store(ids_ptr + t, tl.load(last_ptr + slot, mask=m, other=0), mask=m)
+            elif HAS_DRAFTS:
+                tl.store(ids_ptr + t, tl.load(drafts_ptr + slot * stride_d + (j - 1), mask=m, other=0), mask=m)
+            else:  # no drafts table: the caller feeds tokens of its own
+                tl.store(ids_ptr + t, tl.zeros_like(slot), mask=m)
         b0 += BLOCK
     tl.store(qsl_ptr + B, B * N)  # B may be the constant 1 (Triton specialises it): no tensor methods
 
@@ -61,10 +63,10 @@ def table_batch(req_to_token: torch.Tensor, seq_len: torch.Tensor, last_token: t
                 req_slots: torch.Tensor, n: int, drafts: torch.Tensor | None = None,
                 kv: torch.Tensor | None = None):
     """Rows of request slots ``req_slots`` [B] feeding ``n`` tokens each, after writing the KV triples ``kv``
-    [3, W] (rows, columns, locations) into ``req_to_token``. ``drafts`` [S, n - 1] (when n > 1). Returns
-    (input_ids, positions, out_cache_loc) [B * n] and (seq_lens [B], query_start_loc [B + 1]), all int64."""
+    [3, W] (rows, columns, locations) into ``req_to_token``. ``drafts`` [S, n - 1] (when n > 1; without it a row's
+    tokens after its newest are 0, for a caller that feeds its own). Returns (input_ids, positions,
+    out_cache_loc) [B * n] and (seq_lens [B], query_start_loc [B + 1]), all int64."""
     bs, dev = req_slots.shape[0], req_slots.device
-    assert n == 1 or drafts is not None, "rows of more than one token feed drafts"
     out = torch.empty(4 * bs * n + 2 * bs + 1, dtype=torch.int64, device=dev)
     ids, pos, loc = out[:3 * bs * n].view(3, bs * n)
     lens, qsl = out[3 * bs * n:3 * bs * n + bs], out[3 * bs * n + bs:3 * bs * n + 2 * bs + 1]
@@ -72,7 +74,7 @@ def table_batch(req_to_token: torch.Tensor, seq_len: torch.Tensor, last_token: t
     _table_batch_kernel[(1,)](req_slots, kv if kv is not None else req_slots, w, seq_len, last_token, req_to_token,
                               drafts if drafts is not None else last_token, ids, pos, lens, qsl, loc, bs,
                               req_to_token.stride(0), drafts.stride(0) if drafts is not None else 0, N=n,
-                              BLOCK=TABLE_BLOCK, num_warps=4)
+                              HAS_DRAFTS=drafts is not None, BLOCK=TABLE_BLOCK, num_warps=4)
     return ids, pos, loc, lens, qsl
 
 

@@ -50,6 +50,10 @@ def test_table_batch_kernel_equals_the_torch_prologue(dev, n, bs, pad):
     assert torch.equal(ids, ref.input_ids) and torch.equal(pos, ref.positions)
     assert torch.equal(loc, ref.out_cache_loc) and torch.equal(lens, ref.seq_lens)
     assert torch.equal(qsl, ref.query_start_loc)
+    if n > 1:  # without a drafts table (a caller feeding its own tokens): the same batch, the drafts' ids zero
+        ids2, pos2, loc2, _, _ = table_batch(t.req_to_token, t.seq_len, t.last_token, req, n)
+        assert torch.equal(ids2.view(bs, n)[:, 0], ids.view(bs, n)[:, 0]) and not ids2.view(bs, n)[:, 1:].any()
+        assert torch.equal(pos2, pos) and torch.equal(loc2, loc)
 
 
 @pytest.mark.parametrize("rows,vocab,dtype", [(1, 3000, torch.bfloat16), (5, 1025, torch.float32),
