@@ -53,6 +53,10 @@ def record(checkpoint: str | None, spec: str | None, out: str) -> None:
                 entry["args"][name] = ["ptr", TORCH_TO_TRITON[str(value.dtype)]]
             elif isinstance(value, bool):
                 entry["args"][name] = ["scalar", "i1"]
+            elif isinstance(value, int) and value == 1:
+                # the JIT specialises an integer argument equal to 1 into the constant 1 (the interpreter does
+                # not): code that treats it as a tensor (``B.to(...)``) fails to compile only then
+                entry["args"][name] = ["constexpr", 1]
             elif isinstance(value, int):
                 entry["args"][name] = ["scalar", "i64" if abs(value) >= 2 ** 31 else "i32"]
             elif isinstance(value, float):
