@@ -115,6 +115,9 @@ class Req:
     num_preemptions: int = 0
     arrival: int = 0  # admission order; the newest running request is preempted first
     kv_locs: list[torch.Tensor] = field(default_factory=list)  # host copies of its KV locations, for freeing
+    # the prompt as a host int64 tensor, made when the request arrives (a prefill chunk slices it instead of
+    # converting thousands of Python ints before its first kernel)
+    prompt_tensor: torch.Tensor | None = field(default=None, repr=False)
     decoding: bool = False
     inflight: int = 0
     inflight_advance: int = 0
@@ -134,6 +137,14 @@ class Req:
     def token_at(self, i: int) -> int:
         n = len(self.prompt_ids)
         return self.prompt_ids[i] if i < n else self.output_ids[i - n]
+
+    def token_tensor(self, start: int, end: int) -> torch.Tensor:
+        """``tokens(start, end)`` as a host int64 tensor (a view of ``prompt_tensor`` inside the prompt)."""
+        if end <= len(self.prompt_ids):
+            if self.prompt_tensor is None:
+                self.prompt_tensor = torch.tensor(self.prompt_ids, dtype=torch.int64)
+            return self.prompt_tensor[start:end]
+        return torch.tensor(self.tokens(start, end), dtype=torch.int64)
 
     def tokens(self, start: int, end: int) -> list[int]:
         n = len(self.prompt_ids)

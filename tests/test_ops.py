@@ -289,3 +289,19 @@ def test_kernel_settings_from_the_environment_name_a_bad_value(monkeypatch):
         monkeypatch.setenv("HYLO_TEST_CFG", bad)
         with pytest.raises(ValueError, match="HYLO_TEST_CFG"):
             env_cfg("HYLO_TEST_CFG", (32, 4))
+
+
+def test_prefill_index_fields():
+    """The GDN prefill's index tensors (built on the host, copied to the device in one piece): each token's row,
+    the slots to start from and end in (rows without a slot start from zeros and keep nothing), the token offsets
+    and fla's (row, chunk) pairs."""
+    from hylo.backends.gdn import FLA_CHUNK, PrefillIndex
+
+    slots, lens = [4, -1, 2], [3, FLA_CHUNK + 1, 2 * FLA_CHUNK]
+    ix = PrefillIndex.build(slots, lens, "cpu")
+    assert ix.token_row.tolist() == [0] * 3 + [1] * (FLA_CHUNK + 1) + [2] * (2 * FLA_CHUNK)
+    assert ix.slot_or_zero.tolist() == [4, 0, 2] and ix.has_slot.tolist() == [1, 0, 1]
+    assert ix.kept_rows.tolist() == [0, 2] and ix.kept_slots.tolist() == [4, 2] and not ix.all_slots
+    assert ix.cu_seqlens.tolist() == ix.cu_seqlens_cpu.tolist() == [0, 3, FLA_CHUNK + 4, 3 * FLA_CHUNK + 4]
+    assert ix.chunk_indices.tolist() == [[0, 0], [1, 0], [1, 1], [2, 0], [2, 1]]
+    assert PrefillIndex.build([1, 3], [5, 6], "cpu").all_slots

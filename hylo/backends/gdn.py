@@ -74,7 +74,7 @@ class PrefillIndex:
 
     token_row: torch.Tensor  # [T] row of every token (the conv kernel's)
     slot_or_zero: torch.Tensor  # [B] state slot, -1 replaced by 0 (a valid address to gather from)
-    has_slot: torch.Tensor  # [B] bool, slot >= 0
+    has_slot: torch.Tensor  # [B] 1 where slot >= 0, else 0 (int64)
     kept_rows: torch.Tensor  # [R] rows with a slot, and
     kept_slots: torch.Tensor  # [R] their slots: where the final states go
     cu_seqlens: torch.Tensor  # [B + 1] token offsets, on the device, and
@@ -91,14 +91,20 @@ class PrefillIndex:
         row_of = lambda counts: torch.repeat_interleave(torch.arange(len(counts)),  # noqa: E731
                                                         torch.tensor(counts, dtype=torch.long))
         chunk_pos = torch.cat([torch.arange(c) for c in chunks]) if chunks else torch.zeros(0, dtype=torch.long)
-        host = dict(token_row=row_of(lens),
-                    slot_or_zero=torch.tensor([max(s, 0) for s in slots]),
-                    has_slot=torch.tensor([s >= 0 for s in slots]),
-                    kept_rows=torch.tensor(kept, dtype=torch.long),
-                    kept_slots=torch.tensor([slots[i] for i in kept], dtype=torch.long), cu_seqlens=cu,
-                    chunk_indices=torch.stack([row_of(chunks), chunk_pos], 1))
-        return cls(cu_seqlens_cpu=cu, all_slots=len(kept) == len(slots),
-                   **{k: v.to(device, non_blocking=True) for k, v in host.items()})
+        parts = dict(token_row=row_of(lens),
+                     slot_or_zero=torch.tensor([max(s, 0) for s in slots], dtype=torch.long),
+                     has_slot=torch.tensor([int(s >= 0) for s in slots], dtype=torch.long),
+                     kept_rows=torch.tensor(kept, dtype=torch.long),
+                     kept_slots=torch.tensor([slots[i] for i in kept], dtype=torch.long), cu_seqlens=cu,
+                     chunk_indices=torch.stack([row_of(chunks), chunk_pos], 1))
+        # one copy for all of them (seven small copies each cost the host a few tens of microseconds before the
+        # first layer), then views
+        flat = torch.cat([t.reshape(-1) for t in parts.values()]).to(device, non_blocking=True)
+        views, at = {}, 0
+        for name, t in parts.items():
+            views[name] = flat[at:at + t.numel()].view(t.shape)
+            at += t.numel()
+        return cls(cu_seqlens_cpu=cu, all_slots=len(kept) == len(slots), **views)
 
 
 class GDNBackend(Backend):

@@ -198,7 +198,7 @@ class Engine:
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         req = Req(rid=rid, prompt_ids=ids, params=params, seed=seed,
                   prompt=prompt if isinstance(prompt, str) else None,
-                  spec=SpecStats() if self.ec.speculative else None)
+                  spec=SpecStats() if self.ec.speculative else None, prompt_tensor=torch.tensor(ids, dtype=torch.int64))
         self._reqs[rid] = req
         self.scheduler.add(req)
         return rid

@@ -91,24 +91,26 @@ class ModelWorker:
                                     input_ids)
         # EXTEND: prefill chunks, known to the host; decoding rows riding along (plain decoding only) feed one
         # token at a position the host knows exactly, the token itself from the device table
-        ids, dev_idx, dev_slots = [], [], []
+        # tokens, per-token positions and request slots, built with tensor ops on the host (Python lists of 8192
+        # ints per field cost milliseconds before the first kernel), then one copy for all three fields
+        total = sum(sched.extend_lens)
+        host = torch.empty(3, total, dtype=torch.int64)
+        dev_idx, dev_slots, start = [], [], 0
         for req, n, prefix, from_dev in zip(sched.reqs, sched.extend_lens, sched.prefix_lens, sched.from_device):
             if from_dev:
                 assert n == 1 and not req.inflight_verify
-                dev_idx.append(len(ids))
+                dev_idx.append(start)
                 dev_slots.append(req.req_slot)
-                ids.append(0)
             else:
-                ids.extend(req.tokens(prefix, prefix + n))
-        # per-token positions and request slots from the per-row counts (vectorised on the host: a Python list of
-        # 8192 ints per field cost milliseconds before the first kernel), then one copy for all three fields
+                host[0, start:start + n] = req.token_tensor(prefix, prefix + n)
+            start += n
+        if dev_idx:  # a placeholder: the token itself comes from the device table below
+            host[0, dev_idx] = 0
         lens = torch.tensor(sched.extend_lens, dtype=torch.int64)
         per_row = torch.tensor([sched.prefix_lens, req_slots_cpu], dtype=torch.int64)
         qsl = torch.cat([lens.new_zeros(1), lens.cumsum(0)])
-        row = torch.repeat_interleave(torch.arange(len(lens)), lens, output_size=len(ids))
-        host = torch.empty(3, len(ids), dtype=torch.int64)
-        host[0] = torch.tensor(ids, dtype=torch.int64)
-        torch.add(torch.arange(len(ids)) - qsl[row], per_row[0, row], out=host[1])
+        row = torch.repeat_interleave(torch.arange(len(lens)), lens, output_size=total)
+        torch.add(torch.arange(total) - qsl[row], per_row[0, row], out=host[1])
         host[2] = per_row[1, row]
         tokens, positions, tok_slots = host.to(dev, non_blocking=True)
         seq_lens = per_row[0] + lens
