@@ -147,3 +147,54 @@ def greedy_record(logits: torch.Tensor, req_slots: torch.Tensor, seq_lens: torch
     """:func:`argmax`, recorded as ``ReqSlots.record(req_slots, seq_lens, req_slots, tokens)`` does (except for
     request slot 0, the padding row, whose table entries are never read), in the same launch. Returns the tokens."""
     return _greedy(logits, (req_slots, seq_lens, last_token, seq_len))
+
+
+@triton.jit
+def _accept_kernel(best_ptr, ids_ptr, forced_ptr, req_ptr, lens_ptr, last_ptr, seq_len_ptr, acc_ptr, emitted_ptr,
+                   packed_ptr, B, K: tl.constexpr, BK: tl.constexpr, FORCED: tl.constexpr, BLOCK: tl.constexpr):
+    """Rows [BLOCK] of a greedy verify: a = the drafts (the fed tokens after the first) that match the target's
+    argmax before the first mismatch, or ``forced[row]`` (simulated acceptance); the emitted tokens are the drafts
+    before position a and the target's tokens from it; then the tables (newest token best[a], committed length
+    seq_len - K + a; not for request slot 0) and the host's packed row (emitted, a + 1)."""
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = rows < B
+    cols = tl.arange(0, BK)
+    r = rows.to(tl.int64)[:, None]
+    best = tl.load(best_ptr + r * (K + 1) + cols[None, :], mask=m[:, None] & (cols < K + 1)[None, :], other=0)
+    drafts = tl.load(ids_ptr + r * (K + 1) + 1 + cols[None, :], mask=m[:, None] & (cols < K)[None, :], other=-1)
+    if FORCED:
+        a = tl.load(forced_ptr + rows, mask=m, other=0)
+    else:  # the first column that does not match (columns from K on never do)
+        a = tl.min(tl.where((drafts == best) & (cols < K)[None, :], K, cols[None, :]), 1).to(tl.int64)
+    emitted = tl.where(cols[None, :] < a[:, None], drafts, best)
+    mo = m[:, None] & (cols < K + 1)[None, :]
+    tl.store(emitted_ptr + r * (K + 1) + cols[None, :], emitted, mask=mo)
+    tl.store(packed_ptr + r * (K + 2) + cols[None, :], emitted, mask=mo)
+    tl.store(packed_ptr + rows.to(tl.int64) * (K + 2) + K + 1, a + 1, mask=m)
+    tl.store(acc_ptr + rows, a, mask=m)
+    tok = tl.sum(tl.where(cols[None, :] == a[:, None], best, 0), 1)
+    slot = tl.load(req_ptr + rows, mask=m, other=0)
+    real = m & (slot != 0)
+    tl.store(last_ptr + slot, tok, mask=real)
+    tl.store(seq_len_ptr + slot, tl.load(lens_ptr + rows, mask=m, other=0) - K + a, mask=real)
+
+
+def accept_record(best: torch.Tensor, input_ids: torch.Tensor, req_slots: torch.Tensor, seq_lens: torch.Tensor,
+                  last_token: torch.Tensor, seq_len: torch.Tensor, forced: torch.Tensor | None = None):
+    """A greedy verify's acceptance and bookkeeping in one launch, where ``greedy_accept``, the table writes of
+    ``ReqSlots.record`` and the packing for the host took about a dozen. best: [B, k + 1] the target's argmax;
+    input_ids: [B * (k + 1)] the fed tokens (newest, then the k drafts); seq_lens: [B] the lengths after the fed
+    tokens; ``forced``: [B] accepted counts that replace the matching (simulated acceptance). Returns (emitted
+    [B, k + 1], accepted [B], packed [B, k + 2]: emitted, then accepted + 1), int64."""
+    rows, k1 = best.shape
+    best = best.contiguous()
+    emitted = torch.empty(rows, k1, dtype=torch.int64, device=best.device)
+    packed = torch.empty(rows, k1 + 1, dtype=torch.int64, device=best.device)
+    accepted = torch.empty(rows, dtype=torch.int64, device=best.device)
+    if rows:
+        block = 128
+        _accept_kernel[(triton.cdiv(rows, block),)](
+            best, input_ids, forced if forced is not None else accepted, req_slots, seq_lens, last_token, seq_len,
+            accepted, emitted, packed, rows, K=k1 - 1, BK=triton.next_power_of_2(k1), FORCED=forced is not None,
+            BLOCK=block, num_warps=4)
+    return emitted, accepted, packed

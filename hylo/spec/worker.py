@@ -15,7 +15,8 @@ from ..core import ForwardMode, SamplingBatch
 from ..engine.scheduler import ScheduledBatch
 from ..engine.graphs import GraphRunner
 from ..engine.worker import ModelWorker, StepResult, _dev, all_greedy, sampling_rows
-from ..ops.sampling import sample, sampling_probs, uniform_noise
+from ..ops.sampling import greedy_tokens, sample, sampling_probs, uniform_noise
+from ..ops.triton_utils import use_triton
 from .verify import greedy_accept, rejection_accept
 
 
@@ -128,6 +129,17 @@ class SpecWorker:
         hidden = tw.model(batch, tw.backend)
         logits = tw.model.compute_logits(hidden).view(bs, k + 1, -1)
         drafts = batch.input_ids.view(bs, k + 1)[:, 1:]
+        if use_triton(logits):  # acceptance, tables and the host's packed rows in one launch
+            from ..ops.tables_triton import accept_record
+
+            tables = self.caches.req_slots
+            forced = self._forced_accepts(batch) if self.simulate_accept_length is not None else None
+            emitted, accepted, packed = accept_record(greedy_tokens(logits), batch.input_ids, batch.req_slots,
+                                                      batch.seq_lens, tables.last_token, tables.seq_len, forced)
+            self.backend.commit_verified(batch.state_slots, accepted)
+            self.drafter.draft_greedy(tw, replace(batch, mode=ForwardMode.DRAFT_EXTEND,
+                                                  input_ids=emitted.reshape(-1)), hidden, accepted)
+            return {"packed": packed}
         emitted, accepted = self._commit(batch, drafts, *greedy_accept(drafts, logits))
         mtp_batch = replace(batch, mode=ForwardMode.DRAFT_EXTEND, input_ids=emitted.reshape(-1))
         self.drafter.draft_greedy(tw, mtp_batch, hidden, accepted)
@@ -185,14 +197,18 @@ class SpecWorker:
         """Force a mean accept length (benchmarks on random weights): a drafts accepted, with a drawn so that
         E[a + 1] equals the target; the emitted tokens are the drafts plus the target's token after them.
         Breaks losslessness on purpose. The draw is keyed by (request slot, length), so it can run in a graph."""
-        lo = self._sim_want.floor()
-        u = uniform_noise(batch.req_slots + self._sim_seed, batch.seq_lens, 1, STREAM_SIMULATE)[:, 0]
-        forced = lo.long() + (u < self._sim_want - lo).long()
-        forced = forced.clamp(max=self.k)
+        forced = self._forced_accepts(batch)
         rows = torch.arange(drafts.shape[0], device=drafts.device)
         out = torch.cat([drafts, drafts[:, :1]], dim=1).clone()
         out[rows, forced] = emitted[rows, forced]
         return out, forced
+
+
+    def _forced_accepts(self, batch) -> torch.Tensor:
+        """Each row's simulated accepted count [B]: floor(want) or one more, drawn so that E[a + 1] = the target."""
+        lo = self._sim_want.floor()
+        u = uniform_noise(batch.req_slots + self._sim_seed, batch.seq_lens, 1, STREAM_SIMULATE)[:, 0]
+        return (lo.long() + (u < self._sim_want - lo).long()).clamp(max=self.k)
 
 
 def _repeat(sb: SamplingBatch, times: int) -> SamplingBatch:

@@ -94,3 +94,43 @@ def test_greedy_tokens_of_verify_shaped_logits(dev):
     logits = torch.randn(3, 4, 5000, generator=torch.Generator().manual_seed(3)).to(dev, torch.bfloat16)
     assert torch.equal(greedy_tokens(logits), logits.argmax(-1))
     assert torch.equal(greedy_tokens(logits[:, 1]), logits[:, 1].argmax(-1))  # a strided row view
+
+
+@pytest.mark.parametrize("rows,k,simulated", [(1, 3, False), (5, 3, True), (130, 2, False), (7, 1, True)])
+def test_accept_record_equals_greedy_accept_and_record(dev, rows, k, simulated):
+    """The fused greedy acceptance: the accepted counts of ``greedy_accept`` (or forced ones, as the simulated
+    acceptance of the benchmarks sets them, with the drafts then emitted up to the forced count), the emitted
+    tokens, the packed rows the host reads, and the table writes of ``ReqSlots.record`` (padding row, request slot
+    0, left alone); more rows than one program's block (130)."""
+    from hylo.ops.tables_triton import accept_record
+    from hylo.spec.verify import greedy_accept
+
+    g = torch.Generator().manual_seed(rows * 10 + k)
+    t, _ = _tables(dev, max(12, rows), seed=rows)
+    best = torch.randint(0, 4, (rows, k + 1), generator=g)
+    drafts = torch.where(torch.rand(rows, k, generator=g) < 0.7, best[:, :k], torch.randint(0, 4, (rows, k),
+                                                                                           generator=g))
+    ids = torch.cat([torch.randint(0, 4, (rows, 1), generator=g), drafts], 1).reshape(-1)
+    req = torch.randperm(max(12, rows), generator=g)[:rows] + 1
+    if rows > 1:
+        req[-1] = 0  # a padding row
+    lens = torch.randint(k + 1, 60, (rows,), generator=g)
+    forced = torch.randint(0, k + 1, (rows,), generator=g) if simulated else None
+
+    emitted, accepted = greedy_accept(drafts, torch.nn.functional.one_hot(best, 4).float())
+    if simulated:
+        accepted = forced
+        emitted = torch.where(torch.arange(k + 1)[None, :] < forced[:, None],
+                              torch.cat([drafts, drafts[:, :1]], 1), best)
+    ref = ReqSlots(max(12, rows), 64, dev)
+    ref.seq_len.copy_(t.seq_len)
+    ref.last_token.copy_(t.last_token)
+    real = req != 0
+    ref.record(req[real].to(dev), (lens - k + accepted)[real].to(dev), req[real].to(dev),
+               emitted[torch.arange(rows), accepted][real].to(dev))
+
+    out_e, out_a, packed = accept_record(best.to(dev), ids.to(dev), req.to(dev), lens.to(dev), t.last_token,
+                                         t.seq_len, forced.to(dev) if simulated else None)
+    assert torch.equal(out_a.cpu(), accepted) and torch.equal(out_e.cpu(), emitted)
+    assert torch.equal(packed.cpu(), torch.cat([emitted, accepted[:, None] + 1], 1))
+    assert torch.equal(t.last_token, ref.last_token) and torch.equal(t.seq_len, ref.seq_len)
