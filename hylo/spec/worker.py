@@ -128,7 +128,6 @@ class SpecWorker:
         bs = batch.batch_size
         hidden = tw.model(batch, tw.backend)
         logits = tw.model.compute_logits(hidden).view(bs, k + 1, -1)
-        drafts = batch.input_ids.view(bs, k + 1)[:, 1:]
         if use_triton(logits):  # acceptance, tables and the host's packed rows in one launch
             from ..ops.tables_triton import accept_record
 
@@ -137,14 +136,14 @@ class SpecWorker:
             emitted, accepted, packed = accept_record(greedy_tokens(logits), batch.input_ids, batch.req_slots,
                                                       batch.seq_lens, tables.last_token, tables.seq_len, forced)
             self.backend.commit_verified(batch.state_slots, accepted)
-            self.drafter.draft_greedy(tw, replace(batch, mode=ForwardMode.DRAFT_EXTEND,
-                                                  input_ids=emitted.reshape(-1)), hidden, accepted)
-            return {"packed": packed}
-        emitted, accepted = self._commit(batch, drafts, *greedy_accept(drafts, logits))
+        else:
+            drafts = batch.input_ids.view(bs, k + 1)[:, 1:]
+            emitted, accepted = self._commit(batch, drafts, *greedy_accept(drafts, logits))
+            # what the host reads back, in one piece: each row's emitted tokens, then its count (accepted + 1)
+            packed = torch.cat([emitted, accepted[:, None] + 1], dim=1)
         mtp_batch = replace(batch, mode=ForwardMode.DRAFT_EXTEND, input_ids=emitted.reshape(-1))
         self.drafter.draft_greedy(tw, mtp_batch, hidden, accepted)
-        # what the host reads back, in one piece: each row's emitted tokens, then its count (accepted + 1)
-        return {"packed": torch.cat([emitted, accepted[:, None] + 1], dim=1)}
+        return {"packed": packed}
 
     def _commit(self, batch, drafts, emitted, accepted):
         """After acceptance (simulated when asked): the accepted states into the slots, the new lengths and newest
