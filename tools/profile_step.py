@@ -183,7 +183,26 @@ def layer_timeline(eng, prompt) -> list[dict]:
         ev.record()
         marks.append((time.perf_counter(), ev))
 
-    hooks = [layer.register_forward_hook(after) for layer in eng.model_worker.model.layers]
+    worker = eng.model_worker
+    layers = worker.model.layers
+    hooks = [layer.register_forward_hook(after) for layer in layers]
+    # the host's start of the step: when each stage before the first layer's launches had returned
+    stages, patched = {}, []
+
+    def timed(obj, name):
+        fn = getattr(obj, name)
+
+        def wrapper(*a, **k):
+            out = fn(*a, **k)
+            stages.setdefault(name, time.perf_counter())
+            return out
+        setattr(obj, name, wrapper)
+        patched.append((obj, name))
+
+    timed(eng.scheduler, "schedule")
+    timed(worker, "build_batch")
+    timed(worker.backend, "init_forward_metadata")
+    hooks.append(layers[0].register_forward_pre_hook(lambda m, a: stages.setdefault("embedding", time.perf_counter())))
     try:
         rid = eng.add_request(prompt, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
         torch.cuda.synchronize()
@@ -198,6 +217,8 @@ def layer_timeline(eng, prompt) -> list[dict]:
     finally:
         for h in hooks:
             h.remove()
+        for obj, name in patched:
+            delattr(obj, name)
     rows, prev_gpu = [], 0.0
     for i, (t, ev) in enumerate(marks):
         gpu = start.elapsed_time(ev)
@@ -207,6 +228,9 @@ def layer_timeline(eng, prompt) -> list[dict]:
           f"(layer: host launched / GPU finished / GPU finished minus host launched, ms)", flush=True)
     print("  " + "  ".join(f"{r['layer']}: {r['host_ms']:.1f}/{r['gpu_done_ms']:.1f}/"
                            f"{r['gpu_done_ms'] - r['host_ms']:+.1f}" for r in rows), flush=True)
+    print("  host start (ms after step() began, when each had returned): " + ", ".join(
+        f"{name} {(t - t0) * 1e3:.2f}" for name, t in sorted(stages.items(), key=lambda kv: kv[1])), flush=True)
+    rows.append({"host_start_ms": {name: (t - t0) * 1e3 for name, t in stages.items()}})
     return rows
 
 
