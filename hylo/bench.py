@@ -190,6 +190,12 @@ def run_bench(model_name: str = "bench-6b", vs_hf: bool = False, quick: bool = F
                   + (f"; unprofiled: {rec['wall_ms_per_step_unprofiled']:.2f} ms/step, graph alone "
                      f"{rec['graph_ms_per_step']:.2f} ms, busy {rec['gpu_busy_fraction_unprofiled']:.3f}"
                      if "graph_ms_per_step" in rec else ""), flush=True)
+            idle = rec["idle_us_per_step"]
+            print(f"[bench]   idle us/step under the profiler: {idle['short_gaps']:.1f} in gaps < 10 us, "
+                  f"{idle['long_gaps']:.1f} in longer ones, {idle['outside_span']:.1f} before the first / after "
+                  f"the last kernel; longest: " + "; ".join(f"{g['us']:.0f} us {g['after'][:28]} -> "
+                                                          f"{g['before'][:28]}" for g in rec["longest_gaps"][:3]),
+                  flush=True)
 
     del eng
     torch.cuda.empty_cache()

@@ -92,20 +92,33 @@ def overlap_profile(engine: Engine, steps: int) -> dict:
         wall_us = (time.perf_counter() - t0) * 1e6
     syncs = (engine.host_reads.blocking - blocking) / steps
     engine.drain()
-    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
                    if getattr(e, "device_type", None) == DeviceType.CUDA and e.time_range.end > e.time_range.start)
-    busy, cur_start, cur_end = 0.0, None, None
-    for a, b in spans:  # union of the intervals (one stream, but be safe)
+    busy, cur_start, cur_end, prev_name = 0.0, None, None, ""
+    gaps = []  # (idle us, the interval before, the one after)
+    for a, b, name in spans:  # union of the intervals (one stream, but be safe)
         if cur_end is None or a > cur_end:
             if cur_end is not None:
                 busy += cur_end - cur_start
+                gaps.append((a - cur_end, prev_name, name))
             cur_start, cur_end = a, b
         else:
             cur_end = max(cur_end, b)
+        if b >= cur_end:
+            prev_name = name
     if cur_end is not None:
         busy += cur_end - cur_start
+    # where the idle time is: many short gaps between a step's kernels (launch latency, the profiler's own
+    # per-kernel cost) or few long ones (the GPU waiting for the host); what is outside the first to the last
+    # interval is the window's start and end
+    span_us = spans[-1][1] - spans[0][0] if spans else 0.0
+    short = sum(g for g, _, _ in gaps if g < 10.0)
+    top = sorted(gaps, reverse=True)[:5]
     return dict(ms_per_step=wall_us / 1e3 / steps, gpu_busy_fraction=min(busy / wall_us, 1.0),
-                blocking_syncs_per_step=syncs, device_events=len(spans))
+                blocking_syncs_per_step=syncs, device_events=len(spans),
+                idle_us_per_step=dict(short_gaps=short / steps, long_gaps=(sum(g for g, _, _ in gaps) - short) / steps,
+                                      outside_span=max(wall_us - span_us, 0.0) / steps),
+                longest_gaps=[dict(us=round(g, 1), after=p[:60], before=n[:60]) for g, p, n in top])
 
 
 def clear(engine: Engine, rids: list[str]) -> None:

@@ -130,4 +130,7 @@ def test_overlap_record_counts_steps_reads_and_accept_length(overlap):
     assert abs(rec["accept_length"] - 3.0) < 1e-9
     assert rec["blocking_syncs_per_step"] == (0.0 if overlap else 1.0)
     assert "graph_ms_per_step" not in rec  # no graphs on the CPU: no unprofiled busy figure to report
+    # no device intervals on the CPU: all of the window is outside the (empty) span of GPU work
+    idle = rec["idle_us_per_step"]
+    assert idle["short_gaps"] == idle["long_gaps"] == 0 and idle["outside_span"] > 0 and rec["longest_gaps"] == []
     assert not eng.has_unfinished() and eng.caches.req_slots.num_free == 2
