@@ -202,7 +202,10 @@ def layer_timeline(eng, prompt) -> list[dict]:
     timed(eng.scheduler, "schedule")
     timed(worker, "build_batch")
     timed(worker.backend, "init_forward_metadata")
-    hooks.append(layers[0].register_forward_pre_hook(lambda m, a: stages.setdefault("embedding", time.perf_counter())))
+    def embedded(module, args):  # returns None: a pre-hook's return value would replace the layer's arguments
+        stages.setdefault("embedding", time.perf_counter())
+
+    hooks.append(layers[0].register_forward_pre_hook(embedded))
     try:
         rid = eng.add_request(prompt, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
         torch.cuda.synchronize()
