@@ -206,6 +206,10 @@ class ForwardBatch:
     req_slots_cpu: list[int] | None = None
     state_slots_cpu: list[int] | None = None
     seq_lens_cpu: torch.Tensor | None = None  # only when some backend needs it (none of ours does)
+    # EXTEND, on the device: every token's row, and the last fed token and the row of every sampling row
+    token_rows: torch.Tensor | None = None  # [T] int64
+    sample_idx: torch.Tensor | None = None  # [S] int64
+    sample_rows: torch.Tensor | None = None  # [S] int64
     num_padding: int = 0  # padded rows at the tail (CUDA graph replay)
     tokens_per_row: int = 1  # DECODE: 1; TARGET_VERIFY: k + 1
 

@@ -1,6 +1,7 @@
 """Engine behaviour: continuous batching, admission and preemption, stop conditions, abort, seeds."""
 
 import pytest
+import torch
 
 from hylo import LLM, SamplingParams
 from hylo.config import EngineConfig
@@ -143,3 +144,38 @@ def test_scheduled_kv_runs_become_one_triple_per_position():
     plan.kv_starts = [(3, 10), (1, 0), (7, 5)]
     plan.kv_locs = [torch.tensor([50, 51, 52]), torch.tensor([9]), torch.tensor([20, 21])]
     assert plan.kv_triples().tolist() == [[3, 3, 3, 1, 7, 7], [10, 11, 12, 0, 5, 6], [50, 51, 52, 9, 20, 21]]
+
+
+def test_extend_pack_expands_to_the_rows_tokens_positions_and_locations():
+    """An EXTEND step's one host-to-device tensor (engine/extend.py), expanded by the torch reference: the new KV
+    runs land in req_to_token, and every token gets its row's position, location, and input id (the host's prompt
+    tokens, or a decoding row's newest token from the device table); the sampling rows and the sampling
+    parameters of the requests starting their prefill travel with it."""
+    from extend_cases import extend_case
+
+    from hylo.engine.extend import ExtendPack, expand
+
+    plan, r2t, last = extend_case()
+    register = [r for r, p in zip(plan.reqs, plan.prefix_lens) if p == 0]
+    pack = ExtendPack.build(plan, register, vocab_size=500)
+    expected = r2t.clone()
+    for (slot, first), locs in zip(plan.kv_starts, plan.kv_locs):
+        expected[slot, first:first + locs.numel()] = locs.long()
+    ids, pos, loc, rows, lens = expand(pack, pack.meta.clone(), r2t, last)
+    assert torch.equal(r2t, expected)
+    want_ids, want_pos, want_rows = [], [], []
+    for i, (r, n, p, d) in enumerate(zip(plan.reqs, plan.extend_lens, plan.prefix_lens, plan.from_device)):
+        want_ids += [int(last[r.req_slot])] if d else r.prompt_ids[p:p + n]
+        want_pos += list(range(p, p + n))
+        want_rows += [i] * n
+    assert ids.tolist() == want_ids and pos.tolist() == want_pos and rows.tolist() == want_rows
+    slots_of = torch.tensor([plan.reqs[i].req_slot for i in want_rows])
+    assert torch.equal(loc, expected[slots_of, pos])
+    assert lens.tolist() == [p + n for p, n in zip(plan.prefix_lens, plan.extend_lens)]
+    v = pack.views(pack.meta)
+    ends = torch.tensor(plan.extend_lens).cumsum(0) - 1
+    assert v["sample_rows"].tolist() == [i for i, s in enumerate(plan.sample) if s] == [0, 1, 2, 3]
+    assert v["sample_idx"].tolist() == ends[v["sample_rows"]].tolist()
+    assert v["reg_slots"].tolist() == [3] and v["reg_ints"].tolist() == [500, 100, 40]  # top_k 0: the vocabulary
+    assert v["reg_floats"].view(torch.float32).tolist() == [0.0, pytest.approx(0.9)]
+    assert v["req"].tolist() == [3, 5, 1, 7] and v["state"].tolist() == [2, -1, 0, 4]

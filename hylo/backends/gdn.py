@@ -84,15 +84,16 @@ class PrefillIndex:
     all_slots: bool = True  # every row has a state slot (kept_rows is then every row, in order)
 
     @classmethod
-    def build(cls, slots: list[int], lens: list[int], device) -> "PrefillIndex":
+    def build(cls, slots: list[int], lens: list[int], device,
+              token_row: torch.Tensor | None = None) -> "PrefillIndex":
+        """``token_row``: the tokens' rows when the batch has them on the device already (else built here)."""
         kept = [i for i, s in enumerate(slots) if s >= 0]
         cu = torch.tensor([0] + list(lens)).cumsum(0)
         chunks = [(n + FLA_CHUNK - 1) // FLA_CHUNK for n in lens]
         row_of = lambda counts: torch.repeat_interleave(torch.arange(len(counts)),  # noqa: E731
                                                         torch.tensor(counts, dtype=torch.long))
         chunk_pos = torch.cat([torch.arange(c) for c in chunks]) if chunks else torch.zeros(0, dtype=torch.long)
-        parts = dict(token_row=row_of(lens),
-                     slot_or_zero=torch.tensor([max(s, 0) for s in slots], dtype=torch.long),
+        parts = dict(slot_or_zero=torch.tensor([max(s, 0) for s in slots], dtype=torch.long),
                      has_slot=torch.tensor([int(s >= 0) for s in slots], dtype=torch.long),
                      kept_rows=torch.tensor(kept, dtype=torch.long),
                      kept_slots=torch.tensor([slots[i] for i in kept], dtype=torch.long), cu_seqlens=cu,
@@ -104,7 +105,9 @@ class PrefillIndex:
         for name, t in parts.items():
             views[name] = flat[at:at + t.numel()].view(t.shape)
             at += t.numel()
-        return cls(cu_seqlens_cpu=cu, all_slots=len(kept) == len(slots), **views)
+        if token_row is None:
+            token_row = row_of(lens).to(device, non_blocking=True)
+        return cls(cu_seqlens_cpu=cu, all_slots=len(kept) == len(slots), token_row=token_row, **views)
 
 
 class GDNBackend(Backend):
@@ -254,7 +257,7 @@ class GDNBackend(Backend):
         a forward that was called directly)."""
         if self._prefill is None or self._prefill[0] is not batch:
             self._prefill = (batch, PrefillIndex.build(batch.state_slots_cpu, batch.extend_lens_cpu,
-                                                       self.state_pool.recurrent.device))
+                                                       self.state_pool.recurrent.device, batch.token_rows))
         return self._prefill[1]
 
     def _chunk_fla(self, rec_pool, planes, a, b, params, shape, batch, qk_normed=False):

@@ -67,6 +67,11 @@ class ReqSlots:
         self.sampling_f[idx] = torch.tensor(floats, dtype=torch.float32).to(dev, non_blocking=True)
         self.sampling_i[idx] = torch.tensor(ints, dtype=torch.int64).to(dev, non_blocking=True)
 
+    def write_sampling_rows(self, slots: torch.Tensor, floats: torch.Tensor, ints: torch.Tensor) -> None:
+        """:meth:`write_sampling` from tensors already on the device: slots [S], floats [S, 2], ints [S, 3]."""
+        self.sampling_f[slots] = floats
+        self.sampling_i[slots] = ints
+
     def record(self, slots: torch.Tensor, seq_lens: torch.Tensor, sampled_slots: torch.Tensor | None = None,
                tokens: torch.Tensor | None = None) -> None:
         """After a step, on the device: the committed lengths of its rows and the new tokens of its sampling rows."""

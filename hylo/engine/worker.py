@@ -14,6 +14,7 @@ from ..core import ForwardBatch, ForwardMode, SamplingBatch
 from ..models.qwen3_next import Qwen3NextForCausalLM
 from ..ops.sampling import sample
 from ..ops.triton_utils import use_triton
+from .extend import ExtendPack, expand
 from .graphs import GraphRunner
 from .scheduler import ScheduledBatch
 
@@ -36,17 +37,6 @@ class StepResult:
         if self.packed is not None:
             return self.packed
         return self.tokens if self.counts is None else torch.cat([self.tokens, self.counts[:, None]], dim=1)
-
-
-def sampling_rows(sched: ScheduledBatch) -> tuple[list[int], list[int]]:
-    """For every row that samples in this step: the index of its last fed token, and the row itself."""
-    tok_idx, rows, total = [], [], 0
-    for row, (n, keep) in enumerate(zip(sched.extend_lens, sched.sample)):
-        total += n
-        if keep:
-            tok_idx.append(total - 1)
-            rows.append(row)
-    return tok_idx, rows
 
 
 def all_greedy(reqs) -> bool:
@@ -78,63 +68,47 @@ class ModelWorker:
         one, their positions too, from the device tables: the host may not know them yet (overlap loop).
         Verify rows feed their newest token and then their drafts, ``drafts[req_slot]`` (a device table).
         ``input_ids`` overrides the fed tokens altogether."""
-        slots = self.caches.req_slots
-        slots.write_locations(sched.kv_triples())
-        self.register_sampling([r for r, p in zip(sched.reqs, sched.prefix_lens) if p == 0])
-        dev = self.device
-        req_slots_cpu = [r.req_slot for r in sched.reqs]
-        state_slots_cpu = [r.state_slot for r in sched.reqs]
-        req_slots, state_slots = _dev([req_slots_cpu, state_slots_cpu], dev)  # one copy for both
+        slots, dev = self.caches.req_slots, self.device
         max_seq_len = max(p + n for p, n in zip(sched.prefix_lens, sched.extend_lens))
         if all(sched.from_device):  # DECODE / TARGET_VERIFY: everything comes from the device tables
+            slots.write_locations(sched.kv_triples())
+            req_slots, state_slots = _dev([[r.req_slot for r in sched.reqs], [r.state_slot for r in sched.reqs]],
+                                          dev)  # one copy for both
             return self.table_batch(sched.mode, sched.extend_lens[0], req_slots, state_slots, max_seq_len, drafts,
                                     input_ids)
-        # EXTEND: prefill chunks, known to the host; decoding rows riding along (plain decoding only) feed one
-        # token at a position the host knows exactly, the token itself from the device table
-        # tokens, per-token positions and request slots, built with tensor ops on the host (Python lists of 8192
-        # ints per field cost milliseconds before the first kernel), then one copy for all three fields
-        total = sum(sched.extend_lens)
-        host = torch.empty(3, total, dtype=torch.int64)
-        dev_idx, dev_slots, start = [], [], 0
-        for req, n, prefix, from_dev in zip(sched.reqs, sched.extend_lens, sched.prefix_lens, sched.from_device):
-            if from_dev:
-                assert n == 1 and not req.inflight_verify
-                dev_idx.append(start)
-                dev_slots.append(req.req_slot)
-            else:
-                host[0, start:start + n] = req.token_tensor(prefix, prefix + n)
-            start += n
-        if dev_idx:  # a placeholder: the token itself comes from the device table below
-            host[0, dev_idx] = 0
-        lens = torch.tensor(sched.extend_lens, dtype=torch.int64)
-        per_row = torch.tensor([sched.prefix_lens, req_slots_cpu], dtype=torch.int64)
-        qsl = torch.cat([lens.new_zeros(1), lens.cumsum(0)])
-        row = torch.repeat_interleave(torch.arange(len(lens)), lens, output_size=total)
-        torch.add(torch.arange(total) - qsl[row], per_row[0, row], out=host[1])
-        host[2] = per_row[1, row]
-        tokens, positions, tok_slots = host.to(dev, non_blocking=True)
-        seq_lens = per_row[0] + lens
-        if input_ids is None:
-            input_ids = tokens
-            if dev_idx:
-                input_ids[_dev(dev_idx, dev)] = slots.last_token[_dev(dev_slots, dev)]
+        # EXTEND: prefill chunks, known to the host, and decoding rows riding along (plain decoding only), which
+        # feed one token at a position the host knows exactly, the token itself from the device table. One copy
+        # of everything the host knows, expanded per token on the device (engine/extend.py).
+        assert all(n == 1 and not r.inflight_verify
+                   for r, n, d in zip(sched.reqs, sched.extend_lens, sched.from_device) if d)
+        register = [r for r, p in zip(sched.reqs, sched.prefix_lens) if p == 0]
+        pack = ExtendPack.build(sched, register, self.vocab_size)
+        meta = pack.meta.to(dev, non_blocking=True)
+        v = pack.views(meta)
+        if register:
+            slots.write_sampling_rows(v["reg_slots"], v["reg_floats"].view(torch.float32).view(-1, 2),
+                                      v["reg_ints"].view(-1, 3))
+        ids, positions, locs, token_rows, seq_lens = expand(pack, meta, slots.req_to_token, slots.last_token)
         batch = ForwardBatch(
             mode=sched.mode,
-            input_ids=input_ids,
+            input_ids=ids if input_ids is None else input_ids,
             positions=positions,
-            req_slots=req_slots,
-            state_slots=state_slots,
-            seq_lens=seq_lens.to(dev, non_blocking=True),
-            query_start_loc=qsl.to(dev, non_blocking=True),
-            out_cache_loc=slots.req_to_token[tok_slots, positions],
+            req_slots=v["req"],
+            state_slots=v["state"],
+            seq_lens=seq_lens,
+            query_start_loc=v["qsl"],
+            out_cache_loc=locs,
             max_seq_len=max_seq_len,
             extend_lens_cpu=list(sched.extend_lens),
             prefix_lens_cpu=list(sched.prefix_lens),
-            req_slots_cpu=req_slots_cpu,
-            state_slots_cpu=state_slots_cpu,
+            req_slots_cpu=[r.req_slot for r in sched.reqs],
+            state_slots_cpu=[r.state_slot for r in sched.reqs],
+            token_rows=token_rows,
+            sample_idx=v["sample_idx"],
+            sample_rows=v["sample_rows"],
         )
         if self.backend.needs_cpu_seq_lens:
-            batch.seq_lens_cpu = seq_lens
+            batch.seq_lens_cpu = torch.tensor([p + n for p, n in zip(sched.prefix_lens, sched.extend_lens)])
         return batch
 
     def table_batch(self, mode: ForwardMode, n: int, req_slots: torch.Tensor, state_slots: torch.Tensor,
@@ -273,8 +247,7 @@ class ModelWorker:
         if batch.mode is ForwardMode.DECODE:
             last, rows = hidden, None
         else:
-            tok_idx, row_idx = sampling_rows(sched)
-            last, rows = hidden[_dev(tok_idx, self.device)], _dev(row_idx, self.device)
+            last, rows = hidden[batch.sample_idx], batch.sample_rows
         if not sampled:
             self.caches.req_slots.record(batch.req_slots, batch.seq_lens)
             return StepResult(torch.empty(0, 1, dtype=torch.int64, device=self.device))

@@ -198,3 +198,87 @@ def accept_record(best: torch.Tensor, input_ids: torch.Tensor, req_slots: torch.
             accepted, emitted, packed, rows, K=k1 - 1, BK=triton.next_power_of_2(k1), FORCED=forced is not None,
             BLOCK=block, num_warps=4)
     return emitted, accepted, packed
+
+
+# ---- an EXTEND step's inputs (engine/extend.py packs them; its expand_ref is the reference) ------------------------
+@triton.jit
+def _last_at_most(start_ptr, n, x, BLOCK: tl.constexpr):
+    """For each x: the largest index j < n with start[j] <= x (start ascending, start[0] <= x): a branchless binary
+    search, about log2(n) gathers."""
+    lo = tl.zeros([BLOCK], tl.int64)
+    size = n
+    while size > 1:
+        half = size // 2
+        mid = lo + half
+        lo = tl.where(tl.load(start_ptr + mid) <= x, mid, lo)
+        size = size - half
+    return lo
+
+
+@triton.jit
+def _extend_runs_kernel(meta_ptr, r2t_ptr, stride_r2t, BLOCK: tl.constexpr):
+    """Program p: locations [p * BLOCK, (p + 1) * BLOCK) of the step's runs, req_to_token[slot, first + j] = loc."""
+    w = tl.load(meta_ptr + 1)
+    runs = tl.load(meta_ptr + 2)
+    locs_ptr = meta_ptr + tl.load(meta_ptr + 5)
+    slot_ptr = meta_ptr + tl.load(meta_ptr + 6)
+    first_ptr = meta_ptr + tl.load(meta_ptr + 7)
+    start_ptr = meta_ptr + tl.load(meta_ptr + 8)
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    m = i < w
+    r = _last_at_most(start_ptr, runs, i, BLOCK)
+    col = tl.load(first_ptr + r, mask=m, other=0) + i - tl.load(start_ptr + r, mask=m, other=0)
+    slot = tl.load(slot_ptr + r, mask=m, other=0)
+    tl.store(r2t_ptr + slot * stride_r2t + col, tl.load(locs_ptr + i, mask=m, other=0), mask=m)
+
+
+@triton.jit
+def _extend_rows_kernel(meta_ptr, r2t_ptr, stride_r2t, last_ptr, out_ptr, BLOCK: tl.constexpr):
+    """Program p: tokens [p * BLOCK, (p + 1) * BLOCK): each token's row (by its query offsets), position, KV
+    location (read from req_to_token, after the runs kernel wrote the new ones), and input id (the host's, or the
+    row's newest token from the device table where the row is a decoding one). Program 0 also writes the rows'
+    lengths. ``out``: ids, positions, locations, rows [T] each, then lengths [B]."""
+    t_all = tl.load(meta_ptr + 0)
+    rows = tl.load(meta_ptr + 3)
+    tok_ptr = meta_ptr + tl.load(meta_ptr + 4)
+    req_ptr = meta_ptr + tl.load(meta_ptr + 9)
+    prefix_ptr = meta_ptr + tl.load(meta_ptr + 11)
+    qsl_ptr = meta_ptr + tl.load(meta_ptr + 12)
+    dev_ptr = meta_ptr + tl.load(meta_ptr + 13)
+    t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    m = t < t_all
+    row = _last_at_most(qsl_ptr, rows, t, BLOCK)
+    pos = tl.load(prefix_ptr + row, mask=m, other=0) + t - tl.load(qsl_ptr + row, mask=m, other=0)
+    slot = tl.load(req_ptr + row, mask=m, other=0)
+    from_dev = tl.load(dev_ptr + row, mask=m, other=0) != 0
+    ids = tl.where(from_dev, tl.load(last_ptr + slot, mask=m & from_dev, other=0),
+                   tl.load(tok_ptr + t, mask=m, other=0))
+    tl.store(out_ptr + t, ids, mask=m)
+    tl.store(out_ptr + t_all + t, pos, mask=m)
+    tl.store(out_ptr + 2 * t_all + t, tl.load(r2t_ptr + slot * stride_r2t + pos, mask=m, other=0), mask=m)
+    tl.store(out_ptr + 3 * t_all + t, row, mask=m)
+    if tl.program_id(0) == 0:
+        b0 = 0
+        while b0 < rows:
+            b = b0 + tl.arange(0, BLOCK).to(tl.int64)
+            mb = b < rows
+            n = tl.load(qsl_ptr + b + 1, mask=mb, other=0) - tl.load(qsl_ptr + b, mask=mb, other=0)
+            tl.store(out_ptr + 4 * t_all + b, tl.load(prefix_ptr + b, mask=mb, other=0) + n, mask=mb)
+            b0 += BLOCK
+
+
+EXTEND_BLOCK = 1024
+
+
+def extend_tables(meta: torch.Tensor, t: int, w: int, b: int, req_to_token: torch.Tensor,
+                  last_token: torch.Tensor):
+    """``engine.extend.expand`` in two launches: ``meta`` is the packed step on the device (its header gives the
+    kernels the sizes and the fields' offsets), with ``t`` tokens, ``w`` new locations and ``b`` rows."""
+    out = torch.empty(4 * t + b, dtype=torch.int64, device=req_to_token.device)
+    if w:
+        _extend_runs_kernel[(triton.cdiv(w, EXTEND_BLOCK),)](meta, req_to_token, req_to_token.stride(0),
+                                                             BLOCK=EXTEND_BLOCK, num_warps=4)
+    _extend_rows_kernel[(triton.cdiv(t, EXTEND_BLOCK),)](meta, req_to_token, req_to_token.stride(0), last_token, out,
+                                                         BLOCK=EXTEND_BLOCK, num_warps=4)
+    ids, pos, loc, row = out[:4 * t].view(4, t)
+    return ids, pos, loc, row, out[4 * t:]

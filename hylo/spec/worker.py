@@ -14,7 +14,7 @@ import torch
 from ..core import ForwardMode, SamplingBatch
 from ..engine.scheduler import ScheduledBatch
 from ..engine.graphs import GraphRunner
-from ..engine.worker import ModelWorker, StepResult, _dev, all_greedy, sampling_rows
+from ..engine.worker import ModelWorker, StepResult, _dev, all_greedy
 from ..ops.sampling import greedy_tokens, sample, sampling_probs, uniform_noise
 from ..ops.triton_utils import use_triton
 from .verify import greedy_accept, rejection_accept
@@ -94,13 +94,12 @@ class SpecWorker:
         tw = self.target
         batch = tw.build_batch(sched)
         hidden = tw.forward_hidden(batch)
-        tok_idx_list, row_idx_list = sampling_rows(sched)
         ends = (torch.tensor(sched.extend_lens).cumsum(0) - 1).tolist()  # host lists, no device read
         # the token after each fed chunk, for the drafter's pairs: known unless it is being sampled now
         next_host = [0 if keep else req.token_at(prefix + n)
                      for req, n, prefix, keep in zip(sched.reqs, sched.extend_lens, sched.prefix_lens, sched.sample)]
         dev = tw.device
-        tok_idx, row_idx = _dev(tok_idx_list, dev), _dev(row_idx_list, dev)
+        tok_idx, row_idx = batch.sample_idx, batch.sample_rows  # in the batch's one copy
         sampled_reqs = [r for r, keep in zip(sched.reqs, sched.sample) if keep]
         sb = tw.sampling_batch(sched, batch, row_idx, sampled_reqs)
         tokens = (sample(tw.model.compute_logits(hidden[tok_idx]), sb) if sampled_reqs

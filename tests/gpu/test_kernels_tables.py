@@ -134,3 +134,26 @@ def test_accept_record_equals_greedy_accept_and_record(dev, rows, k, simulated):
     assert torch.equal(out_a.cpu(), accepted) and torch.equal(out_e.cpu(), emitted)
     assert torch.equal(packed.cpu(), torch.cat([emitted, accepted[:, None] + 1], 1))
     assert torch.equal(t.last_token, ref.last_token) and torch.equal(t.seq_len, ref.seq_len)
+
+
+@pytest.mark.parametrize("seed,big", [(0, False), (1, True)])
+def test_extend_kernels_equal_the_torch_expansion(dev, seed, big):
+    """An EXTEND step's two launches (``tables_triton.extend_tables``) against ``engine.extend.expand_ref``: rows
+    found by binary search over the query offsets, runs over the new locations (one reaching past the fed tokens,
+    one row with none), a decoding row's token from the device table; ``big``: more tokens and locations than one
+    program's block (5700 tokens, 5700 new locations)."""
+    from extend_cases import extend_case
+
+    from hylo.engine.extend import ExtendPack, expand_ref
+    from hylo.ops.tables_triton import extend_tables
+
+    plan, r2t, last = extend_case(seed, big)
+    pack = ExtendPack.build(plan, [], vocab_size=500)
+    ref_r2t = r2t.clone()
+    ref = expand_ref(pack.views(pack.meta), ref_r2t, last)
+    r2t_d = r2t.to(dev)
+    t, w, b = (pack.spans[f][1] for f in ("tokens", "locs", "req"))
+    got = extend_tables(pack.meta.to(dev), t, w, b, r2t_d, last.to(dev))
+    assert torch.equal(r2t_d.cpu(), ref_r2t)
+    for name, a, e in zip(("ids", "positions", "locations", "rows", "lengths"), got, ref):
+        assert torch.equal(a.cpu(), e), name
