@@ -185,7 +185,8 @@ def run_bench(model_name: str = "bench-6b", vs_hf: bool = False, quick: bool = F
             records.append(rec)
             save()
             print(f"[bench] overlap={overlap} spec mtp bs={bs}: {rec['ms_per_step']:.2f} ms/step, "
-                  f"{rec['ms_per_token']:.3f} ms/token, GPU busy {rec['gpu_busy_fraction']:.3f}, "
+                  f"{rec['ms_per_token']:.3f} ms/token, GPU busy {rec['gpu_busy_fraction']:.3f} "
+                  f"(steady window {rec['gpu_busy_fraction_steady']:.3f}), "
                   f"{rec['blocking_syncs_per_step']:.2f} blocking reads/step"
                   + (f"; unprofiled: {rec['wall_ms_per_step_unprofiled']:.2f} ms/step, graph alone "
                      f"{rec['graph_ms_per_step']:.2f} ms, busy {rec['gpu_busy_fraction_unprofiled']:.3f}"

@@ -133,4 +133,24 @@ def test_overlap_record_counts_steps_reads_and_accept_length(overlap):
     # no device intervals on the CPU: all of the window is outside the (empty) span of GPU work
     idle = rec["idle_us_per_step"]
     assert idle["short_gaps"] == idle["long_gaps"] == 0 and idle["outside_span"] > 0 and rec["longest_gaps"] == []
+    assert rec["gpu_busy_fraction"] == rec["gpu_busy_fraction_steady"] == 0.0
     assert not eng.has_unfinished() and eng.caches.req_slots.num_free == 2
+
+
+def test_busy_is_the_union_of_device_intervals_and_lists_the_gaps():
+    """The overlap records' arithmetic on a made-up trace: overlapping intervals (PDL) count once, host events are
+    ignored, the span runs from the first start to the latest end, and each gap names its neighbours."""
+    from types import SimpleNamespace as NS
+
+    from torch.autograd import DeviceType
+
+    from hylo.bench_steps import _busy
+
+    def ev(name, a, b, dev=DeviceType.CUDA):
+        return NS(name=name, device_type=dev, time_range=NS(start=a, end=b))
+
+    prof = NS(events=lambda: [ev("k1", 0, 10), ev("k2", 8, 30), ev("host", 30, 90, DeviceType.CPU),
+                              ev("k3", 35, 40), ev("k4", 40, 45), ev("k5", 100, 101), ev("k6", 50, 60)])
+    busy, span, gaps = _busy(prof)
+    assert busy == 30 + 10 + 10 + 1 and span == 101
+    assert gaps == [(5, "k2", "k3"), (5, "k4", "k6"), (40, "k6", "k5")]
