@@ -201,6 +201,9 @@ def accept_record(best: torch.Tensor, input_ids: torch.Tensor, req_slots: torch.
 
 
 # ---- an EXTEND step's inputs (engine/extend.py packs them; its expand_ref is the reference) ------------------------
+# The packed tensor's header, as the kernels read it: [0] tokens T, [1] new locations W, [2] runs R, [3] rows B,
+# then the offsets of the fields in engine.extend.FIELDS order: [4] tokens, [5] locs, [6] run_slot,
+# [7] run_first, [8] run_start, [9] req, [10] state, [11] prefix, [12] qsl, [13] dev, ... (the rest is the host's)
 @triton.jit
 def _last_at_most(start_ptr, n, x, BLOCK: tl.constexpr):
     """For each x: the largest index j < n with start[j] <= x (start ascending, start[0] <= x): a branchless binary
