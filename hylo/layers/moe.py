@@ -12,8 +12,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from .weights import TensorReader, copy_into
-from ..ops.linear import narrow
-from ..ops.moe import fused_moe, route
+from ..ops.moe import fused_moe, route_hidden
 
 
 def _load_gate_up(r: TensorReader, prefix: str, inter: int, hidden: int) -> torch.Tensor:
@@ -66,8 +65,7 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         """[T, H]; with ``reduce=False`` possibly the unreduced pair rows [T, k, H] (the fast path's), which the
         residual add that follows sums (``ops.norm.add_rms_norm``): one pass over them fewer per layer."""
-        weights, ids = route(narrow(x, self.router), self.num_experts, self.top_k, self.norm_topk,
-                             self.fold_shared, x.dtype)
+        weights, ids = route_hidden(x, self.router, self.num_experts, self.top_k, self.norm_topk, self.fold_shared)
         out = fused_moe(x, self.w13, self.w2, weights, ids, reduce=reduce or self.shared is not None)
         if self.shared is not None:
             out = out + torch.sigmoid(F.linear(x, self.shared_gate)) * self.shared(x)

@@ -5,10 +5,15 @@ Expert weights are held fused: ``w13[E, 2I, H]`` (gate rows then up rows) and ``
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
+from .linear import narrow
 from .triton_utils import use_triton
+
+FUSED_ROUTER = os.environ.get("HYLO_FUSED_ROUTER") == "1"
 
 
 def route(router_logits: torch.Tensor, num_experts: int, top_k: int, normalize: bool, shared: bool,
@@ -32,6 +37,20 @@ def route(router_logits: torch.Tensor, num_experts: int, top_k: int, normalize: 
         weights = torch.cat([weights, gate], dim=1)
         ids = torch.cat([ids, torch.full_like(ids[:, :1], num_experts)], dim=1)
     return weights, ids
+
+
+def route_hidden(x: torch.Tensor, router: torch.Tensor, num_experts: int, top_k: int, normalize: bool,
+                 shared: bool):
+    """:func:`route` of the router's logits ``x @ router^T`` (router [E (+1), H]), in x's dtype. With
+    ``HYLO_FUSED_ROUTER=1``, on the Triton path and for at most a few tokens (batch-1 decode and verify), the
+    router GEMV and the routing are one launch (``moe_route_triton.router_route``); not yet measured on the H200,
+    so off by default."""
+    if use_triton(x) and FUSED_ROUTER and x.stride(-1) == 1 and router.is_contiguous() and x.shape[1] % 128 == 0:
+        from .moe_route_triton import ROUTER_FUSED_MAX_TOKENS, router_route
+
+        if x.shape[0] <= ROUTER_FUSED_MAX_TOKENS:
+            return router_route(x, router, num_experts, top_k, normalize, shared)
+    return route(narrow(x, router), num_experts, top_k, normalize, shared, x.dtype)
 
 
 def route_topk(router_logits: torch.Tensor, top_k: int, normalize: bool):

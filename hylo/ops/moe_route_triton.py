@@ -88,3 +88,64 @@ def route(logits: torch.Tensor, num_experts: int, top_k: int, normalize: bool, s
                                  E=num_experts, K=top_k, KP=kp, BE=_experts_block(num_experts, shared),
                                  NORM=normalize, SHARED=shared, SPLIT=split, num_warps=1, **pdl_launch(logits))
     return w, ids
+
+
+# ---- the router GEMV and the routing in one launch (few tokens) ------------------------------------------------
+@triton.jit
+def _router_route_kernel(x_ptr, w_ptr, part_ptr, count_ptr, wts_ptr, ids_ptr, M, stride_x, H: tl.constexpr,
+                         E: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BE: tl.constexpr, BM: tl.constexpr,
+                         BK: tl.constexpr, NORM: tl.constexpr, SHARED: tl.constexpr, PREC: tl.constexpr,
+                         PDL: tl.constexpr = False):
+    """Program s: the router logits' partial sum over hidden columns [s * BK, (s + 1) * BK) for the M (<= BM) tokens
+    and every expert (and the shared expert's gate), stored as float32 rows; the last program to finish (an atomic
+    count, which also orders the other programs' stores before its loads) sums the partials, rounds them to the
+    weights' dtype as a plain matmul's logits are, routes each token as ``_route_kernel`` does, and resets the
+    count for the next launch."""
+    pdl_enter(PDL)
+    s = tl.program_id(0)
+    splits = tl.num_programs(0)
+    offs_m = tl.arange(0, BM)
+    offs_e = tl.arange(0, BE)
+    offs_k = s * BK + tl.arange(0, BK)
+    mm = offs_m < M
+    me = offs_e < E + SHARED
+    x = tl.load(x_ptr + offs_m[:, None] * stride_x + offs_k[None, :], mask=mm[:, None], other=0.0)
+    w = tl.load(w_ptr + offs_e[:, None] * H + offs_k[None, :], mask=me[:, None], other=0.0)
+    part = tl.dot(x, tl.trans(w), input_precision=PREC)  # [BM, BE]
+    tl.store(part_ptr + (s * BM + offs_m[:, None]) * BE + offs_e[None, :], part)
+    if tl.atomic_add(count_ptr, 1) == splits - 1:
+        tl.atomic_xchg(count_ptr, 0)
+        t = 0
+        while t < M:
+            logits = tl.zeros([BE], dtype=tl.float32)
+            j = 0
+            while j < splits:  # while loops: the interpreter cannot run a for loop with run-time bounds
+                logits += tl.load(part_ptr + (j * BM + t) * BE + offs_e, cache_modifier=".cg")
+                j += 1
+            logits = logits.to(wts_ptr.dtype.element_ty).to(tl.float32)
+            _select_topk(logits, offs_e, t, wts_ptr, ids_ptr, E, K, KP, NORM, SHARED)
+            t += 1
+
+
+ROUTER_FUSED_MAX_TOKENS = 4  # batch-1 decode and a batch-1 verify of k = 3; the last program routes them in turn
+_ROUTER_SCRATCH: dict = {}  # device -> (partials, the count left at 0 by every launch)
+
+
+def router_route(x: torch.Tensor, router: torch.Tensor, num_experts: int, top_k: int, normalize: bool,
+                 shared: bool):
+    """``route(x @ router^T, ...)`` in one launch for x [M <= ROUTER_FUSED_MAX_TOKENS, H] (unit column stride) and
+    router [E (+1), H] contiguous, H a multiple of 128. Returns (weights [M, k (+1)] in x's dtype, ids int64)."""
+    tokens, hidden = x.shape
+    bk, bm, be = 128, 16, _experts_block(num_experts, shared)
+    splits = hidden // bk
+    kp, w, ids = _route_out(tokens, top_k, shared, x.dtype, x.device)
+    have = _ROUTER_SCRATCH.get(x.device)
+    if have is None or have[0].numel() < splits * bm * be:
+        have = _ROUTER_SCRATCH[x.device] = (torch.empty(splits * bm * be, dtype=torch.float32, device=x.device),
+                                            torch.zeros(1, dtype=torch.int32, device=x.device))
+    if tokens:
+        _router_route_kernel[(splits,)](x, router, have[0], have[1], w, ids, tokens, x.stride(0), H=hidden,
+                                        E=num_experts, K=top_k, KP=kp, BE=be, BM=bm, BK=bk, NORM=normalize,
+                                        SHARED=shared, PREC="ieee" if x.dtype == torch.float32 else "tf32",
+                                        num_warps=4, **pdl_launch(x))
+    return w, ids

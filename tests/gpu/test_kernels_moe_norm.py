@@ -264,3 +264,23 @@ def test_prefill_counting_sort_of_pairs_equals_a_stable_argsort(dev, tokens, exp
     assert torch.equal(tok.cpu(), order // top_k)
     assert torch.equal(pos.cpu()[order], torch.arange(ids.numel()))
     assert torch.equal(ends.cpu(), torch.bincount(ids, minlength=experts).cumsum(0).int())
+
+
+@pytest.mark.parametrize("tokens,shared,dtype", [(1, True, torch.bfloat16), (4, True, torch.float32),
+                                                 (3, False, torch.bfloat16)])
+def test_fused_router_routes_like_the_router_gemv_then_routing(dev, tokens, shared, dtype):
+    """``router_route`` (the router GEMV and the routing in one launch, ``HYLO_FUSED_ROUTER=1``) against the two
+    launches it replaces (the split GEMV's partials, then ``route``), twice in a row: the last program resets the
+    count that picks it, so a second launch (a graph replay) routes again."""
+    from hylo.ops.linear import narrow
+    from hylo.ops.moe_route_triton import route, router_route
+
+    experts, top_k, hidden = 64, 10, 512
+    g = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, hidden, generator=g).to(dtype).to(dev)
+    router = (torch.randn(experts + int(shared), hidden, generator=g) * 0.05).to(dtype).to(dev)
+    rw, rids = route(narrow(x, router), experts, top_k, True, shared, dtype)
+    for _ in range(2):
+        w, ids = router_route(x, router, experts, top_k, True, shared)
+        assert torch.equal(ids, rids)
+        assert torch.allclose(w.float(), rw.float(), atol=1e-2 if dtype == torch.bfloat16 else 1e-6)
