@@ -8,8 +8,9 @@ from hylo.core import ForwardMode, Req, SamplingParams
 from hylo.engine.scheduler import ScheduledBatch
 
 
-def extend_case(seed: int = 0, big: bool = False):
-    """A ScheduledBatch and the request tables (req_to_token [S+1, C], last_token [S+1]) before the step."""
+def extend_case(seed: int = 0, big: bool = False, runs: bool = True):
+    """A ScheduledBatch and the request tables (req_to_token [S+1, C], last_token [S+1]) before the step; without
+    ``runs``, every location was reserved before the step (no new run)."""
     g = torch.Generator().manual_seed(seed)
     ctx = 6000 if big else 64
     r2t = torch.randint(1, 10_000, (9, ctx), generator=g)
@@ -33,7 +34,7 @@ def extend_case(seed: int = 0, big: bool = False):
         plan.prefix_lens.append(prefix)
         plan.sample.append(dev or prefix + n == plen)
         plan.from_device.append(dev)
-        if run is not None:
+        if run is not None and runs:
             plan.kv_starts.append((slot, run[0]))
             plan.kv_locs.append(torch.randint(20_000, 30_000, (run[1],), generator=g, dtype=torch.int32))
     return plan, r2t, last

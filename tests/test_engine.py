@@ -146,16 +146,17 @@ def test_scheduled_kv_runs_become_one_triple_per_position():
     assert plan.kv_triples().tolist() == [[3, 3, 3, 1, 7, 7], [10, 11, 12, 0, 5, 6], [50, 51, 52, 9, 20, 21]]
 
 
-def test_extend_pack_expands_to_the_rows_tokens_positions_and_locations():
+@pytest.mark.parametrize("runs", [True, False])
+def test_extend_pack_expands_to_the_rows_tokens_positions_and_locations(runs):
     """An EXTEND step's one host-to-device tensor (engine/extend.py), expanded by the torch reference: the new KV
     runs land in req_to_token, and every token gets its row's position, location, and input id (the host's prompt
     tokens, or a decoding row's newest token from the device table); the sampling rows and the sampling
-    parameters of the requests starting their prefill travel with it."""
+    parameters of the requests starting their prefill travel with it. Without ``runs``, no location is new."""
     from extend_cases import extend_case
 
     from hylo.engine.extend import ExtendPack, expand
 
-    plan, r2t, last = extend_case()
+    plan, r2t, last = extend_case(runs=runs)
     register = [r for r, p in zip(plan.reqs, plan.prefix_lens) if p == 0]
     pack = ExtendPack.build(plan, register, vocab_size=500)
     expected = r2t.clone()

@@ -136,18 +136,18 @@ def test_accept_record_equals_greedy_accept_and_record(dev, rows, k, simulated):
     assert torch.equal(t.last_token, ref.last_token) and torch.equal(t.seq_len, ref.seq_len)
 
 
-@pytest.mark.parametrize("seed,big", [(0, False), (1, True)])
-def test_extend_kernels_equal_the_torch_expansion(dev, seed, big):
+@pytest.mark.parametrize("seed,big,runs", [(0, False, True), (1, True, True), (2, False, False)])
+def test_extend_kernels_equal_the_torch_expansion(dev, seed, big, runs):
     """An EXTEND step's two launches (``tables_triton.extend_tables``) against ``engine.extend.expand_ref``: rows
     found by binary search over the query offsets, runs over the new locations (one reaching past the fed tokens,
     one row with none), a decoding row's token from the device table; ``big``: more tokens and locations than one
-    program's block (5700 tokens, 5700 new locations)."""
+    program's block (5700 tokens, 5700 new locations); without ``runs``, no new location at all."""
     from extend_cases import extend_case
 
     from hylo.engine.extend import ExtendPack, expand_ref
     from hylo.ops.tables_triton import extend_tables
 
-    plan, r2t, last = extend_case(seed, big)
+    plan, r2t, last = extend_case(seed, big, runs)
     pack = ExtendPack.build(plan, [], vocab_size=500)
     ref_r2t = r2t.clone()
     ref = expand_ref(pack.views(pack.meta), ref_r2t, last)
