@@ -27,8 +27,9 @@ bench() {  # bench TIMEOUT [bench options]: hylo bench --pdl (TIMEOUT 0: no limi
 }
 
 gputests() {
-  timeout 450 python3 -m pytest -q -p no:cacheprovider tests/gpu > "$out/gputests.txt" 2>&1
+  timeout 450 python3 -m pytest -q -p no:cacheprovider --durations=12 tests/gpu > "$out/gputests.txt" 2>&1
   echo "pytest rc=$?"; grep -E "passed|failed|FAILED|Error" "$out/gputests.txt" | tail -15
+  grep -A13 "slowest" "$out/gputests.txt" | cut -c1-110  # where the suite's time goes
 }
 
 launches() {  # every launch of one graph-replayed step, in order (which neighbours to fuse, where the idle gaps are)
