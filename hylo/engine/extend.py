@@ -82,6 +82,7 @@ class ExtendPack:
             pieces.append(t)
             at += t.numel()
         header = [spans["tokens"][1], spans["locs"][1], len(starts), rows] + [spans[f][0] for f in FIELDS]
+        assert len(header) <= HEADER
         pieces.insert(0, torch.tensor(header + [0] * (HEADER - len(header)), dtype=torch.int64))
         return cls(torch.cat(pieces), spans)
 
