@@ -45,6 +45,9 @@ class DecoderLayer(nn.Module):
         # partials, expert pairs); the add_rms_norm that follows sums them. Across ranks they are reduced first.
         reduce = self.tp.size > 1
         h = self.tp.all_reduce(self.mixer(h, batch, backend, reduce=reduce))
+        if isinstance(self.mlp, SparseMoE):  # the norm and the routing together (one launch on the decode path)
+            residual, h, routing = self.mlp.add_norm_route(residual, h, self.post_norm)
+            return self.tp.all_reduce(self.mlp(h, reduce=reduce, routing=routing)), residual
         residual, h = add_rms_norm(residual, h, self.post_norm.weight, self.post_norm.eps)
         return self.tp.all_reduce(self.mlp(h, reduce=reduce)), residual
 

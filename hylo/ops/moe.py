@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from .linear import narrow
+from .norm import add_rms_norm
 from .triton_utils import use_triton
 
 FUSED_ROUTER = os.environ.get("HYLO_FUSED_ROUTER") == "1"
@@ -51,6 +52,23 @@ def route_hidden(x: torch.Tensor, router: torch.Tensor, num_experts: int, top_k:
         if x.shape[0] <= ROUTER_FUSED_MAX_TOKENS:
             return router_route(x, router, num_experts, top_k, normalize, shared)
     return route(narrow(x, router), num_experts, top_k, normalize, shared, x.dtype)
+
+
+def add_norm_route(x: torch.Tensor, delta: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                   router: torch.Tensor, num_experts: int, top_k: int, normalize: bool, shared: bool):
+    """The residual step before a MoE and its routing: ``add_rms_norm(x, delta, ...)``, then :func:`route_hidden`
+    of the normed rows. Returns (new residual, normed rows, (weights, ids)). With ``HYLO_FUSED_ROUTER=1`` on the
+    Triton path and for at most a few tokens, all of it is one launch (``moe_route_triton.norm_router_route``)."""
+    if (use_triton(x) and FUSED_ROUTER and x.dim() == 2 and x.shape[1] % 128 == 0 and router.is_contiguous()
+            and norm_weight.is_contiguous()):
+        from .moe_route_triton import ROUTER_FUSED_MAX_TOKENS, norm_router_route
+
+        if x.shape[0] <= ROUTER_FUSED_MAX_TOKENS:
+            res, y, w, ids = norm_router_route(x, delta, norm_weight, eps, router, num_experts, top_k, normalize,
+                                               shared)
+            return res, y, (w, ids)
+    res, y = add_rms_norm(x, delta, norm_weight, eps)
+    return res, y, route_hidden(y, router, num_experts, top_k, normalize, shared)
 
 
 def route_topk(router_logits: torch.Tensor, top_k: int, normalize: bool):

@@ -97,13 +97,9 @@ def _router_route_kernel(x_ptr, w_ptr, part_ptr, count_ptr, wts_ptr, ids_ptr, M,
                          BK: tl.constexpr, NORM: tl.constexpr, SHARED: tl.constexpr, PREC: tl.constexpr,
                          PDL: tl.constexpr = False):
     """Program s: the router logits' partial sum over hidden columns [s * BK, (s + 1) * BK) for the M (<= BM) tokens
-    and every expert (and the shared expert's gate), stored as float32 rows; the last program to finish (an atomic
-    count, which also orders the other programs' stores before its loads) sums the partials, rounds them to the
-    weights' dtype as a plain matmul's logits are, routes each token as ``_route_kernel`` does, and resets the
-    count for the next launch."""
+    and every expert (and the shared expert's gate); the last program routes (``_route_partials``)."""
     pdl_enter(PDL)
     s = tl.program_id(0)
-    splits = tl.num_programs(0)
     offs_m = tl.arange(0, BM)
     offs_e = tl.arange(0, BE)
     offs_k = s * BK + tl.arange(0, BK)
@@ -112,6 +108,19 @@ def _router_route_kernel(x_ptr, w_ptr, part_ptr, count_ptr, wts_ptr, ids_ptr, M,
     x = tl.load(x_ptr + offs_m[:, None] * stride_x + offs_k[None, :], mask=mm[:, None], other=0.0)
     w = tl.load(w_ptr + offs_e[:, None] * H + offs_k[None, :], mask=me[:, None], other=0.0)
     part = tl.dot(x, tl.trans(w), input_precision=PREC)  # [BM, BE]
+    _route_partials(part, part_ptr, count_ptr, wts_ptr, ids_ptr, M, E, K, KP, BE, BM, NORM, SHARED)
+
+
+@triton.jit
+def _route_partials(part, part_ptr, count_ptr, wts_ptr, ids_ptr, M, E: tl.constexpr, K: tl.constexpr,
+                    KP: tl.constexpr, BE: tl.constexpr, BM: tl.constexpr, NORM: tl.constexpr, SHARED: tl.constexpr):
+    """Store this program's partial logits [BM, BE]; the last program to finish (an atomic count, which also orders
+    the other programs' stores before its loads) sums them, rounds them to the weights' dtype as a plain matmul's
+    logits are, routes each of the M tokens as ``_route_kernel`` does, and resets the count for the next launch."""
+    s = tl.program_id(0)
+    splits = tl.num_programs(0)
+    offs_m = tl.arange(0, BM)
+    offs_e = tl.arange(0, BE)
     tl.store(part_ptr + (s * BM + offs_m[:, None]) * BE + offs_e[None, :], part)
     if tl.atomic_add(count_ptr, 1) == splits - 1:
         tl.atomic_xchg(count_ptr, 0)
@@ -127,8 +136,89 @@ def _router_route_kernel(x_ptr, w_ptr, part_ptr, count_ptr, wts_ptr, ids_ptr, M,
             t += 1
 
 
+@triton.jit
+def _norm_router_route_kernel(x_ptr, d_ptr, nw_ptr, res_ptr, y_ptr, w_ptr, part_ptr, count_ptr, wts_ptr, ids_ptr,
+                              M, eps, H: tl.constexpr, BH: tl.constexpr, J: tl.constexpr, E: tl.constexpr,
+                              K: tl.constexpr, KP: tl.constexpr, BE: tl.constexpr, BM: tl.constexpr,
+                              BK: tl.constexpr, NORM: tl.constexpr, SHARED: tl.constexpr, PREC: tl.constexpr,
+                              PDL: tl.constexpr = False):
+    """The residual-add RMSNorm before the MoE (``norm_triton.add_rms_norm``) and the router of
+    ``_router_route_kernel`` in one launch. Every program computes each row's sum of squares itself, one whole row
+    (BH >= H columns) at a time, as the norm kernel does (the rows are few: M <= BM); then its own columns
+    [s * BK, (s + 1) * BK): the new residual and the normed rows there, stored, and their partial router logits.
+    The last program routes (``_route_partials``)."""
+    pdl_enter(PDL)
+    s = tl.program_id(0)
+    offs_m = tl.arange(0, BM)
+    mm = offs_m < M
+    offs_h = tl.arange(0, BH)
+    inv = tl.zeros([BM], dtype=tl.float32)
+    t = 0
+    while t < M:  # while loops: the interpreter cannot run a for loop with run-time bounds
+        row = t + tl.zeros([1], dtype=tl.int64)
+        v = _residual_sum(x_ptr, d_ptr, res_ptr, row, row >= 0, offs_h, H, J)
+        inv = tl.where(offs_m == t, tl.rsqrt(tl.sum(tl.sum(v * v, 1), 0) / H + eps), inv)
+        t += 1
+    offs_k = s * BK + tl.arange(0, BK)
+    rows = offs_m.to(tl.int64)
+    v = _residual_sum(x_ptr, d_ptr, res_ptr, rows, mm, offs_k, H, J)
+    at = rows[:, None] * H + offs_k[None, :]
+    tl.store(res_ptr + at, v.to(res_ptr.dtype.element_ty), mask=mm[:, None])
+    nw = tl.load(nw_ptr + offs_k).to(tl.float32)
+    y = (v * inv[:, None] * (1.0 + nw[None, :])).to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + at, y, mask=mm[:, None])
+    offs_e = tl.arange(0, BE)
+    w = tl.load(w_ptr + offs_e[:, None] * H + offs_k[None, :], mask=(offs_e < E + SHARED)[:, None], other=0.0)
+    part = tl.dot(y, tl.trans(w), input_precision=PREC)
+    _route_partials(part, part_ptr, count_ptr, wts_ptr, ids_ptr, M, E, K, KP, BE, BM, NORM, SHARED)
+
+
+@triton.jit
+def _residual_sum(x_ptr, d_ptr, res_ptr, rows, mr, offs, H: tl.constexpr, J: tl.constexpr):
+    """Rows ``rows``, columns ``offs`` (< H) of x + the sum of each row's J delta rows, in float32, rounded to the
+    residual's dtype (as ``add_rms_norm`` stores and normalises it); returned in float32, 0 outside."""
+    m = mr[:, None] & (offs < H)[None, :]
+    v = tl.load(x_ptr + rows[:, None] * H + offs[None, :], mask=m, other=0.0).to(tl.float32)
+    for j in tl.static_range(J):
+        v += tl.load(d_ptr + (rows[:, None] * J + j) * H + offs[None, :], mask=m, other=0.0).to(tl.float32)
+    return v.to(res_ptr.dtype.element_ty).to(tl.float32)
+
+
 ROUTER_FUSED_MAX_TOKENS = 4  # batch-1 decode and a batch-1 verify of k = 3; the last program routes them in turn
 _ROUTER_SCRATCH: dict = {}  # device -> (partials, the count left at 0 by every launch)
+
+
+def _scratch(splits: int, bm: int, be: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The partial logits and the count (left at 0 by every launch), allocated once per device (at the first,
+    eager, launch: a graph's warm-up run comes before its capture)."""
+    have = _ROUTER_SCRATCH.get(device)
+    if have is None or have[0].numel() < splits * bm * be:
+        have = _ROUTER_SCRATCH[device] = (torch.empty(splits * bm * be, dtype=torch.float32, device=device),
+                                          torch.zeros(1, dtype=torch.int32, device=device))
+    return have
+
+
+def norm_router_route(x: torch.Tensor, delta: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                      router: torch.Tensor, num_experts: int, top_k: int, normalize: bool, shared: bool):
+    """``add_rms_norm(x, delta, norm_weight, eps)``, then ``router_route`` of the normed rows, in one launch: x
+    [M <= ROUTER_FUSED_MAX_TOKENS, H] (H a multiple of 128), delta [M, H] or [M, J, H] (unreduced rows, summed).
+    Returns (new residual, normed rows, weights, ids)."""
+    x = x.contiguous()
+    delta = delta.contiguous()
+    tokens, hidden = x.shape
+    per_row = delta.shape[1] if delta.dim() == 3 else 1
+    bk, bm, be = 128, 16, _experts_block(num_experts, shared)
+    splits = hidden // bk
+    kp, w, ids = _route_out(tokens, top_k, shared, x.dtype, x.device)
+    res, y = torch.empty_like(x), torch.empty_like(x)
+    part, count = _scratch(splits, bm, be, x.device)
+    if tokens:
+        _norm_router_route_kernel[(splits,)](x, delta, norm_weight, res, y, router, part, count, w, ids, tokens, eps,
+                                             H=hidden, BH=triton.next_power_of_2(hidden), J=per_row, E=num_experts, K=top_k, KP=kp, BE=be, BM=bm,
+                                             BK=bk, NORM=normalize, SHARED=shared,
+                                             PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4,
+                                             **pdl_launch(x))
+    return res, y, w, ids
 
 
 def router_route(x: torch.Tensor, router: torch.Tensor, num_experts: int, top_k: int, normalize: bool,
@@ -139,10 +229,7 @@ def router_route(x: torch.Tensor, router: torch.Tensor, num_experts: int, top_k:
     bk, bm, be = 128, 16, _experts_block(num_experts, shared)
     splits = hidden // bk
     kp, w, ids = _route_out(tokens, top_k, shared, x.dtype, x.device)
-    have = _ROUTER_SCRATCH.get(x.device)
-    if have is None or have[0].numel() < splits * bm * be:
-        have = _ROUTER_SCRATCH[x.device] = (torch.empty(splits * bm * be, dtype=torch.float32, device=x.device),
-                                            torch.zeros(1, dtype=torch.int32, device=x.device))
+    have = _scratch(splits, bm, be, x.device)
     if tokens:
         _router_route_kernel[(splits,)](x, router, have[0], have[1], w, ids, tokens, x.stride(0), H=hidden,
                                         E=num_experts, K=top_k, KP=kp, BE=be, BM=bm, BK=bk, NORM=normalize,

@@ -262,3 +262,33 @@ def test_programmatic_dependent_launch_changes_no_result(gpu_ckpt, spec):
         assert run() == plain
     finally:
         set_pdl(*previous)
+
+
+@pytest.mark.parametrize("spec", [None, "mtp"])
+def test_fused_router_changes_no_token(gpu_ckpt, spec):
+    """HYLO_FUSED_ROUTER: the residual-add norm before each MoE, its router GEMV and its routing as one launch for
+    batches of at most 4 tokens (batch-1 decode and verify here, captured into the graphs; larger batches keep the
+    separate launches). The same arithmetic in float32, so the same tokens as the separate launches."""
+    from hylo import SamplingParams
+    from hylo.ops import moe as moe_ops
+
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+    def run():
+        eng = _engine(gpu_ckpt, spec=spec)
+        out = []
+        for p in _prompts(2, seed=4):  # one request at a time: batch 1
+            rid = eng.add_request(p, params)
+            while eng.has_unfinished():
+                eng.step()
+            out.append(eng.pop_finished(rid).token_ids)
+        return out
+
+    previous = moe_ops.FUSED_ROUTER
+    try:
+        moe_ops.FUSED_ROUTER = False
+        plain = run()
+        moe_ops.FUSED_ROUTER = True
+        assert run() == plain
+    finally:
+        moe_ops.FUSED_ROUTER = previous

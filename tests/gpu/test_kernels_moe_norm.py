@@ -284,3 +284,32 @@ def test_fused_router_routes_like_the_router_gemv_then_routing(dev, tokens, shar
         w, ids = router_route(x, router, experts, top_k, True, shared)
         assert torch.equal(ids, rids)
         assert torch.allclose(w.float(), rw.float(), atol=1e-2 if dtype == torch.bfloat16 else 1e-6)
+
+
+@pytest.mark.parametrize("tokens,per_row,dtype,hidden", [(1, 8, torch.bfloat16, 512), (4, 0, torch.float32, 384),
+                                                         (3, 11, torch.bfloat16, 512)])
+def test_fused_norm_router_equals_the_norm_then_the_router(dev, tokens, per_row, dtype, hidden):
+    """``norm_router_route`` (the residual-add norm before the MoE, the router GEMV and the routing in one launch)
+    against ``add_rms_norm`` and then the router GEMV and ``route``: the same new residual and normed rows, the
+    same experts; ``per_row`` unreduced delta rows (0: a plain [M, H] delta); a hidden size that is not a power of
+    two (384: the rows' norm pass masks its block)."""
+    from hylo.ops.linear import narrow
+    from hylo.ops.moe_route_triton import norm_router_route, route
+    from hylo.ops.norm_triton import add_rms_norm
+
+    experts, top_k = 64, 10
+    g = torch.Generator().manual_seed(tokens + per_row)
+    x = torch.randn(tokens, hidden, generator=g).to(dtype).to(dev)
+    shape = (tokens, per_row, hidden) if per_row else (tokens, hidden)
+    delta = (torch.randn(shape, generator=g) * 0.5).to(torch.float32 if per_row else dtype).to(dev)
+    nw = (torch.randn(hidden, generator=g) * 0.1).to(dtype).to(dev)
+    router = (torch.randn(experts + 1, hidden, generator=g) * 0.05).to(dtype).to(dev)
+    ref_res, ref_y = add_rms_norm(x, delta, nw, 1e-6)
+    rw, rids = route(narrow(ref_y, router), experts, top_k, True, True, dtype)
+    for _ in range(2):
+        res, y, w, ids = norm_router_route(x, delta, nw, 1e-6, router, experts, top_k, True, True)
+        assert torch.equal(res, ref_res)
+        tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+        assert torch.allclose(y.float(), ref_y.float(), atol=tol, rtol=tol)
+        assert torch.equal(ids, rids)
+        assert torch.allclose(w.float(), rw.float(), atol=tol)
