@@ -292,8 +292,9 @@ def _pdl_records(lm: LoadedModel, batches: list[int], copy_rate: float, steps: i
 
 
 def _fused_router_records(lm: LoadedModel, copy_rate: float, steps: int, records: list[dict], save_records) -> None:
-    """Batch-1 decode and the batch-1 speculative step with the router GEMV and the routing in one launch
-    (``HYLO_FUSED_ROUTER``, off by default until measured), tagged ``fused_router``: against the main rows."""
+    """Batch-1 decode and the batch-1 speculative step with the residual-add norm before each MoE, the router GEMV
+    and the routing in one launch (``HYLO_FUSED_ROUTER``, off by default until measured), tagged
+    ``fused_router``: against the main rows."""
     from .ops import moe as moe_ops
 
     previous = moe_ops.FUSED_ROUTER
