@@ -278,10 +278,7 @@ def _pdl_records(lm: LoadedModel, batches: list[int], copy_rate: float, steps: i
                 clear(eng, rids)
             del eng
         set_pdl(False, False)
-        ec = EngineConfig(max_num_seqs=1, kv_cache_tokens=1400, chunk_size=8192, speculative="mtp",
-                          num_speculative_tokens=3, simulate_accept_length=3.0, cuda_graph_sizes=(1,),
-                          max_model_len=1300, verbose=False)
-        eng = Engine(lm, device="cuda", dtype="bfloat16", engine_config=ec, spec_setup=SpecSetup("mtp"))
+        eng = _batch1_engine(lm, spec=True)
         records.append(dict(_overlap_record(eng, 1, 3, steps), pdl=False, pdl_prefetch=False))
         save_records()
         print(f"[bench] PDL off overlap spec mtp bs=1: {records[-1]['ms_per_step']:.2f} ms/step, GPU busy "
@@ -300,9 +297,7 @@ def _fused_router_records(lm: LoadedModel, copy_rate: float, steps: int, records
     previous = moe_ops.FUSED_ROUTER
     moe_ops.FUSED_ROUTER = True
     try:
-        ec = EngineConfig(max_num_seqs=1, kv_cache_tokens=1400, chunk_size=8192, cuda_graph_sizes=(1,),
-                          max_model_len=1300, verbose=False)
-        eng = Engine(lm, device="cuda", dtype="bfloat16", engine_config=ec)
+        eng = _batch1_engine(lm, spec=False)
         floor = Footprint.of(lm.model, None, eng.caches).decode_bytes(1, 1024) / copy_rate * 1e3
         rids = fake_prefill(eng, 1, 1024)
         ms = time_steps(eng, steps)
@@ -313,10 +308,7 @@ def _fused_router_records(lm: LoadedModel, copy_rate: float, steps: int, records
               f"{records[-1]['ms_per_step']:.2f} ms", flush=True)
         clear(eng, rids)
         del eng
-        ec = EngineConfig(max_num_seqs=1, kv_cache_tokens=1400, chunk_size=8192, speculative="mtp",
-                          num_speculative_tokens=3, simulate_accept_length=3.0, cuda_graph_sizes=(1,),
-                          max_model_len=1300, verbose=False)
-        eng = Engine(lm, device="cuda", dtype="bfloat16", engine_config=ec, spec_setup=SpecSetup("mtp"))
+        eng = _batch1_engine(lm, spec=True)
         records.append(dict(_overlap_record(eng, 1, 3, steps), fused_router=True))
         save_records()
         rec = records[-1]
@@ -325,6 +317,16 @@ def _fused_router_records(lm: LoadedModel, copy_rate: float, steps: int, records
               f"{rec['gpu_busy_fraction_steady']:.3f})", flush=True)
     finally:
         moe_ops.FUSED_ROUTER = previous
+
+
+def _batch1_engine(lm: LoadedModel, spec: bool) -> Engine:
+    """A batch-1 engine at context 1k with its graphs, plain or MTP (k = 3, simulated accept length 3.0): the
+    comparison runs' engine."""
+    ec = EngineConfig(max_num_seqs=1, kv_cache_tokens=1400, chunk_size=8192, cuda_graph_sizes=(1,), max_model_len=1300,
+                      verbose=False, **(dict(speculative="mtp", num_speculative_tokens=3, simulate_accept_length=3.0)
+                                         if spec else {}))
+    return Engine(lm, device="cuda", dtype="bfloat16", engine_config=ec,
+                  spec_setup=SpecSetup("mtp") if spec else None)
 
 
 def _decode_record(bs: int, ctx: int, graphs: bool, ms: float, floor: float) -> dict:

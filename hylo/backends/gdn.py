@@ -106,10 +106,10 @@ class PrefillIndex:
         views, at = {}, 0
         for name, values in parts.items():
             views[name] = flat_dev[at:at + len(values)]
+            if name == "cu_seqlens":
+                cu_cpu = flat[at:at + len(values)]
             at += len(values)
         views["chunk_indices"] = views["chunk_indices"].view(-1, 2)
-        at_cu = len(slots) * 2 + 2 * len(kept)
-        cu_cpu = flat[at_cu:at_cu + len(cu)]
         if token_row is None:
             token_row = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens, dtype=torch.long))
             token_row = token_row.to(device, non_blocking=True)

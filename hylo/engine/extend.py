@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from ..ops.triton_utils import use_triton
-from .scheduler import ScheduledBatch
+from .scheduler import ScheduledBatch, expand_runs
 
 # the packed tensor's fields, in order; each is a flat int64 run of the length the host knows
 FIELDS = ("tokens", "locs", "run_slot", "run_first", "run_start", "req", "state", "prefix", "qsl", "dev",
@@ -105,17 +105,10 @@ def expand(pack: ExtendPack, meta: torch.Tensor, req_to_token: torch.Tensor, las
 
 def expand_ref(v: dict[str, torch.Tensor], req_to_token: torch.Tensor, last_token: torch.Tensor):
     """:func:`expand` in torch (the CPU path, and the reference of the Triton kernels)."""
-    dev = req_to_token.device
-    w, t = v["locs"].numel(), v["tokens"].numel()
-    if w:
-        counts = v["run_start"].diff()
-        run = torch.repeat_interleave(torch.arange(counts.numel(), device=dev), counts, output_size=w)
-        cols = torch.arange(w, device=dev) - v["run_start"][run] + v["run_first"][run]
+    if v["locs"].numel():
+        run, cols = expand_runs(v["run_start"], v["run_first"], v["locs"].numel())
         req_to_token[v["run_slot"][run], cols] = v["locs"]
-    qsl = v["qsl"]
-    lens = qsl.diff()
-    row = torch.repeat_interleave(torch.arange(lens.numel(), device=dev), lens, output_size=t)
-    positions = torch.arange(t, device=dev) - qsl[row] + v["prefix"][row]
+    row, positions = expand_runs(v["qsl"], v["prefix"], v["tokens"].numel())
     slot = v["req"][row]
     ids = torch.where(v["dev"][row] != 0, last_token[slot], v["tokens"])
-    return ids, positions, req_to_token[slot, positions], row, v["prefix"] + lens
+    return ids, positions, req_to_token[slot, positions], row, v["prefix"] + v["qsl"].diff()

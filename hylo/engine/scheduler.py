@@ -69,9 +69,16 @@ class ScheduledBatch:
         locs = torch.cat(self.kv_locs).to(torch.int64)
         counts = torch.tensor([t.numel() for t in self.kv_locs], dtype=torch.int64)
         slots, firsts = torch.tensor(self.kv_starts, dtype=torch.int64).T
-        run = torch.repeat_interleave(torch.arange(len(counts)), counts, output_size=locs.numel())
-        cols = torch.arange(locs.numel()) - (counts.cumsum(0) - counts)[run] + firsts[run]
+        run, cols = expand_runs(torch.cat([counts.new_zeros(1), counts.cumsum(0)]), firsts, locs.numel())
         return torch.stack([slots[run], cols, locs])
+
+
+def expand_runs(offsets: torch.Tensor, firsts: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Runs laid end to end: run r covers the entries [offsets[r], offsets[r + 1]) and counts up from firsts[r].
+    Returns each of the ``total`` entries' run and value (the KV runs' positions; the rows' token positions)."""
+    run = torch.repeat_interleave(torch.arange(firsts.numel(), device=firsts.device), offsets.diff(),
+                                  output_size=total)
+    return run, torch.arange(total, device=firsts.device) - offsets[run] + firsts[run]
 
 
 class Scheduler:

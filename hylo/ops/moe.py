@@ -46,12 +46,22 @@ def route_hidden(x: torch.Tensor, router: torch.Tensor, num_experts: int, top_k:
     ``HYLO_FUSED_ROUTER=1``, on the Triton path and for at most a few tokens (batch-1 decode and verify), the
     router GEMV and the routing are one launch (``moe_route_triton.router_route``); not yet measured on the H200,
     so off by default."""
-    if use_triton(x) and FUSED_ROUTER and x.stride(-1) == 1 and router.is_contiguous() and x.shape[1] % 128 == 0:
-        from .moe_route_triton import ROUTER_FUSED_MAX_TOKENS, router_route
+    if _fused_router_fits(x, router):
+        from .moe_route_triton import router_route
 
-        if x.shape[0] <= ROUTER_FUSED_MAX_TOKENS:
-            return router_route(x, router, num_experts, top_k, normalize, shared)
+        return router_route(x, router, num_experts, top_k, normalize, shared)
     return route(narrow(x, router), num_experts, top_k, normalize, shared, x.dtype)
+
+
+def _fused_router_fits(x: torch.Tensor, router: torch.Tensor) -> bool:
+    """Whether the one-launch router kernels (``HYLO_FUSED_ROUTER``) take these rows x [M, H]: the Triton path, few
+    rows, unit column stride, H a multiple of their 128-column blocks, a contiguous router."""
+    if not (use_triton(x) and FUSED_ROUTER and x.dim() == 2):
+        return False
+    from .moe_route_triton import ROUTER_FUSED_MAX_TOKENS
+
+    return (x.shape[0] <= ROUTER_FUSED_MAX_TOKENS and x.stride(-1) == 1 and x.shape[1] % 128 == 0
+            and router.is_contiguous())
 
 
 def add_norm_route(x: torch.Tensor, delta: torch.Tensor, norm_weight: torch.Tensor, eps: float,
@@ -59,14 +69,11 @@ def add_norm_route(x: torch.Tensor, delta: torch.Tensor, norm_weight: torch.Tens
     """The residual step before a MoE and its routing: ``add_rms_norm(x, delta, ...)``, then :func:`route_hidden`
     of the normed rows. Returns (new residual, normed rows, (weights, ids)). With ``HYLO_FUSED_ROUTER=1`` on the
     Triton path and for at most a few tokens, all of it is one launch (``moe_route_triton.norm_router_route``)."""
-    if (use_triton(x) and FUSED_ROUTER and x.dim() == 2 and x.shape[1] % 128 == 0 and router.is_contiguous()
-            and norm_weight.is_contiguous()):
-        from .moe_route_triton import ROUTER_FUSED_MAX_TOKENS, norm_router_route
+    if _fused_router_fits(x, router) and norm_weight.is_contiguous():
+        from .moe_route_triton import norm_router_route
 
-        if x.shape[0] <= ROUTER_FUSED_MAX_TOKENS:
-            res, y, w, ids = norm_router_route(x, delta, norm_weight, eps, router, num_experts, top_k, normalize,
-                                               shared)
-            return res, y, (w, ids)
+        res, y, w, ids = norm_router_route(x, delta, norm_weight, eps, router, num_experts, top_k, normalize, shared)
+        return res, y, (w, ids)
     res, y = add_rms_norm(x, delta, norm_weight, eps)
     return res, y, route_hidden(y, router, num_experts, top_k, normalize, shared)
 

@@ -214,8 +214,9 @@ def norm_router_route(x: torch.Tensor, delta: torch.Tensor, norm_weight: torch.T
     part, count = _scratch(splits, bm, be, x.device)
     if tokens:
         _norm_router_route_kernel[(splits,)](x, delta, norm_weight, res, y, router, part, count, w, ids, tokens, eps,
-                                             H=hidden, BH=triton.next_power_of_2(hidden), J=per_row, E=num_experts, K=top_k, KP=kp, BE=be, BM=bm,
-                                             BK=bk, NORM=normalize, SHARED=shared,
+                                             H=hidden, BH=triton.next_power_of_2(hidden), J=per_row,
+                                             E=num_experts, K=top_k, KP=kp, BE=be, BM=bm, BK=bk, NORM=normalize,
+                                             SHARED=shared,
                                              PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4,
                                              **pdl_launch(x))
     return res, y, w, ids
