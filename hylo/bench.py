@@ -28,6 +28,11 @@ from .ops.triton_utils import pdl_settings
 from .spec.setup import SpecSetup
 
 GB = 1e9
+# the batch-1 and speculative engines decode from context 1k: the overlap records alone run about 100 steps of up
+# to k + 1 tokens each, so they leave room for 1k more tokens per request (at 1300 the requests hit the length
+# limit during the unprofiled window of session 12's first run, and the records after it were lost)
+SPEC_MODEL_LEN = 2048
+SPEC_KV_TOKENS = SPEC_MODEL_LEN + 128
 
 
 BENCH_MODELS = ("bench-6b", "qwen3-next-80b", "tiny")
@@ -215,9 +220,9 @@ def _spec_records(lm: LoadedModel, batches: list[int], accepts: tuple[float, ...
     """MTP speculative steps (graphs, context 1k) at simulated accept lengths, per generated token against plain
     decode, with the accepted GDN state committed by ``commit`` (``EngineConfig.spec_commit``). Returns the
     engine (the overlap records reuse it)."""
-    ec = EngineConfig(max_num_seqs=max(batches), kv_cache_tokens=max(batches) * 1400, chunk_size=8192,
-                      speculative="mtp", num_speculative_tokens=k, simulate_accept_length=accepts[0],
-                      cuda_graph_sizes=tuple(batches), max_model_len=1300, spec_commit=commit)
+    ec = EngineConfig(max_num_seqs=max(batches), kv_cache_tokens=max(batches) * SPEC_KV_TOKENS,
+                      chunk_size=8192, speculative="mtp", num_speculative_tokens=k, simulate_accept_length=accepts[0],
+                      cuda_graph_sizes=tuple(batches), max_model_len=SPEC_MODEL_LEN, spec_commit=commit)
     setup = SpecSetup("mtp")
     eng = Engine(lm, device="cuda", dtype="bfloat16", engine_config=ec, spec_setup=setup)
     fp = Footprint.of(lm.model, setup.mtp, eng.caches)
@@ -261,8 +266,8 @@ def _pdl_records(lm: LoadedModel, batches: list[int], copy_rate: float, steps: i
     try:
         for pdl, prefetch in ((False, False), (True, True)):
             set_pdl(pdl, prefetch)
-            ec = EngineConfig(max_num_seqs=max(batches), kv_cache_tokens=max(batches) * 1400, chunk_size=8192,
-                              cuda_graph_sizes=tuple(batches), max_model_len=1300, verbose=False)
+            ec = EngineConfig(max_num_seqs=max(batches), kv_cache_tokens=max(batches) * SPEC_KV_TOKENS,
+                              chunk_size=8192, cuda_graph_sizes=tuple(batches), max_model_len=SPEC_MODEL_LEN, verbose=False)
             eng = Engine(lm, device="cuda", dtype="bfloat16", engine_config=ec)
             fp = Footprint.of(lm.model, None, eng.caches)
             for bs in batches:
@@ -322,7 +327,8 @@ def _fused_router_records(lm: LoadedModel, copy_rate: float, steps: int, records
 def _batch1_engine(lm: LoadedModel, spec: bool) -> Engine:
     """A batch-1 engine at context 1k with its graphs, plain or MTP (k = 3, simulated accept length 3.0): the
     comparison runs' engine."""
-    ec = EngineConfig(max_num_seqs=1, kv_cache_tokens=1400, chunk_size=8192, cuda_graph_sizes=(1,), max_model_len=1300,
+    ec = EngineConfig(max_num_seqs=1, kv_cache_tokens=SPEC_KV_TOKENS, chunk_size=8192, cuda_graph_sizes=(1,),
+                      max_model_len=SPEC_MODEL_LEN,
                       verbose=False, **(dict(speculative="mtp", num_speculative_tokens=3, simulate_accept_length=3.0)
                                          if spec else {}))
     return Engine(lm, device="cuda", dtype="bfloat16", engine_config=ec,

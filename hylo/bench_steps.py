@@ -158,6 +158,8 @@ def graph_alone_ms(eng: Engine, name: str, iters: int) -> float | None:
     replay (one small copy, timed with it), so every replay runs at the same positions."""
     worker = eng.model_worker
     sched = eng.scheduler.schedule()
+    if sched is None:
+        raise RuntimeError(f"no request left to run the {name} graph for (finished at the length limit?)")
     if worker.graphs is None or not worker.graphs.can_run(name, len(sched.reqs)):
         return None
     lens = worker.caches.req_slots.seq_len
