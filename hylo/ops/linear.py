@@ -28,6 +28,29 @@ def dense(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) ->
     return F.linear(x, w, bias)
 
 
+def few_rows(x: torch.Tensor) -> bool:
+    """Whether ``x`` takes the few-row Triton GEMV path (where ``dense_conv`` may be used)."""
+    return _few_rows(x)
+
+
+def dense_conv(x: torch.Tensor, w: torch.Tensor, conv_weight: torch.Tensor, conv_pool: torch.Tensor,
+               state_slots: torch.Tensor) -> torch.Tensor:
+    """x W^T whose first C = ``conv_weight.shape[0]`` columns then take one decode step of the causal conv with
+    silu (``conv1d.causal_conv1d_update_ref``: each row's window in ``conv_pool[state_slots[row]]`` moves on, slot
+    -1 rows use a zero window and write nothing). On the few-row path the conv runs in the GEMV's epilogue (the
+    GDN decode step without a conv launch); elsewhere it is the reference after ``F.linear``."""
+    if _few_rows(x):
+        from .linear_triton import gemv
+
+        return gemv(x, w, conv=(conv_weight, conv_pool, state_slots))
+    from .conv1d import causal_conv1d_update_ref
+
+    y = F.linear(x, w)
+    channels = conv_weight.shape[0]
+    y[:, :channels] = causal_conv1d_update_ref(y[:, :channels], conv_pool, conv_weight, state_slots)
+    return y
+
+
 def narrow(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x W^T for a projection with few outputs (the MoE router: 2 blocks of 64 outputs from 2048 inputs). On the
     few-row path K is split so that enough loads are in flight, and the float32 partial rows [M, S, N] come back
