@@ -101,9 +101,10 @@ def _paged_attn_split_kernel(
 @triton.jit
 def _merge_splits_kernel(part_o_ptr, part_lse_ptr, seq_lens_ptr, out_ptr, stride_ot, stride_oh, H,
                          S: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, SPLITS: tl.constexpr,
-                         CH: tl.constexpr, PDL: tl.constexpr = False):
-    """Per (token, head): the log-sum-exp weighted sum of the splits the row's length used (the split kernel's
-    share rule), CH splits at a time."""
+                         CH: tl.constexpr, USE_WHILE: tl.constexpr, PDL: tl.constexpr = False):
+    """Per (token, head, block of BD channels): the log-sum-exp weighted sum of the splits the row's length used
+    (the split kernel's share rule), CH splits at a time and no further than the used ones (a 1k context uses
+    32 of batch 1's 128 splits). At batch 1 the channel blocks give the merge 64 programs instead of 16."""
     pdl_enter(PDL)
     tok = tl.program_id(0)
     head = tl.program_id(1)
@@ -116,17 +117,29 @@ def _merge_splits_kernel(part_o_ptr, part_lse_ptr, seq_lens_ptr, out_ptr, stride
     m = tl.max(lse, 0)
     m = tl.where(m == float("-inf"), 0.0, m)
     total = tl.maximum(tl.sum(tl.exp(lse - m), 0), 1e-30)
-    offs_d = tl.arange(0, BD)
+    offs_d = tl.program_id(2) * BD + tl.arange(0, BD)
     md = offs_d < D
     res = tl.zeros([BD], dtype=tl.float32)
-    for c in tl.static_range(0, SPLITS, CH):
-        offs_c = c + tl.arange(0, CH)
-        mc = offs_c < used
-        w = tl.exp(tl.load(part_lse_ptr + base + offs_c, mask=mc, other=float("-inf")) - m) / total
-        o = tl.load(part_o_ptr + (base + offs_c)[:, None] * D + offs_d[None, :], mask=mc[:, None] & md[None, :],
-                    other=0.0)
-        res += tl.sum(o * w[:, None], 0)
+    if USE_WHILE:  # Triton's interpreter cannot run a for loop with run-time bounds
+        c = 0
+        while c < used:
+            res += _merge_chunk(part_o_ptr, part_lse_ptr, base, c, used, m, total, offs_d, md, D, CH)
+            c += CH
+    else:
+        for c in range(0, used, CH):
+            res += _merge_chunk(part_o_ptr, part_lse_ptr, base, c, used, m, total, offs_d, md, D, CH)
     tl.store(out_ptr + tok * stride_ot + head * stride_oh + offs_d, res.to(out_ptr.dtype.element_ty), mask=md)
+
+
+@triton.jit
+def _merge_chunk(part_o_ptr, part_lse_ptr, base, c, used, m, total, offs_d, md, D: tl.constexpr, CH: tl.constexpr):
+    """Splits c .. c + CH - 1 (those below ``used``) weighted by their share of the total softmax mass."""
+    offs_c = c + tl.arange(0, CH)
+    mc = offs_c < used
+    w = tl.exp(tl.load(part_lse_ptr + base + offs_c, mask=mc, other=float("-inf")) - m) / total
+    o = tl.load(part_o_ptr + (base + offs_c)[:, None] * D + offs_d[None, :], mask=mc[:, None] & md[None, :],
+                other=0.0)
+    return tl.sum(o * w[:, None], 0)
 
 
 @triton.jit
@@ -197,7 +210,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         S=tokens_per_row, G=group, D=dim, BD=bd, BM=bm, BN=bn, SPLITS=splits, USE_WHILE=INTERPRET,
         PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, **pdl_launch(q),
     )
-    _merge_splits_kernel[(num_tokens, heads)](part_o, part_lse, seq_lens, out, out.stride(0), out.stride(1), heads,
-                                              S=tokens_per_row, D=dim, BD=bd, BN=bn, SPLITS=splits,
-                                              CH=min(MERGE_CHUNK, splits), num_warps=4, **pdl_launch(q))
+    # channel blocks so that a small batch's merge still has a few dozen programs
+    mbd = bd if num_tokens * heads >= 64 else max(32, bd // 4)
+    _merge_splits_kernel[(num_tokens, heads, triton.cdiv(dim, mbd))](
+        part_o, part_lse, seq_lens, out, out.stride(0), out.stride(1), heads, S=tokens_per_row, D=dim, BD=mbd,
+        BN=bn, SPLITS=splits, CH=min(MERGE_CHUNK, splits), USE_WHILE=INTERPRET, num_warps=4 if mbd > 64 else 2,
+        **pdl_launch(q))
     return out

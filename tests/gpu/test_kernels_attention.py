@@ -36,13 +36,15 @@ def test_paged_attention_matches_reference(dev, heads, kv_heads, dim, steps, dty
 
 
 @pytest.mark.parametrize("steps", [1, 4])
-def test_one_long_row_uses_many_splits(dev, steps):
-    """Batch 1: the keys are split 128 ways (some shares empty) and the merge reads only the used ones."""
+@pytest.mark.parametrize("dim", [32, 256])
+def test_one_long_row_uses_many_splits(dev, steps, dim):
+    """Batch 1: the keys are split 128 ways (some shares empty) and the merge reads only the used ones, in several
+    chunks (and, with 256 channels, in several channel blocks)."""
     from hylo.ops.attention_triton import MAX_SPLITS, num_splits, paged_attention
 
     assert num_splits(1, 2, torch.device("cuda") if dev.type == "cuda" else dev) == MAX_SPLITS
     g = torch.Generator().manual_seed(3)
-    heads, kv_heads, dim, n_loc, seq = 4, 2, 32, 3000, 2500
+    heads, kv_heads, n_loc, seq = 4, 2, 3000, 2500
     kc, vc = torch.randn(n_loc, kv_heads, dim, generator=g), torch.randn(n_loc, kv_heads, dim, generator=g)
     r2t = (torch.randperm(n_loc - 1, generator=g)[:seq] + 1)[None]
     seq_lens, req_slots = torch.tensor([seq]), torch.tensor([0])
