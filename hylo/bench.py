@@ -267,7 +267,8 @@ def _pdl_records(lm: LoadedModel, batches: list[int], copy_rate: float, steps: i
         for pdl, prefetch in ((False, False), (True, True)):
             set_pdl(pdl, prefetch)
             ec = EngineConfig(max_num_seqs=max(batches), kv_cache_tokens=max(batches) * SPEC_KV_TOKENS,
-                              chunk_size=8192, cuda_graph_sizes=tuple(batches), max_model_len=SPEC_MODEL_LEN, verbose=False)
+                              chunk_size=8192, cuda_graph_sizes=tuple(batches), max_model_len=SPEC_MODEL_LEN,
+                              verbose=False)
             eng = Engine(lm, device="cuda", dtype="bfloat16", engine_config=ec)
             fp = Footprint.of(lm.model, None, eng.caches)
             for bs in batches:
@@ -295,7 +296,7 @@ def _pdl_records(lm: LoadedModel, batches: list[int], copy_rate: float, steps: i
 
 def _fused_router_records(lm: LoadedModel, copy_rate: float, steps: int, records: list[dict], save_records) -> None:
     """Batch-1 decode and the batch-1 speculative step with the residual-add norm before each MoE, the router GEMV
-    and the routing in one launch (``HYLO_FUSED_ROUTER``, off by default until measured), tagged
+    and the routing in one launch (``HYLO_FUSED_ROUTER``, off by default: measured slower), tagged
     ``fused_router``: against the main rows."""
     from .ops import moe as moe_ops
 

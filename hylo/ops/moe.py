@@ -44,8 +44,8 @@ def route_hidden(x: torch.Tensor, router: torch.Tensor, num_experts: int, top_k:
                  shared: bool):
     """:func:`route` of the router's logits ``x @ router^T`` (router [E (+1), H]), in x's dtype. With
     ``HYLO_FUSED_ROUTER=1``, on the Triton path and for at most a few tokens (batch-1 decode and verify), the
-    router GEMV and the routing are one launch (``moe_route_triton.router_route``); not yet measured on the H200,
-    so off by default."""
+    router GEMV and the routing are one launch (``moe_route_triton.router_route``); off by default: measured
+    slower on the H200 (docs/PERFORMANCE.md, session 12)."""
     if _fused_router_fits(x, router):
         from .moe_route_triton import router_route
 
