@@ -2,8 +2,7 @@
 
 - EXTEND: conv over the new tokens from the slot's conv window, chunked delta rule from the slot's recurrent state,
   both final states written back to the slot (a chunk continues exactly where the previous one stopped).
-- DECODE: one conv update and one recurrent step, reading and writing the slot in place. On the fast path with few
-  rows the conv update runs inside the input projection's GEMV (``in_proj``), so a decode step is two launches.
+- DECODE: one conv update and one recurrent step, reading and writing the slot in place.
 - TARGET_VERIFY: k + 1 steps from the slot, and what the commit needs kept in the verify buffers at ``[row, step]``:
   the step's inputs (``spec_commit="replay"``, the default) or the state after the step ("checkpoints"). The slot
   itself is never written by a verify (a rejected draft needs no rollback); ``commit_verified`` then brings each
@@ -21,7 +20,6 @@ from ..cache.state_pool import StatePool
 from ..core import ForwardBatch, ForwardMode
 from ..ops import conv1d as conv_ops
 from ..ops import gdn as gdn_ops
-from ..ops.linear import dense, dense_conv, few_rows
 from ..ops.triton_utils import INTERPRET, use_triton
 from .base import Backend
 
@@ -142,19 +140,6 @@ class GDNBackend(Backend):
         if batch.num_padding:
             batch.state_slots[batch.batch_size - batch.num_padding:] = -1
 
-    def _conv_in_proj(self, batch: ForwardBatch, x: torch.Tensor) -> bool:
-        """Whether the input projection of ``x`` (or the conv input sliced from it: same rows, same device) runs
-        the decode step's conv in its epilogue. ``in_proj`` and ``forward`` both ask, so they always agree."""
-        return self.fast and batch.mode is ForwardMode.DECODE and few_rows(x)
-
-    def in_proj(self, layer: int, x: torch.Tensor, w: torch.Tensor, params: GDNParams,
-                batch: ForwardBatch) -> torch.Tensor:
-        """The layer's input projection x W^T; at a fast-path decode its first conv_dim columns come back as the
-        conv's output already (``ops.linear.dense_conv``: the conv windows in the slots move on here)."""
-        if self._conv_in_proj(batch, x):
-            return dense_conv(x, w, params.conv_weight, self.state_pool.conv[layer], batch.state_slots)
-        return dense(x, w)
-
     def forward(self, layer: int, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, params: GDNParams,
                 shape: GDNShape, batch: ForwardBatch) -> torch.Tensor:
         """mixed_qkv: [T, conv_dim]; a, b: [T, Hv]. ``layer`` indexes the linear layers only.
@@ -221,11 +206,9 @@ class GDNBackend(Backend):
         verify = batch.mode is ForwardMode.TARGET_VERIFY
         keep = verify and self._keeps_inputs(layer, params, shape)
         steps, n = batch.tokens_per_row, mixed_qkv.shape[0]
-        if self._conv_in_proj(batch, mixed_qkv):
-            x = mixed_qkv  # the input projection ran the conv (``in_proj``)
-        else:  # keeping inputs, the conv writes its output straight into the verify buffer the replay reads
-            x = conv_steps(mixed_qkv, params.conv_weight, conv_pool, batch.state_slots, steps,
-                           pool.verify_conv[layer] if verify else None, out=pool.verify_x[layer, :n] if keep else None)
+        # keeping inputs, the conv writes its output straight into the verify buffer the replay reads
+        x = conv_steps(mixed_qkv, params.conv_weight, conv_pool, batch.state_slots, steps,
+                       pool.verify_conv[layer] if verify else None, out=pool.verify_x[layer, :n] if keep else None)
         return gdn_steps(x, a, b, params.A_log, params.dt_bias, rec_pool, batch.state_slots, shape.num_k_heads,
                          shape.head_k_dim, shape.head_v_dim, steps,
                          pool.verify_recurrent[layer] if verify and not keep else None,

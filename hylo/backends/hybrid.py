@@ -32,9 +32,6 @@ class HybridBackend(Backend):
     def linear_attention(self, layer_id: int, *args, **kwargs):
         return self.linear.forward(self.local_index[layer_id], *args, **kwargs)
 
-    def linear_in_proj(self, layer_id: int, *args, **kwargs):
-        return self.linear.in_proj(self.local_index[layer_id], *args, **kwargs)
-
     def commit_verified(self, state_slots, accepted) -> None:
         """After a verify: the accepted state of every row into its slot (the linear-attention layers' job)."""
         self.linear.commit_verified(state_slots, accepted)

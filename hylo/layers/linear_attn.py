@@ -13,7 +13,7 @@ from torch import nn
 from ..backends.gdn import GDNParams, GDNShape
 from ..config import ModelConfig
 from ..core import ForwardBatch
-from ..ops.linear import norm_out_proj
+from ..ops.linear import dense, norm_out_proj
 from .weights import TensorReader, copy_into
 
 
@@ -45,11 +45,9 @@ class GatedDeltaNet(nn.Module):
         """[T, hidden]; with ``reduce=False`` possibly unreduced rows [T, S, hidden] (see ``ops.linear``)."""
         num_tokens = x.shape[0]
         s = self.shape
-        params = self.params()
-        # the backend's projection: at a decode step on the GPU the conv runs inside it (see GDNBackend.in_proj)
-        proj = backend.linear_in_proj(self.layer_id, x, self.in_proj, params, batch)
+        proj = dense(x, self.in_proj)
         mixed_qkv, z, b, a = proj.split([self.conv_dim, self.value_dim, s.num_v_heads, s.num_v_heads], dim=-1)
-        core = backend.linear_attention(self.layer_id, mixed_qkv, a, b, params, s, batch)  # [T, Hv, Dv]
+        core = backend.linear_attention(self.layer_id, mixed_qkv, a, b, self.params(), s, batch)  # [T, Hv, Dv]
         return norm_out_proj(core.to(x.dtype), z.reshape(num_tokens, s.num_v_heads, s.head_v_dim), self.norm_weight,
                              self.eps, self.out_proj, reduce=reduce)
 

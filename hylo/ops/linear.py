@@ -11,8 +11,7 @@ from .norm import gated_rms_norm
 from .triton_utils import use_triton
 
 
-def few_rows(x: torch.Tensor) -> bool:
-    """Whether ``x`` takes the few-row Triton GEMV path (where ``dense_conv`` folds the conv in)."""
+def _few_rows(x: torch.Tensor) -> bool:
     if not use_triton(x):
         return False
     from .linear_triton import GEMV_MAX_ROWS
@@ -22,36 +21,18 @@ def few_rows(x: torch.Tensor) -> bool:
 
 def dense(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x W^T + bias for a wide projection (the GDN input projection, the attention qkv projection)."""
-    if few_rows(x):
+    if _few_rows(x):
         from .linear_triton import gemv
 
         return gemv(x, w, bias=bias)
     return F.linear(x, w, bias)
 
 
-def dense_conv(x: torch.Tensor, w: torch.Tensor, conv_weight: torch.Tensor, conv_pool: torch.Tensor,
-               state_slots: torch.Tensor) -> torch.Tensor:
-    """x W^T whose first C = ``conv_weight.shape[0]`` columns then take one decode step of the causal conv with
-    silu (``conv1d.causal_conv1d_update_ref``: each row's window in ``conv_pool[state_slots[row]]`` moves on, slot
-    -1 rows use a zero window and write nothing). On the few-row path the conv runs in the GEMV's epilogue (the
-    GDN decode step without a conv launch); elsewhere it is the reference after ``F.linear``."""
-    if few_rows(x):
-        from .linear_triton import gemv
-
-        return gemv(x, w, conv=(conv_weight, conv_pool, state_slots))
-    from .conv1d import causal_conv1d_update_ref
-
-    y = F.linear(x, w)
-    channels = conv_weight.shape[0]
-    y[:, :channels] = causal_conv1d_update_ref(y[:, :channels], conv_pool, conv_weight, state_slots)
-    return y
-
-
 def narrow(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x W^T for a projection with few outputs (the MoE router: 2 blocks of 64 outputs from 2048 inputs). On the
     few-row path K is split so that enough loads are in flight, and the float32 partial rows [M, S, N] come back
     unreduced for the consumer to sum (the routing kernel does); elsewhere the plain [M, N]."""
-    if few_rows(x):
+    if _few_rows(x):
         return _split_gemv(x, w, reduce=False)
     if x.is_cuda and w.shape[0] % 8:
         # an output row of 65 is not 16-byte aligned, and cuBLAS then runs an sm75 "align1" kernel (45 us per
@@ -83,7 +64,7 @@ def out_proj(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
              reduce: bool = True) -> torch.Tensor:
     """(x * sigmoid(gate) if gate is given) W^T + bias: a mixer's output projection. With ``reduce=False`` the
     few-row path may return float32 partial rows [M, S, N] whose sum is the result."""
-    if few_rows(x) and (gate is None or gate.stride(-1) == 1):
+    if _few_rows(x) and (gate is None or gate.stride(-1) == 1):
         return _split_gemv(x, w, reduce, bias=bias, gate=gate)
     if gate is not None:
         if use_triton(x):
@@ -100,7 +81,7 @@ def norm_out_proj(x: torch.Tensor, z: torch.Tensor, norm_weight: torch.Tensor, e
     """The GDN output: ``gated_rms_norm`` of every head of x [M, Hv, Dv] with gate z [M, Hv, Dv], then W^T; on the
     few-row path the norm runs inside the projection's loads (no launch, no round trip of the normed rows)."""
     rows, heads, dv = x.shape
-    if (few_rows(x) and x.is_contiguous() and z.stride(-1) == 1 and z.stride(-2) == dv
+    if (_few_rows(x) and x.is_contiguous() and z.stride(-1) == 1 and z.stride(-2) == dv
             and dv & (dv - 1) == 0 and 16 <= dv <= 256):
         return _split_gemv(x.view(rows, heads * dv), w, reduce, bk=dv, gate=z.flatten(1), norm_weight=norm_weight,
                            eps=eps)

@@ -22,35 +22,10 @@ GEMV_MAX_ROWS = 16
 
 
 @triton.jit
-def _conv_epilogue(y, cw_ptr, pool_ptr, slots_ptr, stride_pool, C, offs_m, offs_n, mm, KC: tl.constexpr):
-    """The decode step's causal conv (kernel KC) of output columns [0, C), one token per row: y [BM, BN] are this
-    program's outputs, already rounded to the output dtype as the unfused projection stores them. Column c of row
-    m convolves its slot's window (``pool[slot, c, 0..KC-2]``, zeros for slot -1) with y, and gets silu of that;
-    the window shifts by one in place (slot -1 rows write nothing). A column belongs to exactly one program, so
-    no other program reads the window this one rewrites. Other columns pass through. The arithmetic is
-    ``conv1d_triton._conv_steps_kernel``'s, in its order."""
-    mc = offs_n < C
-    slot = tl.load(slots_ptr + offs_m, mask=mm, other=-1)
-    valid = slot >= 0
-    base = pool_ptr + tl.where(valid, slot, 0).to(tl.int64)[:, None] * stride_pool + offs_n[None, :] * (KC - 1)
-    smask = (mm & valid)[:, None] & mc[None, :]
-    conv = tl.zeros(y.shape, dtype=tl.float32)
-    for j in tl.static_range(KC - 1):
-        sv = tl.load(base + j, mask=smask, other=0.0)
-        conv += sv.to(tl.float32) * tl.load(cw_ptr + offs_n * KC + j, mask=mc, other=0.0).to(tl.float32)[None, :]
-        if j > 0:  # entry j moves to j - 1 (entry j - 1 was read the iteration before)
-            tl.store(base + j - 1, sv, mask=smask)
-    conv += y * tl.load(cw_ptr + offs_n * KC + KC - 1, mask=mc, other=0.0).to(tl.float32)[None, :]
-    tl.store(base + KC - 2, y.to(pool_ptr.dtype.element_ty), mask=smask)
-    return tl.where(mc[None, :], conv / (1.0 + tl.exp(-conv)), y)
-
-
-@triton.jit
 def _gemv_kernel(x_ptr, g_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, M, N, K: tl.constexpr, stride_x, stride_g, eps,
                  K_SPLIT: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                  BK: tl.constexpr, GATE: tl.constexpr, HAS_BIAS: tl.constexpr, PREC: tl.constexpr,
-                 PF_LINES: tl.constexpr = 0, PF_STRIDE: tl.constexpr = 64, PDL: tl.constexpr = False,
-                 cw_ptr=None, pool_ptr=None, slots_ptr=None, stride_pool=0, C=0, KC: tl.constexpr = 0):
+                 PF_LINES: tl.constexpr = 0, PF_STRIDE: tl.constexpr = 64, PDL: tl.constexpr = False):
     split = tl.program_id(1)
     offs_m = tl.arange(0, BM)
     offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
@@ -83,9 +58,6 @@ def _gemv_kernel(x_ptr, g_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, M, N, K: tl.constexp
         acc += tl.dot(x, tl.trans(w), input_precision=PREC)
     if HAS_BIAS:
         acc += tl.where(split == 0, tl.load(b_ptr + offs_n, mask=mn, other=0.0).to(tl.float32), 0.0)[None, :]
-    if KC > 0:
-        acc = _conv_epilogue(acc.to(y_ptr.dtype.element_ty).to(tl.float32), cw_ptr, pool_ptr, slots_ptr, stride_pool,
-                             C, offs_m, offs_n, mm, KC)
     tl.store(y_ptr + (offs_m[:, None] * SPLIT + split) * N + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=mm[:, None] & mn[None, :])
 
@@ -107,16 +79,12 @@ def choose_split(n: int, k: int, bn: int, bk: int, target_programs: int = 256) -
 
 def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, gate: torch.Tensor | None = None,
          split: int = 1, cfg: tuple[int, int, int, int] | None = None, norm_weight: torch.Tensor | None = None,
-         eps: float = 1e-6, conv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+         eps: float = 1e-6) -> torch.Tensor:
     """x, gate: [M, K] (M <= 16, unit stride along K); w: [N, K] contiguous. Returns [M, N] in x's dtype when
     ``split`` is 1, else the float32 partial sums of each K split, [M, split, N] (bias in split 0).
 
     The input is x, or ``x * sigmoid(gate)``, or with ``norm_weight`` [D] (D a power of two dividing K) the GDN
-    gated norm of every D-channel head of x, ``gated_rms_norm(x, gate, norm_weight, eps)``.
-
-    ``conv`` = (weight [C, KC], pool [slots, C, KC-1], state_slots [M]): one decode step of the causal conv on the
-    first C outputs (``_conv_epilogue``): they come back as silu(conv), and each row's window in the pool moves
-    on by that row's output, as ``conv1d.causal_conv1d_update_ref`` does (split 1 only)."""
+    gated norm of every D-channel head of x, ``gated_rms_norm(x, gate, norm_weight, eps)``."""
     m, k = x.shape
     n = w.shape[0]
     bn, bk, warps, stages = cfg or (GEMV_CFG if split == 1 else SPLIT_GEMV_CFG)
@@ -133,19 +101,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, gat
         x.stride(0), g.stride(0), eps, K_SPLIT=k_split, SPLIT=split, BM=16, BN=bn, BK=bk,
         GATE=0 if gate is None else 2 if norm_weight is not None else 1, HAS_BIAS=bias is not None,
         **prefetch_args(k_split, w),
-        PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages, **pdl_launch(x),
-        **_conv_args(conv, y, split))
+        PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages, **pdl_launch(x))
     return y
-
-
-def _conv_args(conv, y: torch.Tensor, split: int) -> dict:
-    if conv is None:
-        return {}
-    weight, pool, slots = conv
-    channels, kc = weight.shape
-    assert split == 1 and kc >= 2 and weight.is_contiguous() and pool.shape[1:] == (channels, kc - 1)
-    assert pool.stride(2) == 1 and pool.stride(1) == kc - 1 and slots.shape == (y.shape[0],) and channels <= y.shape[1]
-    return dict(cw_ptr=weight, pool_ptr=pool, slots_ptr=slots, stride_pool=pool.stride(0), C=channels, KC=kc)
 
 
 @triton.jit

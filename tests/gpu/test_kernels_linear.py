@@ -126,34 +126,3 @@ def test_sigmoid_gate_matches_torch_on_a_strided_gate(dev, rows, n):
         assert torch.allclose(out, ref, atol=1e-6, rtol=1e-6)
     else:  # torch computes the bf16 sigmoid through float32 too: the same rounding points
         assert (out.float() - ref.float()).abs().max() <= 2 ** -7 * ref.float().abs().max()
-
-
-@pytest.mark.parametrize("rows,n,k,channels,kc", [(1, 200, 64, 96, 4), (5, 130, 96, 130, 4), (16, 72, 32, 40, 2),
-                                                  (3, 12352, 2048, 8192, 4)])
-def test_conv_folded_into_the_projection(dev, rows, n, k, channels, kc):
-    """The GDN decode input projection with the conv step in its epilogue (``ops.linear.dense_conv``), against the
-    plain GEMV's output run through the reference conv update: the conv columns, the pass-through columns and every
-    slot's window after the step (padded rows with slot -1 read zeros and write nothing; channel counts that are
-    not a multiple of the GEMV's column block)."""
-    from hylo.ops.conv1d import causal_conv1d_update_ref
-    from hylo.ops.linear import dense_conv
-    from hylo.ops.linear_triton import gemv
-
-    g = torch.Generator().manual_seed(21)
-    dt = _dtype(dev)
-    x = torch.randn(rows, k, generator=g).to(dev, dt)
-    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(dev, dt)
-    cw = (torch.randn(channels, kc, generator=g) / kc ** 0.5).to(dev, dt)
-    pool = torch.randn(rows + 4, channels, kc - 1, generator=g).to(dev, dt)
-    # slot 0 is reserved in the engine (the reference's padded rows rewrite it with its own contents)
-    slots = 1 + torch.randperm(rows + 3, generator=g)[:rows].to(dev)
-    slots[rows // 2] = -1  # a padded row
-    raw = gemv(x, w)
-    ref_pool = pool.clone()
-    ref_conv = causal_conv1d_update_ref(raw[:, :channels], ref_pool, cw, slots)
-    y = dense_conv(x, w, cw, pool, slots)
-    tol = 1e-2 if dt == torch.bfloat16 else 1e-5
-    assert y.shape == (rows, n) and y.dtype == dt
-    assert torch.equal(y[:, channels:], raw[:, channels:])
-    assert torch.allclose(y[:, :channels].float(), ref_conv.float(), atol=tol, rtol=tol)
-    assert torch.equal(pool, ref_pool)  # the moved windows, and untouched slots (the padded row wrote nothing)
