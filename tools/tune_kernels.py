@@ -6,7 +6,7 @@ Decode measurements replay a CUDA graph of 24 calls over 24 different weight set
 so nothing is served from L2) and report microseconds per call against the bytes-over-copy-rate floor of one call;
 prefill ones time eager calls against the matmul-rate floor. The GDN sections (the prefill conv, the step kernels,
 the sampled-row draw) live in ``tune_gdn.py``, the shared timing in ``tune_common.py``. Usage:
-python tools/tune_kernels.py [--only moe grouped gemv split prefill conv steps sampling] [--out DIR]
+python tools/tune_kernels.py [--only moe grouped gemv split gates prefill conv steps sampling] [--out DIR]
 [--env FILE]; prints the best configurations and writes tune_kernels.json.
 """
 
@@ -31,13 +31,13 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
     ap.add_argument("--only", nargs="+", default=["moe", "gemv", "split"],
-                    choices=["moe", "grouped", "gemv", "split", "prefill", "conv", "steps", "sampling"])
+                    choices=["moe", "grouped", "gemv", "split", "gates", "prefill", "conv", "steps", "sampling"])
     ap.add_argument("--env", default=None, help="write the best settings found as shell exports to this file")
     args = ap.parse_args()
     torch.manual_seed(0)
     dev, dt = torch.device("cuda"), torch.bfloat16
     results = {}
-    sections = {"moe": tune_moe, "grouped": tune_grouped, "gemv": tune_gemv, "split": tune_split,
+    sections = {"moe": tune_moe, "grouped": tune_grouped, "gemv": tune_gemv, "split": tune_split, "gates": tune_gates,
                 "prefill": tune_prefill_moe, "conv": tune_conv_prefill, "steps": tune_steps,
                 "sampling": time_sampling}
     for name in args.only:
@@ -248,6 +248,27 @@ def tune_split(dev, dt, results):
             return fn
         cfgs = [c + (sp,) for c in itertools.product((16, 32, 64), (64, 128, 256), (4,), (3, 4)) for sp in (2, 4, 8)]
         sweep(f"split_gemv_{n}x{k}_m{rows}", cfgs, tri, floor, results)
+
+
+def tune_gates(dev, dt, results):
+    """The output projections with what they apply to their input inside their loads: none, the attention's
+    ``x * sigmoid(gate)``, the GDN gated norm of each 128-channel head; at the split the model uses and a few
+    tiles. What the input's treatment costs the weight stream."""
+    n, k = 2048, 4096
+    ws = [torch.randn(n, k, device=dev, dtype=dt) * 0.02 for _ in range(LAYERS)]
+    nw = torch.rand(128, device=dev, dtype=dt) + 0.5
+    floor = n * k * 2 / COPY_TBPS / 1e6
+    for rows in (1, 8):
+        x = torch.randn(rows, k, device=dev, dtype=dt)
+        g = torch.randn(rows, k, device=dev, dtype=dt)
+        for kind, kw in (("none", {}), ("sigmoid", dict(gate=g)), ("norm", dict(gate=g, norm_weight=nw))):
+            def tri(cfg, kw=kw):
+                def fn():
+                    for w in ws:
+                        gemv(x, w, split=cfg[4], cfg=cfg[:4], **kw)
+                return fn
+            cfgs = [c + (sp,) for c in itertools.product((32, 64), (128,), (4, 8), (2, 4)) for sp in (4, 8)]
+            sweep(f"gate_{kind}_{n}x{k}_m{rows}", cfgs, tri, floor, results)
 
 
 def tune_prefill_moe(dev, dt, results, tokens=8192, layers=4):

@@ -11,6 +11,12 @@ from .norm import gated_rms_norm
 from .triton_utils import use_triton
 
 
+# what the few-row projections may ask L2 for before their predecessor finishes, with the selective PDL prefetch
+# (``triton_utils.PREFETCH_MODES``): every one of them follows a latency-bound kernel (the residual-add norm, the
+# recurrent step, the attention merge) of 3-6 us at batch 1, in which DRAM delivers about 16 MB
+LATENCY_PREFETCH_BYTES = 16 << 20
+
+
 def _few_rows(x: torch.Tensor) -> bool:
     if not use_triton(x):
         return False
@@ -24,7 +30,7 @@ def dense(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) ->
     if _few_rows(x):
         from .linear_triton import gemv
 
-        return gemv(x, w, bias=bias)
+        return gemv(x, w, bias=bias, prefetch_bytes=LATENCY_PREFETCH_BYTES)
     return F.linear(x, w, bias)
 
 
@@ -56,7 +62,7 @@ def _split_gemv(x: torch.Tensor, w: torch.Tensor, reduce: bool, bk: int | None =
     from .linear_triton import SPLIT_GEMV_CFG, choose_split, gemv
 
     split = choose_split(w.shape[0], x.shape[1], SPLIT_GEMV_CFG[0], bk or SPLIT_GEMV_CFG[1])
-    y = gemv(x, w, split=split, **kw)
+    y = gemv(x, w, split=split, prefetch_bytes=LATENCY_PREFETCH_BYTES, **kw)
     return y.sum(1).to(x.dtype) if split > 1 and reduce else y
 
 

@@ -1,0 +1,93 @@
+"""A/B of the captured plain decode step on bench-6b under settings read from the environment at start-up.
+
+    python tools/ab_decode.py --variant base: --variant sel:HYLO_PDL_PREFETCH=sel --bs 1 8 --rounds 2 --out DIR
+
+Each variant runs in its own process (the settings are module globals read at import), builds bench-6b with random
+weights on the GPU, captures the decode graphs and measures, per batch size at context 1k, the wall time of a
+steady-state step (``bench_steps.time_steps``) and the decode graph's GPU time alone. With ``--rounds 2`` the
+variants run twice, interleaved (A B A B), and each keeps its better round: the host and the GPU clocks drift a few
+percent across a call. The rows go to stdout and to DIR/ab-decode-<time>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+
+def child(batches: list[int]) -> None:
+    import torch
+
+    from hylo.bench import SPEC_KV_TOKENS, bench_config, build_model
+    from hylo.bench_floors import Footprint, measure_copy_rate
+    from hylo.bench_steps import clear, fake_prefill, graph_alone_ms, time_steps
+    from hylo.config import EngineConfig
+    from hylo.engine.engine import Engine
+
+    dev = torch.device("cuda")
+    copy_rate = measure_copy_rate(dev)
+    lm = build_model(bench_config("bench-6b"), dev)
+    ec = EngineConfig(max_num_seqs=max(batches), kv_cache_tokens=max(batches) * SPEC_KV_TOKENS, chunk_size=8192,
+                      cuda_graph_sizes=tuple(batches), max_model_len=2048, verbose=False)
+    eng = Engine(lm, device="cuda", dtype="bfloat16", engine_config=ec)
+    fp = Footprint.of(lm.model, None, eng.caches)
+    rows = []
+    for bs in batches:
+        rids = fake_prefill(eng, bs, 1024)
+        wall = time_steps(eng, 30)
+        gpu = graph_alone_ms(eng, "decode", 50)
+        floor = fp.decode_bytes(bs, 1024) / copy_rate * 1e3
+        rows.append(dict(batch_size=bs, ms_per_step=wall, graph_ms=gpu, floor_ms=floor))
+        clear(eng, rids)
+    print("AB_ROWS " + json.dumps(rows), flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--variant", action="append", required=True,
+                    help="NAME:VAR=VALUE,VAR=VALUE (environment of that variant; 'base:' for none)")
+    ap.add_argument("--bs", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--child", action="store_true")
+    args = ap.parse_args()
+    if args.child:
+        child(args.bs)
+        return
+    variants = []
+    for spec in args.variant:
+        name, _, assigns = spec.partition(":")
+        env = dict(kv.split("=", 1) for kv in assigns.split(",") if kv)
+        variants.append((name, env))
+    best: dict[str, list[dict]] = {}
+    for rnd in range(args.rounds):
+        for name, env in variants:
+            cmd = [sys.executable, __file__, "--child", "--bs", *map(str, args.bs)]
+            proc = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True)
+            line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("AB_ROWS ")), None)
+            if line is None:
+                print(f"{name}: failed (rc {proc.returncode})\n{proc.stderr[-3000:]}", flush=True)
+                continue
+            rows = json.loads(line[len("AB_ROWS "):])
+            for r in rows:
+                print(f"round {rnd} {name:>12} bs={r['batch_size']:>3}: {r['ms_per_step']:.3f} ms/step "
+                      f"({r['ms_per_step'] / r['floor_ms']:.2f}x floor), graph {r['graph_ms']:.3f} ms", flush=True)
+            old = best.get(name)
+            best[name] = rows if old is None else [min(a, b, key=lambda r: r["graph_ms"]) for a, b in zip(old, rows)]
+    print("best of rounds (by graph time):")
+    for name, rows in best.items():
+        print(f"  {name:>12}: " + ", ".join(f"bs{r['batch_size']} {r['ms_per_step']:.3f} / graph {r['graph_ms']:.3f} "
+                                            f"({r['graph_ms'] / r['floor_ms']:.2f}x)" for r in rows))
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"ab-decode-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    with open(path, "w") as f:
+        json.dump({"variants": {n: e for n, e in variants}, "best": best}, f, indent=1)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
