@@ -4,6 +4,8 @@ sum. Everywhere else (CPU, prefill) they are ``F.linear``."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -14,7 +16,8 @@ from .triton_utils import use_triton
 # what the few-row projections may ask L2 for before their predecessor finishes, with the selective PDL prefetch
 # (``triton_utils.PREFETCH_MODES``): every one of them follows a latency-bound kernel (the residual-add norm, the
 # recurrent step, the attention merge) of 3-6 us at batch 1, in which DRAM delivers about 16 MB
-LATENCY_PREFETCH_BYTES = 16 << 20
+# (HYLO_PDL_PREFETCH_MB sets it for a comparison)
+LATENCY_PREFETCH_BYTES = int(float(os.environ.get("HYLO_PDL_PREFETCH_MB", "16")) * (1 << 20))
 
 
 def _few_rows(x: torch.Tensor) -> bool:
