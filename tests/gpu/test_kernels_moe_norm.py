@@ -250,11 +250,12 @@ def test_grouped_cfg_setting_parses_and_names_bad_entries():
         parse_grouped_cfg("1024:16,64,128,4,3")
 
 
-@pytest.mark.parametrize("tokens,experts,top_k", [(1000, 65, 11), (37, 9, 3), (1, 5, 2), (300, 513, 11)])
+@pytest.mark.parametrize("tokens,experts,top_k", [(1000, 65, 11), (2000, 65, 11), (37, 9, 3), (1, 5, 2),
+                                                  (300, 513, 11)])
 def test_prefill_counting_sort_of_pairs_equals_a_stable_argsort(dev, tokens, experts, top_k):
     """The prefill MoE's sort of (token, expert) pairs by expert: the order of a stable argsort, its inverse, and
     the group ends, with experts that get no pair and pair counts that are not multiples of the chunk (513
-    experts: the torch sort that takes over for many experts)."""
+    experts: the torch sort that takes over for many experts; 2000 tokens: 172 chunks, two blocks of the scan)."""
     from hylo.ops.moe_grouped_mm import sort_pairs_by_expert
 
     g = torch.Generator().manual_seed(tokens)
