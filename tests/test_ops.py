@@ -226,7 +226,7 @@ def test_residual_add_sums_unreduced_rows_in_float32():
 
 
 def test_output_projections_on_the_cpu_are_the_unfused_ops():
-    """The mixers' projection helpers (ops.linear) run plain torch off CUDA: gate, gated norm and bias included."""
+    """The mixers' projection helpers (ops.linear) and the attention's output gate run plain torch off CUDA."""
     from hylo.ops import linear
 
     g = torch.Generator().manual_seed(22)
@@ -234,8 +234,10 @@ def test_output_projections_on_the_cpu_are_the_unfused_ops():
     w, b, nw = torch.randn(5, 16, generator=g), torch.randn(5, generator=g), torch.randn(8, generator=g)
     flat, gflat = x.reshape(4, 16), gate.reshape(4, 16)
     assert torch.allclose(linear.dense(flat, w), flat @ w.T)
-    assert torch.allclose(linear.out_proj(flat, w, b, gate=gflat, reduce=False),
-                          F.linear(flat * torch.sigmoid(gflat), w, b))
+    assert torch.allclose(linear.out_proj(flat, w, b, reduce=False), F.linear(flat, w, b))
+    from hylo.ops.attention import output_gate
+
+    assert torch.equal(output_gate(x, gflat), (flat * torch.sigmoid(gflat)).view(4, 2, 8))
     assert torch.allclose(linear.norm_out_proj(x, gate, nw, 1e-6, w, reduce=False),
                           F.linear(norm.gated_rms_norm(x, gate, nw, 1e-6).reshape(4, 16), w))
 

@@ -48,7 +48,7 @@ def child(batches: list[int]) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--variant", action="append", required=True,
+    ap.add_argument("--variant", action="append", default=[],
                     help="NAME:VAR=VALUE,VAR=VALUE (environment of that variant; 'base:' for none)")
     ap.add_argument("--bs", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--rounds", type=int, default=1)
@@ -58,6 +58,8 @@ def main() -> None:
     if args.child:
         child(args.bs)
         return
+    if not args.variant:
+        ap.error("give at least one --variant")
     variants = []
     for spec in args.variant:
         name, _, assigns = spec.partition(":")

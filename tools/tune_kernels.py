@@ -251,9 +251,9 @@ def tune_split(dev, dt, results):
 
 
 def tune_gates(dev, dt, results):
-    """The output projections with what they apply to their input inside their loads: none, the attention's
-    ``x * sigmoid(gate)``, the GDN gated norm of each 128-channel head; at the split the model uses and a few
-    tiles. What the input's treatment costs the weight stream."""
+    """The output projections with what they apply to their input inside their loads: none (the attention's, whose
+    gate moved into the attention merge after this sweep measured it at 13.4 us against 6.0 at batch 1), the GDN
+    gated norm of each 128-channel head; at a few splits and tiles. What the input's treatment costs the stream."""
     n, k = 2048, 4096
     ws = [torch.randn(n, k, device=dev, dtype=dt) * 0.02 for _ in range(LAYERS)]
     nw = torch.rand(128, device=dev, dtype=dt) + 0.5
@@ -261,7 +261,7 @@ def tune_gates(dev, dt, results):
     for rows in (1, 8):
         x = torch.randn(rows, k, device=dev, dtype=dt)
         g = torch.randn(rows, k, device=dev, dtype=dt)
-        for kind, kw in (("none", {}), ("sigmoid", dict(gate=g)), ("norm", dict(gate=g, norm_weight=nw))):
+        for kind, kw in (("none", {}), ("norm", dict(gate=g, norm_weight=nw))):
             def tri(cfg, kw=kw):
                 def fn():
                     for w in ws:

@@ -32,20 +32,24 @@ class AttentionBackend(Backend):
             batch.out_cache_loc[raw * batch.tokens_per_row:] = 0
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,
-                scaling: float) -> torch.Tensor:
-        """q: [T, H, D]; k, v: [T, KVH, D] for the new tokens. ``layer`` indexes the attention layers only."""
+                scaling: float, gate: torch.Tensor | None = None) -> torch.Tensor:
+        """q: [T, H, D]; k, v: [T, KVH, D] for the new tokens. ``layer`` indexes the attention layers only. With
+        ``gate`` ([T, H * D], rows may be strided) the output comes back multiplied by ``sigmoid(gate)``: inside
+        the split attention's merge on the decode path, after the attention elsewhere."""
         k_cache, v_cache = self.kv_pool.k[layer], self.kv_pool.v[layer]
         ops.store_kv(k_cache, v_cache, batch.out_cache_loc, k, v)
         r2t = self.req_slots.req_to_token
         if batch.extend_lens_cpu is not None:  # variable-length rows (prefill chunks)
             extend = ops.extend_attention_sdpa if self.fast else ops.extend_attention_ref
-            return extend(q, k_cache, v_cache, r2t, batch.req_slots_cpu, batch.prefix_lens_cpu,
-                          batch.extend_lens_cpu, scaling)
+            out = extend(q, k_cache, v_cache, r2t, batch.req_slots_cpu, batch.prefix_lens_cpu,
+                         batch.extend_lens_cpu, scaling)
+            return out if gate is None else ops.output_gate(out, gate)
         # fixed shape: tokens_per_row queries per row (decode, verify, draft steps)
         if self.fast:
             from ..ops.attention_triton import paged_attention
 
             return paged_attention(q, k_cache, v_cache, r2t, batch.req_slots, batch.seq_lens, scaling,
-                                   batch.tokens_per_row)
-        return ops.decode_attention_ref(q, k_cache, v_cache, self.req_slots.req_to_token, batch.req_slots,
-                                        batch.seq_lens, batch.max_seq_len, scaling, batch.tokens_per_row)
+                                   batch.tokens_per_row, gate=gate)
+        out = ops.decode_attention_ref(q, k_cache, v_cache, self.req_slots.req_to_token, batch.req_slots,
+                                       batch.seq_lens, batch.max_seq_len, scaling, batch.tokens_per_row)
+        return out if gate is None else ops.output_gate(out, gate)

@@ -22,6 +22,17 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor, k:
     v_cache[loc] = v.to(v_cache.dtype)
 
 
+def output_gate(out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """Gated attention's ``out * sigmoid(gate)`` (sigmoid rounded to out's dtype first, as torch computes it):
+    out [T, H, D], gate [T, H * D] (rows may be strided: a slice of the qkv projection). One Triton pass on CUDA."""
+    tokens = out.shape[0]
+    if use_triton(out):
+        from .linear_triton import sigmoid_gate
+
+        return sigmoid_gate(out.reshape(tokens, -1), gate).view(out.shape)
+    return (out.reshape(tokens, -1) * torch.sigmoid(gate)).view(out.shape)
+
+
 def _attend(q, k, v, mask, scaling):
     """q: [..., H, Lq, D]; k, v: [..., KVH, Lk, D]; mask: broadcastable bool [..., 1, Lq, Lk] (True = keep)."""
     heads, kv_heads = q.shape[-3], k.shape[-3]

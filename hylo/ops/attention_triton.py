@@ -99,12 +99,15 @@ def _paged_attn_split_kernel(
 
 
 @triton.jit
-def _merge_splits_kernel(part_o_ptr, part_lse_ptr, seq_lens_ptr, out_ptr, stride_ot, stride_oh, H,
-                         S: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, SPLITS: tl.constexpr,
-                         CH: tl.constexpr, USE_WHILE: tl.constexpr, PDL: tl.constexpr = False):
+def _merge_splits_kernel(part_o_ptr, part_lse_ptr, seq_lens_ptr, out_ptr, gate_ptr, stride_ot, stride_oh, stride_g,
+                         H, S: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr,
+                         SPLITS: tl.constexpr, CH: tl.constexpr, USE_WHILE: tl.constexpr, GATE: tl.constexpr,
+                         PDL: tl.constexpr = False):
     """Per (token, head, block of BD channels): the log-sum-exp weighted sum of the splits the row's length used
     (the split kernel's share rule), CH splits at a time and no further than the used ones (a 1k context uses
-    32 of batch 1's 128 splits). At batch 1 the channel blocks give the merge 64 programs instead of 16."""
+    32 of batch 1's 128 splits). At batch 1 the channel blocks give the merge 64 programs instead of 16. With
+    GATE, the output gate too: ``out * sigmoid(gate)`` rounded as the unfused torch expression is (the gate row
+    read in place from the qkv projection)."""
     pdl_enter(PDL)
     tok = tl.program_id(0)
     head = tl.program_id(1)
@@ -128,7 +131,11 @@ def _merge_splits_kernel(part_o_ptr, part_lse_ptr, seq_lens_ptr, out_ptr, stride
     else:
         for c in range(0, used, CH):
             res += _merge_chunk(part_o_ptr, part_lse_ptr, base, c, used, m, total, offs_d, md, D, CH)
-    tl.store(out_ptr + tok * stride_ot + head * stride_oh + offs_d, res.to(out_ptr.dtype.element_ty), mask=md)
+    out = res.to(out_ptr.dtype.element_ty)
+    if GATE:
+        g = tl.load(gate_ptr + tok * stride_g + head * D + offs_d, mask=md, other=0.0).to(tl.float32)
+        out = (out.to(tl.float32) * tl.sigmoid(g).to(out.dtype).to(tl.float32)).to(out.dtype)
+    tl.store(out_ptr + tok * stride_ot + head * stride_oh + offs_d, out, mask=md)
 
 
 @triton.jit
@@ -188,9 +195,10 @@ def num_splits(batch: int, kv_heads: int, device: torch.device) -> int:
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_token: torch.Tensor,
                     req_slots: torch.Tensor, seq_lens: torch.Tensor, scaling: float,
-                    tokens_per_row: int = 1) -> torch.Tensor:
-    """q: [B * S, H, D]; caches: [N, KVH, D]; seq_lens: [B] (the last S positions are the queries).
-    Returns [B * S, H, D] in q's dtype."""
+                    tokens_per_row: int = 1, gate: torch.Tensor | None = None) -> torch.Tensor:
+    """q: [B * S, H, D]; caches: [N, KVH, D]; seq_lens: [B] (the last S positions are the queries); gate: None or
+    [B * S, H * D] (rows may be strided) to multiply the output by its sigmoid. Returns [B * S, H, D] in q's
+    dtype."""
     num_tokens, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
     group = heads // kv_heads
@@ -212,8 +220,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     )
     # channel blocks so that a small batch's merge still has a few dozen programs
     mbd = bd if num_tokens * heads >= 64 else max(32, bd // 4)
+    if gate is not None and gate.stride(-1) != 1:
+        gate = gate.contiguous()
     _merge_splits_kernel[(num_tokens, heads, triton.cdiv(dim, mbd))](
-        part_o, part_lse, seq_lens, out, out.stride(0), out.stride(1), heads, S=tokens_per_row, D=dim, BD=mbd,
-        BN=bn, SPLITS=splits, CH=min(MERGE_CHUNK, splits), USE_WHILE=INTERPRET, num_warps=4 if mbd > 64 else 2,
+        part_o, part_lse, seq_lens, out, gate if gate is not None else out, out.stride(0), out.stride(1),
+        gate.stride(0) if gate is not None else 0, heads, S=tokens_per_row, D=dim, BD=mbd, BN=bn, SPLITS=splits,
+        CH=min(MERGE_CHUNK, splits), USE_WHILE=INTERPRET, GATE=gate is not None, num_warps=4 if mbd > 64 else 2,
         **pdl_launch(q))
     return out

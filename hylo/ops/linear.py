@@ -69,19 +69,11 @@ def _split_gemv(x: torch.Tensor, w: torch.Tensor, reduce: bool, bk: int | None =
     return y.sum(1).to(x.dtype) if split > 1 and reduce else y
 
 
-def out_proj(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, gate: torch.Tensor | None = None,
-             reduce: bool = True) -> torch.Tensor:
-    """(x * sigmoid(gate) if gate is given) W^T + bias: a mixer's output projection. With ``reduce=False`` the
-    few-row path may return float32 partial rows [M, S, N] whose sum is the result."""
-    if _few_rows(x) and (gate is None or gate.stride(-1) == 1):
-        return _split_gemv(x, w, reduce, bias=bias, gate=gate)
-    if gate is not None:
-        if use_triton(x):
-            from .linear_triton import sigmoid_gate
-
-            x = sigmoid_gate(x, gate)
-        else:
-            x = x * torch.sigmoid(gate)
+def out_proj(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, reduce: bool = True) -> torch.Tensor:
+    """x W^T + bias: a mixer's output projection. With ``reduce=False`` the few-row path may return float32
+    partial rows [M, S, N] whose sum is the result."""
+    if _few_rows(x):
+        return _split_gemv(x, w, reduce, bias=bias)
     return F.linear(x, w, bias)
 
 

@@ -33,6 +33,14 @@ def test_paged_attention_matches_reference(dev, heads, kv_heads, dim, steps, dty
                           dim ** -0.5, steps)
     tol = 2e-3 if dtype == torch.float32 else 3e-2
     assert torch.allclose(out.cpu().float(), ref, atol=tol, rtol=tol)
+    # the output gate inside the merge, read in place from a wider projection row (a strided view)
+    proj = torch.randn(batch * steps, 2 * heads * dim + 8, generator=g).to(q.dtype)
+    gate = proj[:, heads * dim:2 * heads * dim]
+    gated = paged_attention(q.to(dev), kc.to(dev), vc.to(dev), r2t.to(dev), req_slots.to(dev), seq_lens.to(dev),
+                            dim ** -0.5, steps, gate=gate.to(dev))
+    want = out.cpu().reshape(batch * steps, -1) * torch.sigmoid(gate)  # torch's rounding of the unfused expression
+    assert torch.allclose(gated.cpu().reshape(batch * steps, -1).float(), want.float(), atol=1e-6 if dtype ==
+                          torch.float32 else 1e-2, rtol=1e-5 if dtype == torch.float32 else 1e-2)
 
 
 @pytest.mark.parametrize("steps", [1, 4])
