@@ -261,13 +261,14 @@ def tune_gates(dev, dt, results):
     for rows in (1, 8):
         x = torch.randn(rows, k, device=dev, dtype=dt)
         g = torch.randn(rows, k, device=dev, dtype=dt)
-        for kind, kw in (("none", {}), ("norm", dict(gate=g, norm_weight=nw))):
+        for kind, kw in (("none", {}), ("norm", dict(gate=g, norm_weight=nw, x_ahead=False)),
+                         ("norm_ahead", dict(gate=g, norm_weight=nw, x_ahead=True))):
             def tri(cfg, kw=kw):
                 def fn():
                     for w in ws:
                         gemv(x, w, split=cfg[4], cfg=cfg[:4], **kw)
                 return fn
-            cfgs = [c + (sp,) for c in itertools.product((32, 64), (128,), (4, 8), (2, 4)) for sp in (4, 8)]
+            cfgs = [c + (sp,) for c in itertools.product((32, 64), (128,), (4, 8), (4,)) for sp in (4, 8)]
             sweep(f"gate_{kind}_{n}x{k}_m{rows}", cfgs, tri, floor, results)
 
 

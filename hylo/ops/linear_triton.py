@@ -12,6 +12,8 @@ and is now applied by the attention merge that writes x.)
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -23,10 +25,22 @@ GEMV_MAX_ROWS = 16
 
 
 @triton.jit
+def _xg_tile(x_ptr, g_ptr, offs_m, offs_k, mm, end, stride_x, stride_g):
+    """The [BM, BK] tiles of x and of the gate at columns ``offs_k`` (those below ``end``)."""
+    m2 = mm[:, None] & (offs_k < end)[None, :]
+    x = tl.load(x_ptr + offs_m[:, None] * stride_x + offs_k[None, :], mask=m2, other=0.0)
+    g = tl.load(g_ptr + offs_m[:, None] * stride_g + offs_k[None, :], mask=m2, other=0.0)
+    return x, g
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, g_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, M, N, K: tl.constexpr, stride_x, stride_g, eps,
                  K_SPLIT: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                  BK: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr, PREC: tl.constexpr,
-                 PF_LINES: tl.constexpr = 0, PF_STRIDE: tl.constexpr = 64, PDL: tl.constexpr = False):
+                 X_AHEAD: tl.constexpr = False, PF_LINES: tl.constexpr = 0, PF_STRIDE: tl.constexpr = 64,
+                 PDL: tl.constexpr = False):
+    """With NORM and X_AHEAD, the x and gate tiles of the next K block are loaded before the current block's norm
+    (Triton pipelines the loads of W, which feed the dot directly, but not those that pass through the norm)."""
     split = tl.program_id(1)
     offs_m = tl.arange(0, BM)
     offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
@@ -36,21 +50,31 @@ def _gemv_kernel(x_ptr, g_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, M, N, K: tl.constexp
     pdl_enter(PDL)
     mm, mn = offs_m < M, offs_n < N
     acc = tl.zeros([BM, BN], dtype=tl.float32)
+    end = tl.minimum(K, (split + 1) * K_SPLIT)
+    if NORM:
+        nw = tl.load(nw_ptr + tl.arange(0, BK)).to(tl.float32)
+        if X_AHEAD:
+            xa, ga = _xg_tile(x_ptr, g_ptr, offs_m, split * K_SPLIT + tl.arange(0, BK), mm, end, stride_x, stride_g)
     for k0 in range(0, K_SPLIT, BK):
         offs_k = split * K_SPLIT + k0 + tl.arange(0, BK)
         mk = offs_k < K
-        m2 = mm[:, None] & mk[None, :]
-        x = tl.load(x_ptr + offs_m[:, None] * stride_x + offs_k[None, :], mask=m2, other=0.0)
         if NORM:
+            if X_AHEAD:
+                x, g = xa, ga
+                xa, ga = _xg_tile(x_ptr, g_ptr, offs_m, offs_k + BK, mm, end, stride_x, stride_g)
+            else:
+                x, g = _xg_tile(x_ptr, g_ptr, offs_m, offs_k, mm, end, stride_x, stride_g)
             # the GDN output norm of one head (BK channels): normalise in float32, round, scale by the weight,
             # round, gate by silu(z) in float32, in the order of ``ops.norm.gated_rms_norm``
-            g = tl.load(g_ptr + offs_m[:, None] * stride_g + offs_k[None, :], mask=m2, other=0.0).to(tl.float32)
+            g = g.to(tl.float32)
             xf = x.to(tl.float32)
             inv = tl.rsqrt(tl.sum(xf * xf, 1) / BK + eps)
-            nw = tl.load(nw_ptr + tl.arange(0, BK)).to(tl.float32)
             y = (xf * inv[:, None]).to(x.dtype).to(tl.float32) * nw[None, :]
             y = y.to(x.dtype).to(tl.float32) * (g * tl.sigmoid(g))
             x = y.to(x.dtype)
+        else:
+            x = tl.load(x_ptr + offs_m[:, None] * stride_x + offs_k[None, :], mask=mm[:, None] & mk[None, :],
+                        other=0.0)
         w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
         acc += tl.dot(x, tl.trans(w), input_precision=PREC)
     if HAS_BIAS:
@@ -63,6 +87,9 @@ def _gemv_kernel(x_ptr, g_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, M, N, K: tl.constexp
 # the GDN input projection (12352 x 2048) 14.1 us against cuBLAS's 15.8 (floor 11.8); the output projections
 # (2048 x 4096) with 8 splits 6.4 us against cuBLAS's 8.7 plus its reduction launch (floor 3.9)
 GEMV_CFG = (32, 128, 4, 4)
+# the GDN output projection's x and gate tiles loaded one K block ahead (``_gemv_kernel``'s X_AHEAD); off unless
+# HYLO_GEMV_X_AHEAD=1 until measured: the gated norm in the loads made that GEMV 7.9 us against 6.0 without it
+NORM_X_AHEAD = os.environ.get("HYLO_GEMV_X_AHEAD", "0") == "1"
 SPLIT_GEMV_CFG = (64, 128, 4, 4)
 
 
@@ -76,7 +103,7 @@ def choose_split(n: int, k: int, bn: int, bk: int, target_programs: int = 256) -
 
 def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, gate: torch.Tensor | None = None,
          split: int = 1, cfg: tuple[int, int, int, int] | None = None, norm_weight: torch.Tensor | None = None,
-         eps: float = 1e-6, prefetch_bytes: int = 0) -> torch.Tensor:
+         eps: float = 1e-6, prefetch_bytes: int = 0, x_ahead: bool | None = None) -> torch.Tensor:
     """x, gate: [M, K] (M <= 16, unit stride along K); w: [N, K] contiguous. Returns [M, N] in x's dtype when
     ``split`` is 1, else the float32 partial sums of each K split, [M, split, N] (bias in split 0).
 
@@ -85,7 +112,9 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, gat
 
     ``prefetch_bytes``: with the selective PDL prefetch (``triton_utils.PREFETCH_MODES``), how much of W in all
     the kernel asks L2 for before it waits on the previous kernel (each program the same leading part of its
-    slice): about what DRAM delivers while a latency-bound predecessor runs; 0 behind a weight-streaming one."""
+    slice): about what DRAM delivers while a latency-bound predecessor runs; 0 behind a weight-streaming one.
+    ``x_ahead``: with the norm, load the next K block's x and gate before the current block's norm (default
+    ``NORM_X_AHEAD``)."""
     if (gate is None) != (norm_weight is None):
         raise ValueError("gemv: the gate and the norm weight go together (the GDN gated norm)")
     m, k = x.shape
@@ -103,6 +132,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, gat
         x, g, norm_weight if norm_weight is not None else w, w, bias if bias is not None else w, y, m, n, k,
         x.stride(0), g.stride(0), eps, K_SPLIT=k_split, SPLIT=split, BM=16, BN=bn, BK=bk,
         NORM=norm_weight is not None, HAS_BIAS=bias is not None,
+        X_AHEAD=norm_weight is not None and (NORM_X_AHEAD if x_ahead is None else x_ahead),
         **prefetch_args(k_split, w, selective=leading_elems(prefetch_bytes, n * split, w.element_size())),
         PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages, **pdl_launch(x))
     return y
