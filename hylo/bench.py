@@ -264,7 +264,7 @@ def _pdl_records(lm: LoadedModel, batches: list[int], copy_rate: float, steps: i
 
     previous = set_pdl(*pdl_settings())
     try:
-        for pdl, prefetch in ((False, "off"), (True, "sel")):
+        for pdl, prefetch in ((False, False), (True, True)):
             set_pdl(pdl, prefetch)
             ec = EngineConfig(max_num_seqs=max(batches), kv_cache_tokens=max(batches) * SPEC_KV_TOKENS,
                               chunk_size=8192, cuda_graph_sizes=tuple(batches), max_model_len=SPEC_MODEL_LEN,
@@ -285,7 +285,7 @@ def _pdl_records(lm: LoadedModel, batches: list[int], copy_rate: float, steps: i
             del eng
         set_pdl(False, False)
         eng = _batch1_engine(lm, spec=True)
-        records.append(dict(_overlap_record(eng, 1, 3, steps), pdl=False, pdl_prefetch="off"))
+        records.append(dict(_overlap_record(eng, 1, 3, steps), pdl=False, pdl_prefetch=False))
         save_records()
         print(f"[bench] PDL off overlap spec mtp bs=1: {records[-1]['ms_per_step']:.2f} ms/step, GPU busy "
               f"{records[-1]['gpu_busy_fraction']:.3f}", flush=True)

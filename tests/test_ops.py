@@ -308,34 +308,3 @@ def test_prefill_index_fields():
     assert ix.chunk_indices.tolist() == [[0, 0], [1, 0], [1, 1], [2, 0], [2, 1]]
     assert PrefillIndex.build([1, 3], [5, 6], "cpu").all_slots
 
-
-def test_pdl_prefetch_modes_and_budget(monkeypatch):
-    """The weight prefetch before a PDL wait: off, every kernel's whole slice ("all"), or a budget for the kernels
-    behind a latency-bound one ("sel"), in whole lines, a power of two of them, never over the budget; a bad mode
-    is refused with the variable named."""
-    import torch
-
-    from hylo.ops import triton_utils as tu
-
-    w = torch.empty(0, dtype=torch.bfloat16)
-    # bench-6b's GDN input projection (12352 rows) with 16 MiB: 10 lines a row fit, 8 are taken (512 elements)
-    assert tu.leading_elems(16 << 20, 12352, 2) == 512
-    assert tu.leading_elems(16 << 20, 2048 * 8, 2) == 512  # an output projection's 8 splits: 8 of its lines
-    assert tu.leading_elems(100, 12352, 2) == 0
-    for rows in (1, 7, 300, 12352):
-        for budget in (1 << 12, 1 << 20, 16 << 20):
-            e = tu.leading_elems(budget, rows, 2)
-            assert e * 2 * rows <= budget and (e == 0 or (e * 2 // 128) & (e * 2 // 128 - 1) == 0)
-    previous = tu.set_pdl(True, "sel")
-    try:
-        assert tu.pdl_prefetch() == "sel"
-        assert tu.prefetch_args(2048, w, selective=512)["PF_LINES"] == 8
-        assert tu.prefetch_args(2048, w)["PF_LINES"] == 0  # a call site behind a weight-streaming kernel
-        tu.set_pdl(True, True)
-        assert tu.pdl_settings() == (True, "all") and tu.prefetch_args(2048, w)["PF_LINES"] == 32
-        tu.set_pdl(False, "all")
-        assert tu.pdl_prefetch() == "off" and tu.prefetch_args(2048, w)["PF_LINES"] == 0
-        with pytest.raises(ValueError, match="HYLO_PDL_PREFETCH"):
-            tu.set_pdl(True, "some")
-    finally:
-        tu.set_pdl(*previous)

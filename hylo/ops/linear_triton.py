@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from .triton_pdl import l2_prefetch, pdl_enter
-from .triton_utils import leading_elems, next_pow2, pdl_launch, prefetch_args
+from .triton_utils import next_pow2, pdl_launch, prefetch_args
 
 GEMV_MAX_ROWS = 16
 
@@ -103,16 +103,13 @@ def choose_split(n: int, k: int, bn: int, bk: int, target_programs: int = 256) -
 
 def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, gate: torch.Tensor | None = None,
          split: int = 1, cfg: tuple[int, int, int, int] | None = None, norm_weight: torch.Tensor | None = None,
-         eps: float = 1e-6, prefetch_bytes: int = 0, x_ahead: bool | None = None) -> torch.Tensor:
+         eps: float = 1e-6, x_ahead: bool | None = None) -> torch.Tensor:
     """x, gate: [M, K] (M <= 16, unit stride along K); w: [N, K] contiguous. Returns [M, N] in x's dtype when
     ``split`` is 1, else the float32 partial sums of each K split, [M, split, N] (bias in split 0).
 
     The input is x, or with ``gate`` and ``norm_weight`` [D] (D a power of two dividing K) the GDN gated norm of
     every D-channel head of x, ``gated_rms_norm(x, gate, norm_weight, eps)``.
 
-    ``prefetch_bytes``: with the selective PDL prefetch (``triton_utils.PREFETCH_MODES``), how much of W in all
-    the kernel asks L2 for before it waits on the previous kernel (each program the same leading part of its
-    slice): about what DRAM delivers while a latency-bound predecessor runs; 0 behind a weight-streaming one.
     ``x_ahead``: with the norm, load the next K block's x and gate before the current block's norm (default
     ``NORM_X_AHEAD``)."""
     if (gate is None) != (norm_weight is None):
@@ -133,7 +130,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, gat
         x.stride(0), g.stride(0), eps, K_SPLIT=k_split, SPLIT=split, BM=16, BN=bn, BK=bk,
         NORM=norm_weight is not None, HAS_BIAS=bias is not None,
         X_AHEAD=norm_weight is not None and (NORM_X_AHEAD if x_ahead is None else x_ahead),
-        **prefetch_args(k_split, w, selective=leading_elems(prefetch_bytes, n * split, w.element_size())),
+        **prefetch_args(k_split, w),
         PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages, **pdl_launch(x))
     return y
 

@@ -58,64 +58,41 @@ def _pdl_supported() -> bool:
 # benchmark's comparison). Read once, not per launch: launches are on the host's hot path.
 _PDL = os.environ.get("HYLO_PDL", "1") == "1"
 # with PDL, the weight-streaming kernels may prefetch their weights into L2 before waiting on the previous kernel
-# (``triton_pdl.l2_prefetch``). HYLO_PDL_PREFETCH: "0" (off, the default), "1" (every weight-streaming kernel
-# prefetches its whole slice: measured slower, batch 1 1.79 against 1.69 ms of graph time in run -000943, since
-# kernels launched early behind a weight-streaming kernel compete with its loads, and the slices of a 50 MB
-# projection overflow L2), or "sel" (only the kernels that follow a latency-bound one, and only what DRAM can
-# deliver meanwhile: the output projections behind the recurrent step or the attention merge, the first quarter
-# of the input projections behind the residual-add norm).
-PREFETCH_MODES = {"0": "off", "off": "off", "1": "all", "all": "all", "sel": "sel"}
+# (``triton_pdl.l2_prefetch``). Off unless HYLO_PDL_PREFETCH=1: measured slower (batch 1 1.87 against 1.73 ms,
+# batch 8 3.98 against 3.74): the prefetches compete with the running kernel's own loads. A selective prefetch
+# (only the projections behind a latency-bound kernel, 16 MiB in all) was no faster either (session 13,
+# ab-decode-20261204-032522: batch 1 1.624 against 1.612 ms of graph time) and was taken out again.
+_PREFETCH = os.environ.get("HYLO_PDL_PREFETCH", "0") == "1"
 
 
-def _prefetch_mode(value) -> str:
-    if value is True or value is False:
-        return "all" if value else "off"
-    if str(value) not in PREFETCH_MODES:
-        raise ValueError(f"HYLO_PDL_PREFETCH={value!r}: expected one of {sorted(PREFETCH_MODES)}")
-    return PREFETCH_MODES[str(value)]
-
-
-_PREFETCH = _prefetch_mode(os.environ.get("HYLO_PDL_PREFETCH", "0"))
-
-
-def set_pdl(enabled: bool, prefetch: bool | str | None = None) -> tuple[bool, str]:
-    """Switch programmatic dependent launch (and with it the weight prefetch, unless ``prefetch`` says otherwise:
-    a mode of ``PREFETCH_MODES``, or a bool for all / off) for kernels launched (or graphs captured) from now on;
-    returns the previous (enabled, prefetch), which ``set_pdl(*previous)`` restores."""
+def set_pdl(enabled: bool, prefetch: bool | None = None) -> tuple[bool, bool]:
+    """Switch programmatic dependent launch (and with it the weight prefetch, unless ``prefetch`` says otherwise)
+    for kernels launched (or graphs captured) from now on; returns the previous (enabled, prefetch), which
+    ``set_pdl(*previous)`` restores."""
     global _PDL, _PREFETCH
     previous = (_PDL, _PREFETCH)
     _PDL = enabled
     if prefetch is not None:
-        _PREFETCH = _prefetch_mode(prefetch)
+        _PREFETCH = prefetch
     return previous
 
 
-def pdl_settings() -> tuple[bool, str]:
-    """(PDL on, weight prefetch mode), as ``set_pdl`` takes them."""
+def pdl_settings() -> tuple[bool, bool]:
+    """(PDL on, weight prefetch on), as ``set_pdl`` takes them."""
     return _PDL, _PREFETCH
 
 
-def pdl_prefetch() -> str:
-    """The weight prefetch of kernels launched with PDL: "off", "all" or "sel" (see ``PREFETCH_MODES``)."""
-    return _PREFETCH if _PDL else "off"
+def pdl_prefetch() -> bool:
+    """Whether kernels launched with PDL prefetch their weights before they wait."""
+    return _PDL and _PREFETCH
 
 
-def prefetch_args(row_elems: int, w: torch.Tensor, selective: int = 0) -> dict:
+def prefetch_args(row_elems: int, w: torch.Tensor) -> dict:
     """The L2-prefetch launch arguments of a kernel that streams rows of ``row_elems`` elements of ``w`` (see
-    ``triton_pdl.l2_prefetch``): ``PF_LINES`` 128-byte lines per row, ``PF_STRIDE`` elements apart. All the row's
-    lines in mode "all"; the first ``selective`` elements' lines in mode "sel" (0: the call site is behind a
-    weight-streaming kernel and does not prefetch); none when off."""
-    mode = pdl_prefetch()
-    elems = row_elems if mode == "all" else min(selective, row_elems) if mode == "sel" else 0
+    ``triton_pdl.l2_prefetch``): ``PF_LINES`` 128-byte lines per row, ``PF_STRIDE`` elements apart; no lines
+    unless the prefetch is on."""
     line = 128 // w.element_size()
-    return dict(PF_LINES=next_pow2((elems + line - 1) // line) if elems else 0, PF_STRIDE=line)
-
-
-def leading_elems(total_bytes: int, rows: int, elem_bytes: int) -> int:
-    """The leading elements of each of ``rows`` rows that ``total_bytes`` over all of them allow: a power of two of
-    whole 128-byte lines (rounded down, so that a prefetch stays within its budget), or 0."""
-    lines = total_bytes // rows // 128
-    return 0 if lines < 1 else (1 << (lines.bit_length() - 1)) * 128 // elem_bytes
+    return dict(PF_LINES=next_pow2((row_elems + line - 1) // line) if pdl_prefetch() else 0, PF_STRIDE=line)
 
 
 def pdl_launch(t: torch.Tensor) -> dict:
