@@ -261,8 +261,7 @@ def tune_gates(dev, dt, results):
     for rows in (1, 8):
         x = torch.randn(rows, k, device=dev, dtype=dt)
         g = torch.randn(rows, k, device=dev, dtype=dt)
-        for kind, kw in (("none", {}), ("norm", dict(gate=g, norm_weight=nw, x_ahead=False)),
-                         ("norm_ahead", dict(gate=g, norm_weight=nw, x_ahead=True))):
+        for kind, kw in (("none", {}), ("norm", dict(gate=g, norm_weight=nw))):
             def tri(cfg, kw=kw):
                 def fn():
                     for w in ws:

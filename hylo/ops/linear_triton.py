@@ -12,8 +12,6 @@ and is now applied by the attention merge that writes x.)
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -37,10 +35,7 @@ def _xg_tile(x_ptr, g_ptr, offs_m, offs_k, mm, end, stride_x, stride_g):
 def _gemv_kernel(x_ptr, g_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, M, N, K: tl.constexpr, stride_x, stride_g, eps,
                  K_SPLIT: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                  BK: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr, PREC: tl.constexpr,
-                 X_AHEAD: tl.constexpr = False, PF_LINES: tl.constexpr = 0, PF_STRIDE: tl.constexpr = 64,
-                 PDL: tl.constexpr = False):
-    """With NORM and X_AHEAD, the x and gate tiles of the next K block are loaded before the current block's norm
-    (Triton pipelines the loads of W, which feed the dot directly, but not those that pass through the norm)."""
+                 PF_LINES: tl.constexpr = 0, PF_STRIDE: tl.constexpr = 64, PDL: tl.constexpr = False):
     split = tl.program_id(1)
     offs_m = tl.arange(0, BM)
     offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
@@ -53,17 +48,11 @@ def _gemv_kernel(x_ptr, g_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, M, N, K: tl.constexp
     end = tl.minimum(K, (split + 1) * K_SPLIT)
     if NORM:
         nw = tl.load(nw_ptr + tl.arange(0, BK)).to(tl.float32)
-        if X_AHEAD:
-            xa, ga = _xg_tile(x_ptr, g_ptr, offs_m, split * K_SPLIT + tl.arange(0, BK), mm, end, stride_x, stride_g)
     for k0 in range(0, K_SPLIT, BK):
         offs_k = split * K_SPLIT + k0 + tl.arange(0, BK)
         mk = offs_k < K
         if NORM:
-            if X_AHEAD:
-                x, g = xa, ga
-                xa, ga = _xg_tile(x_ptr, g_ptr, offs_m, offs_k + BK, mm, end, stride_x, stride_g)
-            else:
-                x, g = _xg_tile(x_ptr, g_ptr, offs_m, offs_k, mm, end, stride_x, stride_g)
+            x, g = _xg_tile(x_ptr, g_ptr, offs_m, offs_k, mm, end, stride_x, stride_g)
             # the GDN output norm of one head (BK channels): normalise in float32, round, scale by the weight,
             # round, gate by silu(z) in float32, in the order of ``ops.norm.gated_rms_norm``
             g = g.to(tl.float32)
@@ -87,9 +76,8 @@ def _gemv_kernel(x_ptr, g_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, M, N, K: tl.constexp
 # the GDN input projection (12352 x 2048) 14.1 us against cuBLAS's 15.8 (floor 11.8); the output projections
 # (2048 x 4096) with 8 splits 6.4 us against cuBLAS's 8.7 plus its reduction launch (floor 3.9)
 GEMV_CFG = (32, 128, 4, 4)
-# the GDN output projection's x and gate tiles loaded one K block ahead (``_gemv_kernel``'s X_AHEAD); off unless
-# HYLO_GEMV_X_AHEAD=1 until measured: the gated norm in the loads made that GEMV 7.9 us against 6.0 without it
-NORM_X_AHEAD = os.environ.get("HYLO_GEMV_X_AHEAD", "0") == "1"
+# The gated norm in the loads makes the GDN output projection 7.8 us against 6.1 without it (batch 1); loading its
+# x and gate tiles one K block ahead was no faster (7.7, tune-gates-20261204-0407.json) and was taken out again.
 SPLIT_GEMV_CFG = (64, 128, 4, 4)
 
 
@@ -103,15 +91,13 @@ def choose_split(n: int, k: int, bn: int, bk: int, target_programs: int = 256) -
 
 def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, gate: torch.Tensor | None = None,
          split: int = 1, cfg: tuple[int, int, int, int] | None = None, norm_weight: torch.Tensor | None = None,
-         eps: float = 1e-6, x_ahead: bool | None = None) -> torch.Tensor:
+         eps: float = 1e-6) -> torch.Tensor:
     """x, gate: [M, K] (M <= 16, unit stride along K); w: [N, K] contiguous. Returns [M, N] in x's dtype when
     ``split`` is 1, else the float32 partial sums of each K split, [M, split, N] (bias in split 0).
 
     The input is x, or with ``gate`` and ``norm_weight`` [D] (D a power of two dividing K) the GDN gated norm of
     every D-channel head of x, ``gated_rms_norm(x, gate, norm_weight, eps)``.
-
-    ``x_ahead``: with the norm, load the next K block's x and gate before the current block's norm (default
-    ``NORM_X_AHEAD``)."""
+"""
     if (gate is None) != (norm_weight is None):
         raise ValueError("gemv: the gate and the norm weight go together (the GDN gated norm)")
     m, k = x.shape
@@ -129,7 +115,6 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, gat
         x, g, norm_weight if norm_weight is not None else w, w, bias if bias is not None else w, y, m, n, k,
         x.stride(0), g.stride(0), eps, K_SPLIT=k_split, SPLIT=split, BM=16, BN=bn, BK=bk,
         NORM=norm_weight is not None, HAS_BIAS=bias is not None,
-        X_AHEAD=norm_weight is not None and (NORM_X_AHEAD if x_ahead is None else x_ahead),
         **prefetch_args(k_split, w),
         PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages, **pdl_launch(x))
     return y
