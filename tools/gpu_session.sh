@@ -10,7 +10,7 @@
 # phases that add profiles to it may reach the device's 600 s limit; what they wrote under OUT still comes back.
 # Everything is written under OUT (the device tool's $OUT); the summary lines go to stdout.
 set -u
-phase=${1:?tests, tests-host, tests-bench, check, tune-bench, bench, bench-first or bench-short}
+phase=${1:?tests, tests-host, tests-bench, check, tune-bench, bench, bench-first, bench-short or fma}
 out=${2:?output folder}
 mkdir -p "$out"
 
@@ -55,6 +55,11 @@ case "$phase" in
   bench) sweeps; [ -f "$out/tuned.env" ] && . "$out/tuned.env"; bench 380 --vs-hf ;;
   bench-first) bench 380 --vs-hf; sweeps ;;  # little device time left: the committed defaults first
   bench-short) bench 0 ;;
+  fma)  # the one-row CUDA-core GEMV: its sweep, then the decode step with it against without (same call)
+    timeout 150 python3 tools/tune_kernels.py --only fma --out "$out" > "$out/tune.txt" 2>&1; grep -v "^    " "$out/tune.txt"
+    timeout 300 python3 tools/ab_decode.py --variant tc: --variant fma:HYLO_GEMV_FMA=1 --rounds 2 --bs 1 8 \
+      --out "$out" 2>&1 | tail -8
+    ;;
   check) gputests; bench 0 ;;  # the least device time that both checks a tree and measures it
   tests-bench) gputests; bench 0; launches ;;  # a new tree's first call: is it right, how fast, which launches
   tune-bench)  # the step and conv sweeps, the bench with their winners, the prefill profile (where the GPU waits)

@@ -6,7 +6,7 @@ Decode measurements replay a CUDA graph of 24 calls over 24 different weight set
 so nothing is served from L2) and report microseconds per call against the bytes-over-copy-rate floor of one call;
 prefill ones time eager calls against the matmul-rate floor. The GDN sections (the prefill conv, the step kernels,
 the sampled-row draw) live in ``tune_gdn.py``, the shared timing in ``tune_common.py``. Usage:
-python tools/tune_kernels.py [--only moe grouped gemv split gates prefill conv steps sampling] [--out DIR]
+python tools/tune_kernels.py [--only moe grouped gemv split gates fma prefill conv steps sampling] [--out DIR]
 [--env FILE]; prints the best configurations and writes tune_kernels.json.
 """
 
@@ -31,13 +31,14 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
     ap.add_argument("--only", nargs="+", default=["moe", "gemv", "split"],
-                    choices=["moe", "grouped", "gemv", "split", "gates", "prefill", "conv", "steps", "sampling"])
+                    choices=["moe", "grouped", "gemv", "split", "gates", "fma", "prefill", "conv", "steps",
+                             "sampling"])
     ap.add_argument("--env", default=None, help="write the best settings found as shell exports to this file")
     args = ap.parse_args()
     torch.manual_seed(0)
     dev, dt = torch.device("cuda"), torch.bfloat16
     results = {}
-    sections = {"moe": tune_moe, "grouped": tune_grouped, "gemv": tune_gemv, "split": tune_split, "gates": tune_gates,
+    sections = {"moe": tune_moe, "grouped": tune_grouped, "gemv": tune_gemv, "split": tune_split, "gates": tune_gates, "fma": tune_fma,
                 "prefill": tune_prefill_moe, "conv": tune_conv_prefill, "steps": tune_steps,
                 "sampling": time_sampling}
     for name in args.only:
@@ -269,6 +270,33 @@ def tune_gates(dev, dt, results):
                 return fn
             cfgs = [c + (sp,) for c in itertools.product((32, 64), (128,), (4, 8), (4,)) for sp in (4, 8)]
             sweep(f"gate_{kind}_{n}x{k}_m{rows}", cfgs, tri, floor, results)
+
+
+def tune_fma(dev, dt, results):
+    """Batch 1: the decode projections as the tensor-core GEMV with its default tiles (the row whose last entry is
+    0) against the one-row CUDA-core variant (``HYLO_GEMV_FMA``) over a few tiles; cfg = (BN, BK, warps,
+    stages, split, fma). The GDN input and attention qkv projections unsplit, the output projection at the split
+    the model uses (4 plain, 8 with the GDN norm)."""
+    from hylo.ops.linear_triton import GEMV_CFG, SPLIT_GEMV_CFG
+
+    nw = torch.rand(128, device=dev, dtype=dt) + 0.5
+    for n, k, split, norm in ((12352, 2048, 1, False), (9216, 2048, 1, False), (2048, 4096, 4, False),
+                              (2048, 4096, 8, True)):
+        ws = [torch.randn(n, k, device=dev, dtype=dt) * 0.02 for _ in range(LAYERS)]
+        x, g = torch.randn(1, k, device=dev, dtype=dt), torch.randn(1, k, device=dev, dtype=dt)
+        kw = dict(gate=g, norm_weight=nw) if norm else {}
+
+        def tri(cfg, kw=kw):
+            def fn():
+                for w in ws:
+                    gemv(x, w, split=cfg[4], cfg=cfg[:4], fma=bool(cfg[5]), **kw)
+            return fn
+        tc = (GEMV_CFG if split == 1 else SPLIT_GEMV_CFG) + (split, 0)
+        fma = [c + (split, 1) for c in itertools.product((8, 16, 32), (128,) if norm else (128, 256, 512), (4,),
+                                                         (2,))]
+        sweep(f"fma_{n}x{k}{'_norm' if norm else ''}", [tc] + fma, tri, n * k * 2 / COPY_TBPS / 1e6, results)
+        ws = None
+        torch.cuda.empty_cache()
 
 
 def tune_prefill_moe(dev, dt, results, tokens=8192, layers=4):

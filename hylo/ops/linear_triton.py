@@ -12,12 +12,14 @@ and is now applied by the attention merge that writes x.)
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 from .triton_pdl import l2_prefetch, pdl_enter
-from .triton_utils import next_pow2, pdl_launch, prefetch_args
+from .triton_utils import env_cfg, next_pow2, pdl_launch, prefetch_args
 
 GEMV_MAX_ROWS = 16
 
@@ -35,7 +37,10 @@ def _xg_tile(x_ptr, g_ptr, offs_m, offs_k, mm, end, stride_x, stride_g):
 def _gemv_kernel(x_ptr, g_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, M, N, K: tl.constexpr, stride_x, stride_g, eps,
                  K_SPLIT: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                  BK: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr, PREC: tl.constexpr,
-                 PF_LINES: tl.constexpr = 0, PF_STRIDE: tl.constexpr = 64, PDL: tl.constexpr = False):
+                 FMA: tl.constexpr = False, PF_LINES: tl.constexpr = 0, PF_STRIDE: tl.constexpr = 64,
+                 PDL: tl.constexpr = False):
+    """Program (block of BN outputs, K split): BM rows (padded to 16 for the tensor cores), or with FMA one row
+    (BM = 1) multiplied on the CUDA cores, a [BK] slice of x against the [BN, BK] tile of W."""
     split = tl.program_id(1)
     offs_m = tl.arange(0, BM)
     offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
@@ -65,7 +70,10 @@ def _gemv_kernel(x_ptr, g_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, M, N, K: tl.constexp
             x = tl.load(x_ptr + offs_m[:, None] * stride_x + offs_k[None, :], mask=mm[:, None] & mk[None, :],
                         other=0.0)
         w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
-        acc += tl.dot(x, tl.trans(w), input_precision=PREC)
+        if FMA:
+            acc += tl.sum(w.to(tl.float32) * x.to(tl.float32), 1)[None, :]
+        else:
+            acc += tl.dot(x, tl.trans(w), input_precision=PREC)
     if HAS_BIAS:
         acc += tl.where(split == 0, tl.load(b_ptr + offs_n, mask=mn, other=0.0).to(tl.float32), 0.0)[None, :]
     tl.store(y_ptr + (offs_m[:, None] * SPLIT + split) * N + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
@@ -76,6 +84,11 @@ def _gemv_kernel(x_ptr, g_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, M, N, K: tl.constexp
 # the GDN input projection (12352 x 2048) 14.1 us against cuBLAS's 15.8 (floor 11.8); the output projections
 # (2048 x 4096) with 8 splits 6.4 us against cuBLAS's 8.7 plus its reduction launch (floor 3.9)
 GEMV_CFG = (32, 128, 4, 4)
+# batch 1 (one row) on the CUDA cores instead of a 16-row tensor-core tile: off unless HYLO_GEMV_FMA=1, not yet
+# measured (the idea: a [BK] slice of x instead of a padded [16, BK] tile leaves registers for more loads in
+# flight, and makes the GDN norm cheap); its tile (BN, BK, warps, stages) from HYLO_GEMV_FMA_CFG
+GEMV_FMA = os.environ.get("HYLO_GEMV_FMA", "0") == "1"
+GEMV_FMA_CFG = env_cfg("HYLO_GEMV_FMA_CFG", (16, 256, 4, 2))
 # The gated norm in the loads makes the GDN output projection 7.8 us against 6.1 without it (batch 1); loading its
 # x and gate tiles one K block ahead was no faster (7.7, tune-gates-20261204-0407.json) and was taken out again.
 SPLIT_GEMV_CFG = (64, 128, 4, 4)
@@ -91,18 +104,19 @@ def choose_split(n: int, k: int, bn: int, bk: int, target_programs: int = 256) -
 
 def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, gate: torch.Tensor | None = None,
          split: int = 1, cfg: tuple[int, int, int, int] | None = None, norm_weight: torch.Tensor | None = None,
-         eps: float = 1e-6) -> torch.Tensor:
+         eps: float = 1e-6, fma: bool | None = None) -> torch.Tensor:
     """x, gate: [M, K] (M <= 16, unit stride along K); w: [N, K] contiguous. Returns [M, N] in x's dtype when
     ``split`` is 1, else the float32 partial sums of each K split, [M, split, N] (bias in split 0).
 
     The input is x, or with ``gate`` and ``norm_weight`` [D] (D a power of two dividing K) the GDN gated norm of
-    every D-channel head of x, ``gated_rms_norm(x, gate, norm_weight, eps)``.
-"""
+    every D-channel head of x, ``gated_rms_norm(x, gate, norm_weight, eps)``. ``fma``: a single row multiplied on
+    the CUDA cores (default ``GEMV_FMA`` for one row; ignored for more)."""
     if (gate is None) != (norm_weight is None):
         raise ValueError("gemv: the gate and the norm weight go together (the GDN gated norm)")
     m, k = x.shape
     n = w.shape[0]
-    bn, bk, warps, stages = cfg or (GEMV_CFG if split == 1 else SPLIT_GEMV_CFG)
+    fma = m == 1 and (GEMV_FMA if fma is None else fma)
+    bn, bk, warps, stages = cfg or (GEMV_FMA_CFG if fma else GEMV_CFG if split == 1 else SPLIT_GEMV_CFG)
     k_split = triton.cdiv(k, split)
     bk = norm_weight.shape[0] if norm_weight is not None else min(bk, next_pow2(k_split))
     k_split = triton.cdiv(k_split, bk) * bk
@@ -113,8 +127,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, gat
     g = gate if gate is not None else x
     _gemv_kernel[(triton.cdiv(n, bn), split)](
         x, g, norm_weight if norm_weight is not None else w, w, bias if bias is not None else w, y, m, n, k,
-        x.stride(0), g.stride(0), eps, K_SPLIT=k_split, SPLIT=split, BM=16, BN=bn, BK=bk,
-        NORM=norm_weight is not None, HAS_BIAS=bias is not None,
+        x.stride(0), g.stride(0), eps, K_SPLIT=k_split, SPLIT=split, BM=1 if fma else 16, BN=bn, BK=bk,
+        NORM=norm_weight is not None, HAS_BIAS=bias is not None, FMA=fma,
         **prefetch_args(k_split, w),
         PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages, **pdl_launch(x))
     return y

@@ -31,6 +31,30 @@ def test_gemv_matches_linear(dev, rows, n, k, split, bias):
     assert (y.double().cpu() - ref).norm() / ref.norm() < tol
 
 
+@pytest.mark.parametrize("n,k,split,bias,norm", [(65, 2048, 1, False, False), (100, 256, 2, True, False),
+                                                  (2048, 4096, 4, False, False), (40, 96, 1, True, False),
+                                                  (48, 4 * 64, 4, False, True), (24, 2 * 32, 1, False, True)])
+def test_one_row_gemv_on_the_cuda_cores(dev, n, k, split, bias, norm):
+    """The batch-1 variant (``fma=True``: one row, no tensor-core padding) against the reference, with a K split,
+    a bias, sizes that are not multiples of the tile, and the GDN gated norm (heads of 64 and 32)."""
+    from hylo.ops.linear_triton import gemv
+    from hylo.ops.norm import gated_rms_norm
+
+    g = torch.Generator().manual_seed(16)
+    dt = _dtype(dev)
+    x, z = torch.randn(1, k, generator=g).to(dt), torch.randn(1, k, generator=g).to(dt)
+    w, b = (torch.randn(n, k, generator=g) / k ** 0.5).to(dt), torch.randn(n, generator=g).to(dt)
+    dv = 64 if k == 256 else 32
+    nw = (1 + 0.1 * torch.randn(dv, generator=g)).to(dt)
+    xin = gated_rms_norm(x.view(1, -1, dv), z.view(1, -1, dv), nw, 1e-6).reshape(1, k) if norm else x
+    ref = F.linear(xin.double(), w.double(), b.double() if bias else None)
+    kw = dict(gate=z.to(dev), norm_weight=nw.to(dev), eps=1e-6) if norm else {}
+    y = gemv(x.to(dev), w.to(dev), b.to(dev) if bias else None, split=split, fma=True, **kw)
+    y = y.sum(1) if split > 1 else y
+    tol = 2e-2 if dt == torch.bfloat16 else 1e-5
+    assert (y.double().cpu() - ref).norm() / ref.norm() < tol
+
+
 def test_gemv_refuses_a_gate_without_the_norm(dev):
     """The GEMV's input treatment is the GDN gated norm only (the attention gate moved into the attention merge):
     a gate alone is refused, not silently ignored."""
