@@ -6,7 +6,7 @@ Decode measurements replay a CUDA graph of 24 calls over 24 different weight set
 so nothing is served from L2) and report microseconds per call against the bytes-over-copy-rate floor of one call;
 prefill ones time eager calls against the matmul-rate floor. The GDN sections (the prefill conv, the step kernels,
 the sampled-row draw) live in ``tune_gdn.py``, the shared timing in ``tune_common.py``. Usage:
-python tools/tune_kernels.py [--only moe grouped gemv split gates fma prefill conv steps sampling] [--out DIR]
+python tools/tune_kernels.py [--only moe grouped gemv split gates fma gather prefill conv steps sampling] [--out DIR]
 [--env FILE]; prints the best configurations and writes tune_kernels.json.
 """
 
@@ -31,14 +31,15 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
     ap.add_argument("--only", nargs="+", default=["moe", "gemv", "split"],
-                    choices=["moe", "grouped", "gemv", "split", "gates", "fma", "prefill", "conv", "steps",
-                             "sampling"])
+                    choices=["moe", "grouped", "gemv", "split", "gates", "fma", "gather", "prefill", "conv",
+                             "steps", "sampling"])
     ap.add_argument("--env", default=None, help="write the best settings found as shell exports to this file")
     args = ap.parse_args()
     torch.manual_seed(0)
     dev, dt = torch.device("cuda"), torch.bfloat16
     results = {}
-    sections = {"moe": tune_moe, "grouped": tune_grouped, "gemv": tune_gemv, "split": tune_split, "gates": tune_gates, "fma": tune_fma,
+    sections = {"moe": tune_moe, "grouped": tune_grouped, "gemv": tune_gemv, "split": tune_split,
+                "gates": tune_gates, "fma": tune_fma, "gather": tune_gather,
                 "prefill": tune_prefill_moe, "conv": tune_conv_prefill, "steps": tune_steps,
                 "sampling": time_sampling}
     for name in args.only:
@@ -297,6 +298,25 @@ def tune_fma(dev, dt, results):
         sweep(f"fma_{n}x{k}{'_norm' if norm else ''}", [tc] + fma, tri, n * k * 2 / COPY_TBPS / 1e6, results)
         ws = None
         torch.cuda.empty_cache()
+
+
+def tune_gather(dev, dt, results):
+    """The prefill MoE's pair-row gather at an 8192-token bench-6b chunk (90112 rows of 2048, shared expert
+    included): torch's ``index_select`` against the Triton kernel (``HYLO_GATHER_ROWS``), against the bytes
+    written and read (each token's row is read from L2 after its first use: counted once)."""
+    from hylo.ops.moe_grouped_mm import gather_rows
+
+    tokens, pairs = 8192, 8192 * (TOP_K + 1)
+    x = torch.randn(tokens, H, device=dev, dtype=dt)
+    tok = torch.randint(0, tokens, (pairs,), device=dev).sort().values
+    floor = (pairs + tokens) * H * 2 / COPY_TBPS / 1e6
+
+    def run(cfg):
+        def fn():
+            for _ in range(LAYERS):
+                gather_rows(x, tok, triton_kernel=bool(cfg[0]))
+        return fn
+    sweep("gather_rows_t8192", [(0,), (1,)], run, floor, results)
 
 
 def tune_prefill_moe(dev, dt, results, tokens=8192, layers=4):

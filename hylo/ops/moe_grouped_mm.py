@@ -54,6 +54,38 @@ def _silu_mul_kernel(h_ptr, act_ptr, P, I: tl.constexpr, BR: tl.constexpr, BI: t
 
 
 @triton.jit
+def _gather_rows_kernel(x_ptr, tok_ptr, out_ptr, P, H: tl.constexpr, BR: tl.constexpr, BH: tl.constexpr):
+    """Program (block of BR sorted rows, block of BH columns): out[r] = x[tok[r]]."""
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    cols = tl.program_id(1) * BH + tl.arange(0, BH)
+    mr = rows < P
+    m = mr[:, None] & (cols < H)[None, :]
+    src = tl.load(tok_ptr + rows, mask=mr, other=0)
+    v = tl.load(x_ptr + src[:, None] * H + cols[None, :], mask=m)
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * H + cols[None, :], v, mask=m)
+
+
+# the pair rows gathered by the Triton kernel above instead of torch's index_select (4.1 ms of an 8192-token
+# bench-6b prefill on the H200, about twice the bytes it writes): off unless HYLO_GATHER_ROWS=1, not yet measured;
+# tune_kernels --only gather compares the two
+GATHER_ROWS = os.environ.get("HYLO_GATHER_ROWS", "0") == "1"
+
+
+def gather_rows(x: torch.Tensor, tok: torch.Tensor, triton_kernel: bool | None = None) -> torch.Tensor:
+    """x[tok] for x [T, H] contiguous, tok [P] int64 (every entry a valid row)."""
+    if not (GATHER_ROWS if triton_kernel is None else triton_kernel):
+        return x.index_select(0, tok)
+    rows, hidden = tok.numel(), x.shape[1]
+    out = torch.empty(rows, hidden, dtype=x.dtype, device=x.device)
+    if rows:
+        bh = min(2048, triton.next_power_of_2(hidden))
+        br = max(1, 8192 // bh)
+        _gather_rows_kernel[(triton.cdiv(rows, br), triton.cdiv(hidden, bh))](x, tok, out, rows, hidden, BR=br,
+                                                                               BH=bh, num_warps=8)
+    return out
+
+
+@triton.jit
 def _gather_sum_kernel(ys_ptr, pos_ptr, wts_ptr, out_ptr, H: tl.constexpr, TOP_K: tl.constexpr, BH: tl.constexpr):
     """Program (token, block of BH outputs): sum over the token's pairs j of weight_j * ys[pos_j] in float32, where
     pos_j is pair j's row in the expert-sorted order."""
@@ -182,7 +214,7 @@ def fused_moe_grouped_mm(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
     # pairs grouped by expert: pos = each pair's sorted row, tok = each sorted row's token, and group g holds the
     # sorted rows [ends[g-1], ends[g])
     pos, tok, ends = sort_pairs_by_expert(flat, num_experts, top_k)
-    xs = x.index_select(0, tok)
+    xs = gather_rows(x.contiguous(), tok)
     h = torch._grouped_mm(xs, w13.transpose(1, 2), offs=ends)  # [P, 2I]
     act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     br, bi = 16, triton.next_power_of_2(inter)

@@ -11,8 +11,9 @@ def _dtype(dev):
     return torch.bfloat16 if dev.type == "cuda" else torch.float32
 
 
-@pytest.mark.parametrize("rows,n,k,split,bias", [(1, 65, 2048, 1, False), (3, 100, 256, 2, True), (16, 40, 64, 4, True),
-                                                 (5, 48, 200, 3, False), (1, 2048, 4096, 4, False), (7, 30, 96, 1, True)])
+@pytest.mark.parametrize("rows,n,k,split,bias", [(1, 65, 2048, 1, False), (3, 100, 256, 2, True),
+                                                 (16, 40, 64, 4, True), (5, 48, 200, 3, False),
+                                                 (1, 2048, 4096, 4, False), (7, 30, 96, 1, True)])
 def test_gemv_matches_linear(dev, rows, n, k, split, bias):
     from hylo.ops.linear_triton import gemv
 

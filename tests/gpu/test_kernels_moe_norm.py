@@ -314,3 +314,16 @@ def test_fused_norm_router_equals_the_norm_then_the_router(dev, tokens, per_row,
         assert torch.allclose(y.float(), ref_y.float(), atol=tol, rtol=tol)
         assert torch.equal(ids, rids)
         assert torch.allclose(w.float(), rw.float(), atol=tol)
+
+
+@pytest.mark.parametrize("tokens,hidden,pairs", [(37, 100, 301), (5, 2048, 17), (9, 3000, 4)])
+def test_gather_rows_matches_index_select(dev, tokens, hidden, pairs):
+    """The prefill MoE's pair-row gather (``HYLO_GATHER_ROWS``) against ``index_select``: rows repeated and
+    skipped, widths that are not a power of two or wider than one column block, row counts not a multiple of the
+    row block."""
+    from hylo.ops.moe_grouped_mm import gather_rows
+
+    g = torch.Generator().manual_seed(pairs)
+    x = torch.randn(tokens, hidden, generator=g).to(dev)
+    tok = torch.randint(0, tokens, (pairs,), generator=g).to(dev)
+    assert torch.equal(gather_rows(x, tok, triton_kernel=True), x.index_select(0, tok))
