@@ -1,6 +1,6 @@
 """A/B of the captured plain decode step on bench-6b under settings read from the environment at start-up.
 
-    python tools/ab_decode.py --variant base: --variant sel:HYLO_PDL_PREFETCH=sel --bs 1 8 --rounds 2 --out DIR
+    python tools/ab_decode.py --variant base: --variant fma:HYLO_GEMV_FMA=1 --bs 1 8 --rounds 2 --out DIR
 
 Each variant runs in its own process (the settings are module globals read at import), builds bench-6b with random
 weights on the GPU, captures the decode graphs and measures, per batch size at context 1k, the wall time of a
@@ -22,7 +22,7 @@ import time
 def child(batches: list[int]) -> None:
     import torch
 
-    from hylo.bench import SPEC_KV_TOKENS, bench_config, build_model
+    from hylo.bench import SPEC_KV_TOKENS, SPEC_MODEL_LEN, bench_config, build_model
     from hylo.bench_floors import Footprint, measure_copy_rate
     from hylo.bench_steps import clear, fake_prefill, graph_alone_ms, time_steps
     from hylo.config import EngineConfig
@@ -32,7 +32,7 @@ def child(batches: list[int]) -> None:
     copy_rate = measure_copy_rate(dev)
     lm = build_model(bench_config("bench-6b"), dev)
     ec = EngineConfig(max_num_seqs=max(batches), kv_cache_tokens=max(batches) * SPEC_KV_TOKENS, chunk_size=8192,
-                      cuda_graph_sizes=tuple(batches), max_model_len=2048, verbose=False)
+                      cuda_graph_sizes=tuple(batches), max_model_len=SPEC_MODEL_LEN, verbose=False)
     eng = Engine(lm, device="cuda", dtype="bfloat16", engine_config=ec)
     fp = Footprint.of(lm.model, None, eng.caches)
     rows = []

@@ -25,15 +25,6 @@ GEMV_MAX_ROWS = 16
 
 
 @triton.jit
-def _xg_tile(x_ptr, g_ptr, offs_m, offs_k, mm, end, stride_x, stride_g):
-    """The [BM, BK] tiles of x and of the gate at columns ``offs_k`` (those below ``end``)."""
-    m2 = mm[:, None] & (offs_k < end)[None, :]
-    x = tl.load(x_ptr + offs_m[:, None] * stride_x + offs_k[None, :], mask=m2, other=0.0)
-    g = tl.load(g_ptr + offs_m[:, None] * stride_g + offs_k[None, :], mask=m2, other=0.0)
-    return x, g
-
-
-@triton.jit
 def _gemv_kernel(x_ptr, g_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, M, N, K: tl.constexpr, stride_x, stride_g, eps,
                  K_SPLIT: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                  BK: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr, PREC: tl.constexpr,
@@ -50,25 +41,22 @@ def _gemv_kernel(x_ptr, g_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, M, N, K: tl.constexp
     pdl_enter(PDL)
     mm, mn = offs_m < M, offs_n < N
     acc = tl.zeros([BM, BN], dtype=tl.float32)
-    end = tl.minimum(K, (split + 1) * K_SPLIT)
     if NORM:
         nw = tl.load(nw_ptr + tl.arange(0, BK)).to(tl.float32)
     for k0 in range(0, K_SPLIT, BK):
         offs_k = split * K_SPLIT + k0 + tl.arange(0, BK)
         mk = offs_k < K
+        m2 = mm[:, None] & mk[None, :]
+        x = tl.load(x_ptr + offs_m[:, None] * stride_x + offs_k[None, :], mask=m2, other=0.0)
         if NORM:
-            x, g = _xg_tile(x_ptr, g_ptr, offs_m, offs_k, mm, end, stride_x, stride_g)
             # the GDN output norm of one head (BK channels): normalise in float32, round, scale by the weight,
             # round, gate by silu(z) in float32, in the order of ``ops.norm.gated_rms_norm``
-            g = g.to(tl.float32)
+            g = tl.load(g_ptr + offs_m[:, None] * stride_g + offs_k[None, :], mask=m2, other=0.0).to(tl.float32)
             xf = x.to(tl.float32)
             inv = tl.rsqrt(tl.sum(xf * xf, 1) / BK + eps)
             y = (xf * inv[:, None]).to(x.dtype).to(tl.float32) * nw[None, :]
             y = y.to(x.dtype).to(tl.float32) * (g * tl.sigmoid(g))
             x = y.to(x.dtype)
-        else:
-            x = tl.load(x_ptr + offs_m[:, None] * stride_x + offs_k[None, :], mask=mm[:, None] & mk[None, :],
-                        other=0.0)
         w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
         if FMA:
             acc += tl.sum(w.to(tl.float32) * x.to(tl.float32), 1)[None, :]
