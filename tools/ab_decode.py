@@ -1,6 +1,6 @@
 """A/B of the captured plain decode step on bench-6b under settings read from the environment at start-up.
 
-    python tools/ab_decode.py --variant base: --variant fma:HYLO_GEMV_FMA=1 --bs 1 8 --rounds 2 --out DIR
+    python tools/ab_decode.py --variant base: --variant tc:HYLO_GEMV_FMA=0 --bs 1 8 --rounds 2 --out DIR
 
 Each variant runs in its own process (the settings are module globals read at import), builds bench-6b with random
 weights on the GPU, captures the decode graphs and measures, per batch size at context 1k, the wall time of a
@@ -66,6 +66,7 @@ def main() -> None:
         env = dict(kv.split("=", 1) for kv in assigns.split(",") if kv)
         variants.append((name, env))
     best: dict[str, list[dict]] = {}
+    every: list[dict] = []
     for rnd in range(args.rounds):
         for name, env in variants:
             cmd = [sys.executable, __file__, "--child", "--bs", *map(str, args.bs)]
@@ -75,8 +76,9 @@ def main() -> None:
                 print(f"{name}: failed (rc {proc.returncode})\n{proc.stderr[-3000:]}", flush=True)
                 continue
             rows = json.loads(line[len("AB_ROWS "):])
+            every.append({"round": rnd + 1, "variant": name, "rows": rows})
             for r in rows:
-                print(f"round {rnd} {name:>12} bs={r['batch_size']:>3}: {r['ms_per_step']:.3f} ms/step "
+                print(f"round {rnd + 1} {name:>12} bs={r['batch_size']:>3}: {r['ms_per_step']:.3f} ms/step "
                       f"({r['ms_per_step'] / r['floor_ms']:.2f}x floor), graph {r['graph_ms']:.3f} ms", flush=True)
             old = best.get(name)
             best[name] = rows if old is None else [min(a, b, key=lambda r: r["graph_ms"]) for a, b in zip(old, rows)]
@@ -87,7 +89,7 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"ab-decode-{time.strftime('%Y%m%d-%H%M%S')}.json")
     with open(path, "w") as f:
-        json.dump({"variants": {n: e for n, e in variants}, "best": best}, f, indent=1)
+        json.dump({"variants": {n: e for n, e in variants}, "best": best, "rounds": every}, f, indent=1)
     print(f"wrote {path}")
 
 

@@ -55,11 +55,11 @@ case "$phase" in
   bench) sweeps; [ -f "$out/tuned.env" ] && . "$out/tuned.env"; bench 380 --vs-hf ;;
   bench-first) bench 380 --vs-hf; sweeps ;;  # little device time left: the committed defaults first
   bench-short) bench 0 ;;
-  fma)  # the off-by-default experiments: the one-row CUDA-core GEMV's and the Triton pair-row gather's sweeps, then
-        # the decode step with the GEMV against without (same call)
+  fma)  # the one-row CUDA-core GEMV's and the Triton pair-row gather's sweeps, then the decode step with the
+        # one-row GEMV (the default) against the tensor-core one (same call)
     timeout 170 python3 tools/tune_kernels.py --only fma gather --out "$out" > "$out/tune.txt" 2>&1
     grep -v "^    " "$out/tune.txt"
-    timeout 300 python3 tools/ab_decode.py --variant tc: --variant fma:HYLO_GEMV_FMA=1 --rounds 2 --bs 1 8 \
+    timeout 300 python3 tools/ab_decode.py --variant tc:HYLO_GEMV_FMA=0 --variant fma: --rounds 2 --bs 1 8 \
       --out "$out" 2>&1 | tail -8
     ;;
   check) gputests; bench 0 ;;  # the least device time that both checks a tree and measures it

@@ -12,14 +12,12 @@ graph and free of host reads.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 from .triton_pdl import pdl_enter
-from .triton_utils import INTERPRET, next_pow2, pdl_launch
+from .triton_utils import INTERPRET, next_pow2, pdl_launch, sm_count
 
 MIN_SPLITS, MAX_SPLITS = 16, 128
 MERGE_CHUNK = 16  # splits merged per step (a [16, D] float32 tile in registers)
@@ -180,15 +178,10 @@ def store_kv_triton(k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Ten
     return True
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
-
-
 def num_splits(batch: int, kv_heads: int, device: torch.device) -> int:
     """Splits of each row's keys: about two programs per SM over the batch's (row, KV head) pairs, a power of two in
     [MIN_SPLITS, MAX_SPLITS]. Depends on the batch shape only (a captured graph fixes it)."""
-    sms = _sm_count(device)
+    sms = sm_count(device)
     want = max(1, 2 * sms // max(1, batch * kv_heads))
     return min(MAX_SPLITS, max(MIN_SPLITS, next_pow2(want)))
 

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from .triton_pdl import l2_prefetch, pdl_enter
-from .triton_utils import env_cfg, next_pow2, pdl_launch, prefetch_args
+from .triton_utils import env_cfg, next_pow2, pdl_launch, prefetch_args, sm_count
 
 GEMV_MAX_ROWS = 16
 
@@ -72,11 +72,26 @@ def _gemv_kernel(x_ptr, g_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, M, N, K: tl.constexp
 # the GDN input projection (12352 x 2048) 14.1 us against cuBLAS's 15.8 (floor 11.8); the output projections
 # (2048 x 4096) with 8 splits 6.4 us against cuBLAS's 8.7 plus its reduction launch (floor 3.9)
 GEMV_CFG = (32, 128, 4, 4)
-# batch 1 (one row) on the CUDA cores instead of a 16-row tensor-core tile: off unless HYLO_GEMV_FMA=1, not yet
-# measured (the idea: a [BK] slice of x instead of a padded [16, BK] tile leaves registers for more loads in
-# flight, and makes the GDN norm cheap); its tile (BN, BK, warps, stages) from HYLO_GEMV_FMA_CFG
-GEMV_FMA = os.environ.get("HYLO_GEMV_FMA", "0") == "1"
-GEMV_FMA_CFG = env_cfg("HYLO_GEMV_FMA_CFG", (16, 256, 4, 2))
+# Batch 1 (one row) multiplies on the CUDA cores, a [BK] slice of x against each W tile instead of a 16-row padded
+# tensor-core tile: the registers it frees keep more loads in flight. Measured on the H200 (tools/tune_kernels.py
+# --only fma, tune-fma-20261204-0501.json), best one-row tile against the tensor-core GEMV: 12352 x 2048 13.3 vs
+# 13.6 us, 9216 x 2048 10.2 vs 11.5, 2048 x 4096 in 4 splits 5.4 vs 6.2, with the GDN norm in 8 splits 7.2 vs
+# 8.0 (floors 11.8, 8.8, 3.9, 3.9); a decode step at batch 1 1.572 against 1.610 ms. HYLO_GEMV_FMA=0 turns it off.
+# Every best tile had about 8 programs per SM (FMA_PROGRAMS_PER_SM), BK = 512 (128: one head, with the norm),
+# 4 warps, 2 stages; HYLO_GEMV_FMA_CFG fixes (BN, BK, warps, stages) instead.
+GEMV_FMA = os.environ.get("HYLO_GEMV_FMA", "1") == "1"
+GEMV_FMA_CFG = env_cfg("HYLO_GEMV_FMA_CFG", (16, 512, 4, 2)) if os.environ.get("HYLO_GEMV_FMA_CFG") else None
+FMA_PROGRAMS_PER_SM = 8
+
+
+def fma_tile(n: int, split: int, k_split: int, device: torch.device) -> tuple[int, int, int, int]:
+    """(BN, BK, warps, stages) of the one-row GEMV: BN of 8 or 16 whichever gives nearer FMA_PROGRAMS_PER_SM
+    programs per SM (with ``split`` programs along K), BK up to 512."""
+    target = FMA_PROGRAMS_PER_SM * sm_count(device)
+    bn = min((8, 16), key=lambda b: abs(triton.cdiv(n, b) * split - target))
+    return bn, min(512, next_pow2(k_split)), 4, 2
+
+
 # The gated norm in the loads makes the GDN output projection 7.8 us against 6.1 without it (batch 1); loading its
 # x and gate tiles one K block ahead was no faster (7.7, tune-gates-20261204-0407.json) and was taken out again.
 SPLIT_GEMV_CFG = (64, 128, 4, 4)
@@ -104,8 +119,10 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, gat
     m, k = x.shape
     n = w.shape[0]
     fma = m == 1 and (GEMV_FMA if fma is None else fma)
-    bn, bk, warps, stages = cfg or (GEMV_FMA_CFG if fma else GEMV_CFG if split == 1 else SPLIT_GEMV_CFG)
     k_split = triton.cdiv(k, split)
+    if cfg is None and fma:
+        cfg = GEMV_FMA_CFG or fma_tile(n, split, k_split, x.device)
+    bn, bk, warps, stages = cfg or (GEMV_CFG if split == 1 else SPLIT_GEMV_CFG)
     bk = norm_weight.shape[0] if norm_weight is not None else min(bk, next_pow2(k_split))
     k_split = triton.cdiv(k_split, bk) * bk
     if split == 1:

@@ -65,10 +65,10 @@ def _gather_rows_kernel(x_ptr, tok_ptr, out_ptr, P, H: tl.constexpr, BR: tl.cons
     tl.store(out_ptr + rows.to(tl.int64)[:, None] * H + cols[None, :], v, mask=m)
 
 
-# the pair rows gathered by the Triton kernel above instead of torch's index_select (4.1 ms of an 8192-token
-# bench-6b prefill on the H200, about twice the bytes it writes): off unless HYLO_GATHER_ROWS=1, not yet measured;
-# tune_kernels --only gather compares the two
-GATHER_ROWS = os.environ.get("HYLO_GATHER_ROWS", "0") == "1"
+# the pair rows gathered by the Triton kernel above instead of torch's index_select: 105.6 against 142.8 us per
+# layer at an 8192-token bench-6b chunk on the H200, floor 94.1 (tune_kernels --only gather,
+# tune-fma-20261204-0501.json), about 0.9 ms of the prefill; HYLO_GATHER_ROWS=0 goes back to index_select
+GATHER_ROWS = os.environ.get("HYLO_GATHER_ROWS", "1") == "1"
 
 
 def gather_rows(x: torch.Tensor, tok: torch.Tensor, triton_kernel: bool | None = None) -> torch.Tensor:

@@ -44,6 +44,13 @@ def env_cfg(var: str, default: tuple[int, ...]) -> tuple[int, ...]:
     return cfg
 
 
+@functools.lru_cache(maxsize=None)
+def sm_count(device: torch.device) -> int:
+    """The device's streaming multiprocessors (132 on an H200; CPU tensors, in Triton's interpreter, count as
+    an H200)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+
+
 def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 

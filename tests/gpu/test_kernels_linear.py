@@ -56,6 +56,18 @@ def test_one_row_gemv_on_the_cuda_cores(dev, n, k, split, bias, norm):
     assert (y.double().cpu() - ref).norm() / ref.norm() < tol
 
 
+def test_one_row_tile_rule_picks_the_measured_winners():
+    """``fma_tile``'s rule (about 8 programs per SM) gives the tiles that won the H200 sweep
+    (tune-fma-20261204-0501.json) for the four batch-1 projections of bench-6b (132 SMs, as a CPU device counts)."""
+    from hylo.ops.linear_triton import fma_tile
+
+    cpu = torch.device("cpu")
+    assert fma_tile(12352, 1, 2048, cpu) == (16, 512, 4, 2)  # GDN input projection
+    assert fma_tile(9216, 1, 2048, cpu) == (8, 512, 4, 2)  # attention qkv + gate
+    assert fma_tile(2048, 4, 1024, cpu) == (8, 512, 4, 2)  # output projection, 4 splits
+    assert fma_tile(2048, 8, 512, cpu)[0] == 16  # GDN output projection with its norm, 8 splits (BK = a head)
+
+
 def test_gemv_refuses_a_gate_without_the_norm(dev):
     """The GEMV's input treatment is the GDN gated norm only (the attention gate moved into the attention merge):
     a gate alone is refused, not silently ignored."""

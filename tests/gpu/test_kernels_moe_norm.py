@@ -267,6 +267,21 @@ def test_prefill_counting_sort_of_pairs_equals_a_stable_argsort(dev, tokens, exp
     assert torch.equal(ends.cpu(), torch.bincount(ids, minlength=experts).cumsum(0).int())
 
 
+def _skip_bf16_dot_in_interpreter(dev, dtype):
+    """Triton 3.6's interpreter computes ``tl.dot`` of bfloat16 tiles wrongly (values of 1e11 for products of
+    order 1), and the fused router's GEMV is such a dot: those cases run on the GPU only."""
+    if dev.type != "cuda" and dtype == torch.bfloat16:
+        pytest.skip("bfloat16 tl.dot is wrong in Triton's interpreter; runs on the GPU")
+
+
+def _assert_top_experts(ids, x, router, experts, top_k):
+    """The routed experts are the top-k of the plain float32 router logits (as a set: rounding may swap the order
+    of two nearly equal ones)."""
+    logits = torch.nn.functional.linear(x.float(), router[:experts].float())
+    ref = route_topk(logits, top_k, True)[1]
+    assert torch.equal(ids[:, :top_k].sort(-1).values.cpu(), ref.sort(-1).values.cpu())
+
+
 @pytest.mark.parametrize("tokens,shared,dtype", [(1, True, torch.bfloat16), (4, True, torch.float32),
                                                  (3, False, torch.bfloat16)])
 def test_fused_router_routes_like_the_router_gemv_then_routing(dev, tokens, shared, dtype):
@@ -276,11 +291,13 @@ def test_fused_router_routes_like_the_router_gemv_then_routing(dev, tokens, shar
     from hylo.ops.linear import narrow
     from hylo.ops.moe_route_triton import route, router_route
 
+    _skip_bf16_dot_in_interpreter(dev, dtype)
     experts, top_k, hidden = 64, 10, 512
     g = torch.Generator().manual_seed(tokens)
     x = torch.randn(tokens, hidden, generator=g).to(dtype).to(dev)
     router = (torch.randn(experts + int(shared), hidden, generator=g) * 0.05).to(dtype).to(dev)
     rw, rids = route(narrow(x, router), experts, top_k, True, shared, dtype)
+    _assert_top_experts(rids, x, router, experts, top_k)
     for _ in range(2):
         w, ids = router_route(x, router, experts, top_k, True, shared)
         assert torch.equal(ids, rids)
@@ -298,6 +315,7 @@ def test_fused_norm_router_equals_the_norm_then_the_router(dev, tokens, per_row,
     from hylo.ops.moe_route_triton import norm_router_route, route
     from hylo.ops.norm_triton import add_rms_norm
 
+    _skip_bf16_dot_in_interpreter(dev, dtype)
     experts, top_k = 64, 10
     g = torch.Generator().manual_seed(tokens + per_row)
     x = torch.randn(tokens, hidden, generator=g).to(dtype).to(dev)
@@ -307,6 +325,7 @@ def test_fused_norm_router_equals_the_norm_then_the_router(dev, tokens, per_row,
     router = (torch.randn(experts + 1, hidden, generator=g) * 0.05).to(dtype).to(dev)
     ref_res, ref_y = add_rms_norm(x, delta, nw, 1e-6)
     rw, rids = route(narrow(ref_y, router), experts, top_k, True, True, dtype)
+    _assert_top_experts(rids, ref_y, router, experts, top_k)
     for _ in range(2):
         res, y, w, ids = norm_router_route(x, delta, nw, 1e-6, router, experts, top_k, True, True)
         assert torch.equal(res, ref_res)
