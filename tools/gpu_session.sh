@@ -10,7 +10,7 @@
 # phases that add profiles to it may reach the device's 600 s limit; what they wrote under OUT still comes back.
 # Everything is written under OUT (the device tool's $OUT); the summary lines go to stdout.
 set -u
-phase=${1:?tests, tests-host, tests-bench, check, tune-bench, bench, bench-first, bench-short or fma}
+phase=${1:?tests, tests-host, tests-bench, check, tune-bench, bench, bench-first, bench-short, fma or fused}
 out=${2:?output folder}
 mkdir -p "$out"
 
@@ -61,6 +61,16 @@ case "$phase" in
     grep -v "^    " "$out/tune.txt"
     timeout 300 python3 tools/ab_decode.py --variant tc:HYLO_GEMV_FMA=0 --variant fma: --rounds 2 --bs 1 8 \
       --out "$out" 2>&1 | tail -8
+    ;;
+  fused)  # session 15: the decode A/B of the conv inside the GDN step and the summing MoE down projection (both
+          # on by default), their GPU tests with the engine's, then the pair kernels' decode sweep
+    timeout 250 python3 tools/ab_decode.py --variant both: --variant conv-off:HYLO_GDN_FUSED_CONV=0 \
+      --variant sum-off:HYLO_PAIR_DOWN_SUM=0 --rounds 2 --bs 1 8 --out "$out" 2>&1 | tail -8
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu -k "test_engine_gpu or conv_inside or gdn_steps \
+      or conv_steps or fused_moe_matches or unreduced or norm_kernels" > "$out/gputests.txt" 2>&1
+    echo "pytest rc=$?"; grep -E "passed|failed|FAILED|Error" "$out/gputests.txt" | tail -15
+    timeout 130 python3 tools/tune_kernels.py --only pairs --out "$out" > "$out/tune.txt" 2>&1
+    grep -v "^    " "$out/tune.txt"
     ;;
   check) gputests; bench 0 ;;  # the least device time that both checks a tree and measures it
   tests-bench) gputests; bench 0; launches ;;  # a new tree's first call: is it right, how fast, which launches

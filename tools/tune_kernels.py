@@ -6,8 +6,8 @@ Decode measurements replay a CUDA graph of 24 calls over 24 different weight set
 so nothing is served from L2) and report microseconds per call against the bytes-over-copy-rate floor of one call;
 prefill ones time eager calls against the matmul-rate floor. The GDN sections (the prefill conv, the step kernels,
 the sampled-row draw) live in ``tune_gdn.py``, the shared timing in ``tune_common.py``. Usage:
-python tools/tune_kernels.py [--only moe grouped gemv split gates fma gather prefill conv steps sampling] [--out DIR]
-[--env FILE]; prints the best configurations and writes tune_kernels.json.
+python tools/tune_kernels.py [--only moe pairs grouped gemv split gates fma gather prefill conv steps sampling]
+[--out DIR] [--env FILE]; prints the best configurations and writes tune_kernels.json.
 """
 
 import argparse
@@ -32,7 +32,7 @@ def main():
     ap.add_argument("--out", default=".")
     ap.add_argument("--only", nargs="+", default=["moe", "gemv", "split"],
                     choices=["moe", "grouped", "gemv", "split", "gates", "fma", "gather", "prefill", "conv",
-                             "steps", "sampling"])
+                             "steps", "sampling", "pairs"])
     ap.add_argument("--env", default=None, help="write the best settings found as shell exports to this file")
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -41,7 +41,7 @@ def main():
     sections = {"moe": tune_moe, "grouped": tune_grouped, "gemv": tune_gemv, "split": tune_split,
                 "gates": tune_gates, "fma": tune_fma, "gather": tune_gather,
                 "prefill": tune_prefill_moe, "conv": tune_conv_prefill, "steps": tune_steps,
-                "sampling": time_sampling}
+                "sampling": time_sampling, "pairs": tune_pairs}
     for name in args.only:
         sections[name](dev, dt, results)
         # written after every section, so that a run cut short by a time limit keeps what it measured
@@ -151,6 +151,52 @@ def tune_moe(dev, dt, results):
                     M.PAIR_GEMV_MAX_PAIRS = saved
                 return fn
             sweep(f"grouped_moe_t{tokens}", [("default",)], grouped, floor13 + floor2, results)
+
+
+def tune_pairs(dev, dt, results):
+    """The MoE pair kernels at decode sizes (1 and 8 tokens), after the summing down projection and the one-row
+    GEMV's lesson (about 8 programs per SM, BK = 512, 2 stages did best): gate/up over tiles with 2 stages, and
+    the down projection that sums a token's pairs itself (HYLO_PAIR_DOWN_SUM, the default) over its tiles against
+    the one-row-per-pair kernel at its default tile (cfg ending in 0), whose rows the residual add then reads."""
+    w13, w2 = expert_weights(dev, dt)
+    for tokens in (1, 8):
+        P = tokens * (TOP_K + 1)
+        ids = [routed_ids(tokens, dev).view(-1) for _ in range(LAYERS)]
+        uniq = sum(int(i.unique().numel()) for i in ids) / LAYERS
+        wts = torch.rand(P, device=dev, dtype=dt)
+        x = torch.randn(tokens, H, device=dev, dtype=dt)
+        act = torch.randn(P, I, device=dev, dtype=dt)
+        out = torch.empty(P, H, device=dev, dtype=torch.float32)
+
+        def gate_up(cfg):
+            bn, bk, warps, stages = cfg
+
+            def fn():
+                for layer in range(LAYERS):
+                    M._pair_gate_up_kernel[(P, triton.cdiv(I, bn))](x, w13[layer], ids[layer], act, H, I,
+                                                                    TOP_K=TOP_K + 1, BN=bn, BK=bk,
+                                                                    num_warps=warps, num_stages=stages)
+            return fn
+
+        def down(cfg):
+            bn, bk, warps, stages, summed = cfg
+
+            def fn():
+                for layer in range(LAYERS):
+                    if summed:
+                        M._pair_down_sum_kernel[(tokens, triton.cdiv(H, bn))](
+                            act, w2[layer], ids[layer], wts, out, H, I, TOP_K=TOP_K + 1, BN=bn, BK=bk,
+                            num_warps=warps, num_stages=stages)
+                    else:
+                        M._pair_down_kernel[(P, triton.cdiv(H, bn))](act, w2[layer], ids[layer], wts, out, H, I,
+                                                                     BN=bn, BK=bk, num_warps=warps,
+                                                                     num_stages=stages)
+            return fn
+        gu_cfgs = [M.PAIR_GATE_UP_CFG] + list(itertools.product((2, 4, 8), (512, 1024), (2, 4), (2,)))
+        sweep(f"pair_gate_up2_t{tokens}", gu_cfgs, gate_up, uniq * 2 * I * H * 2 / COPY_TBPS / 1e6, results)
+        per_pair = next(cfg for limit, cfg in M.PAIR_DOWN_CFG if P <= limit) + (0,)
+        cfgs = [per_pair] + [c + (1,) for c in itertools.product((1, 2, 4, 8), (256, 512), (1, 2, 4), (1,))]
+        sweep(f"pair_down_sum_t{tokens}", cfgs, down, uniq * I * H * 2 / COPY_TBPS / 1e6, results)
 
 
 # the down kernel's own (BN, BK, warps, stages) candidates: wider output tiles re-read the activations less

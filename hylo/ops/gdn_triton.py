@@ -13,6 +13,9 @@ state is read from the pool by slot (-1: zero state, nothing written). The same 
   steps (``accepted[row] + 1``) from its slot's state over the kept inputs, and writes the final state to the slot.
   A float32 state of bench-6b is 2 MB per layer: a verify of k + 1 = 4 steps writing every state moves 4 of them
   per row and layer, and the commit copy 2 more; the replay moves 2 and rereads a few KB of inputs.
+
+Decode also runs as ``gdn_decode_conv``: the causal conv of the step inside the same program (one launch per GDN
+layer fewer; ``HYLO_GDN_FUSED_CONV=0`` goes back to ``conv1d_triton.conv_steps`` followed by DECODE).
 """
 
 from __future__ import annotations
@@ -27,6 +30,25 @@ from .triton_pdl import pdl_enter
 from .triton_utils import env_cfg, next_pow2, pdl_launch
 
 DECODE, VERIFY_STATES, VERIFY_INPUTS, REPLAY = 0, 1, 2, 3
+FUSED_CONV = os.environ.get("HYLO_GDN_FUSED_CONV", "1") == "1"
+
+
+@triton.jit
+def _delta_step(state, q, k, v, a_in, b_in, A, dt_bias, scale):
+    """One step of the gated delta rule on a [BK, BV] block of a value head's state: the gating (softplus of
+    ``a + dt_bias`` times ``A = -exp(A_log)``, sigmoid beta), q and k L2-normalised (q scaled), then the update.
+    Returns (new state, output block o = S^T q)."""
+    q = q * tl.rsqrt(tl.sum(q * q) + 1e-6) * scale
+    k = k * tl.rsqrt(tl.sum(k * k) + 1e-6)
+    a = a_in.to(tl.float32) + dt_bias
+    softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(tl.minimum(a, 20.0))))
+    decay = tl.exp(A * softplus)
+    beta = tl.sigmoid(b_in.to(tl.float32))
+    state = state * decay
+    kv = tl.sum(state * k[:, None], axis=0)
+    delta = (v - kv) * beta
+    state = state + k[:, None] * delta[None, :]
+    return state, tl.sum(state * q[:, None], axis=0)
 
 
 @triton.jit
@@ -69,20 +91,10 @@ def _gdn_steps_kernel(
             q = tl.load(xrow + hk * DK + offs_k, mask=mk, other=0.0).to(tl.float32)
             k = tl.load(xrow + HK * DK + hk * DK + offs_k, mask=mk, other=0.0).to(tl.float32)
             v = tl.load(xrow + 2 * HK * DK + h * DV + offs_v, mask=mv, other=0.0).to(tl.float32)
-            q = q * tl.rsqrt(tl.sum(q * q) + 1e-6) * scale
-            k = k * tl.rsqrt(tl.sum(k * k) + 1e-6)
             a_in = tl.load(a_ptr + tok * stride_ab + h)
             b_in = tl.load(b_ptr + tok * stride_ab + h)
-            a = a_in.to(tl.float32) + dt_bias
-            softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(tl.minimum(a, 20.0))))
-            decay = tl.exp(A * softplus)
-            beta = tl.sigmoid(b_in.to(tl.float32))
-            state = state * decay
-            kv = tl.sum(state * k[:, None], axis=0)
-            delta = (v - kv) * beta
-            state = state + k[:, None] * delta[None, :]
+            state, o = _delta_step(state, q, k, v, a_in, b_in, A, dt_bias, scale)
             if MODE != 3:
-                o = tl.sum(state * q[:, None], axis=0)
                 tl.store(out_ptr + tok * (HV * DV) + h * DV + offs_v, o.to(out_ptr.dtype.element_ty), mask=mv)
             if MODE == 1:
                 tl.store(verify_ptr + row * stride_vrow + s * stride_vstep + state_off,
@@ -94,6 +106,84 @@ def _gdn_steps_kernel(
     if MODE == 0 or MODE == 3:
         tl.store(pool_ptr + safe_slot * stride_pool + state_off, state.to(pool_ptr.dtype.element_ty),
                  mask=m2 & valid)
+
+
+@triton.jit
+def _conv_out(x_row, w_ptr, st_row, ch, m, valid, KW: tl.constexpr):
+    """silu(causal conv) of channels ``ch`` for one new input: the window is the slot's KW - 1 previous inputs
+    (``st_row``: the slot's conv state, channel-major; zeros unless ``valid``) and the row's new one. Rounded to
+    the input dtype, as the separate conv kernel stores it."""
+    acc = tl.zeros(ch.shape, dtype=tl.float32)
+    for j in tl.static_range(KW - 1):
+        acc += (tl.load(st_row + ch * (KW - 1) + j, mask=m & valid, other=0.0).to(tl.float32)
+                * tl.load(w_ptr + ch * KW + j, mask=m, other=0.0).to(tl.float32))
+    x = tl.load(x_row + ch, mask=m, other=0.0)
+    acc += x.to(tl.float32) * tl.load(w_ptr + ch * KW + KW - 1, mask=m, other=0.0).to(tl.float32)
+    return (acc / (1.0 + tl.exp(-acc))).to(x.dtype).to(tl.float32)
+
+
+@triton.jit
+def _conv_shift(x_row, st_row, ch, m, KW: tl.constexpr):
+    """The slot's new conv window of channels ``ch``: the last KW - 1 of [state | new input], shifted in place
+    (element j reads j + 1, which no earlier iteration has written)."""
+    for j in tl.static_range(KW - 1):
+        if j + 1 < KW - 1:
+            val = tl.load(st_row + ch * (KW - 1) + j + 1, mask=m)
+        else:
+            val = tl.load(x_row + ch, mask=m)
+        tl.store(st_row + ch * (KW - 1) + j, val.to(st_row.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _gdn_decode_conv_kernel(
+    x_ptr, a_ptr, b_ptr, cw_ptr, conv_ptr, A_log_ptr, dt_bias_ptr, pool_ptr, slots_ptr, count_ptr, out_ptr,
+    stride_x, stride_ab, stride_conv, stride_pool, scale,
+    HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, KW: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, PDL: tl.constexpr = False,
+):
+    """A decode step with the causal conv inside: program (row, value head, block of value channels) convolves
+    the q and k channels of its key head and its own v channels from the slot's conv window and the input
+    projection's row, then takes the recurrent step. Its v channels' windows are its own to shift. The q and k
+    windows of a key head are read by the (Hv / Hk) * blocks programs that share it, so the last of them to count
+    itself in ``count[row, key head]`` (after reading) shifts them and resets the count for the next launch."""
+    pdl_enter(PDL)
+    row = tl.program_id(0)
+    h = tl.program_id(1)
+    vb = tl.program_id(2)
+    hk = h // (HV // HK)
+    slot = tl.load(slots_ptr + row)
+    valid = slot >= 0
+    safe_slot = tl.where(valid, slot, 0).to(tl.int64)
+    offs_k = tl.arange(0, BK)
+    offs_v = vb * BV + tl.arange(0, BV)
+    mk = offs_k < DK
+    mv = offs_v < DV
+    m2 = mk[:, None] & mv[None, :]
+    x_row = x_ptr + row * stride_x
+    st_row = conv_ptr + safe_slot * stride_conv
+    ch_q = hk * DK + offs_k
+    ch_k = HK * DK + hk * DK + offs_k
+    ch_v = 2 * HK * DK + h * DV + offs_v
+    q = _conv_out(x_row, cw_ptr, st_row, ch_q, mk, valid, KW)
+    k = _conv_out(x_row, cw_ptr, st_row, ch_k, mk, valid, KW)
+    v = _conv_out(x_row, cw_ptr, st_row, ch_v, mv, valid, KW)
+    state_off = h * DK * DV + offs_k[:, None] * DV + offs_v[None, :]
+    state = tl.load(pool_ptr + safe_slot * stride_pool + state_off, mask=m2 & valid, other=0.0).to(tl.float32)
+    A = -tl.exp(tl.load(A_log_ptr + h).to(tl.float32))
+    dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
+    a_in = tl.load(a_ptr + row * stride_ab + h)
+    b_in = tl.load(b_ptr + row * stride_ab + h)
+    state, o = _delta_step(state, q, k, v, a_in, b_in, A, dt_bias, scale)
+    tl.store(out_ptr + row * (HV * DV) + h * DV + offs_v, o.to(out_ptr.dtype.element_ty), mask=mv)
+    tl.store(pool_ptr + safe_slot * stride_pool + state_off, state.to(pool_ptr.dtype.element_ty), mask=m2 & valid)
+    if valid:
+        tl.debug_barrier()  # every thread of the program has read its windows before any is shifted or counted
+        _conv_shift(x_row, st_row, ch_v, mv, KW)
+        count = count_ptr + row * HK + hk
+        if tl.atomic_add(count, 1) == (HV // HK) * tl.num_programs(2) - 1:  # acq_rel: the others have read
+            tl.atomic_xchg(count, 0)
+            _conv_shift(x_row, st_row, ch_q, mk, KW)
+            _conv_shift(x_row, st_row, ch_k, mk, KW)
 
 
 # (value channels per program, warps) for decode (S = 1), the multi-step verify and the replay, which do up to
@@ -141,6 +231,35 @@ def gdn_steps(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Te
     _launch(x, a, b, A_log, dt_bias, pool, slots, out, vbuf, slots, 1, num_k_heads, head_k_dim, head_v_dim, steps,
             mode, cfg or _tile(STEPS_CFG if steps == 1 else MULTI_STEPS_CFG, batch), (0, 0, 0),
             (vbuf.stride(0), vbuf.stride(1)) if mode == VERIFY_STATES else (0, 0))
+    return out
+
+
+def gdn_decode_conv(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, conv_weight: torch.Tensor,
+                    conv_pool: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, pool: torch.Tensor,
+                    slots: torch.Tensor, counts: torch.Tensor, num_k_heads: int, head_k_dim: int, head_v_dim: int,
+                    cfg: tuple[int, int] | None = None) -> torch.Tensor:
+    """A decode step, conv and recurrent step in one launch (``_gdn_decode_conv_kernel``): what ``conv_steps``
+    then ``gdn_steps`` do at one step per row. x: [B, conv_dim] the conv's input (q | k | v, rows may be strided);
+    a, b: [B, Hv]; conv_weight: [conv_dim, K]; conv_pool: [slots, conv_dim, K - 1] and pool: [slots, Hv, Dk, Dv]
+    (one layer), both updated in place for rows with slot >= 0; counts: int32 [>= B, Hk], all zero (and left so).
+    Returns o [B, Hv, Dv] in x's dtype."""
+    batch, conv_dim = x.shape
+    hv, kw = a.shape[-1], conv_weight.shape[-1]
+    out = torch.empty(batch, hv, head_v_dim, dtype=x.dtype, device=x.device)
+    if batch == 0:
+        return out
+    assert x.stride(1) == 1 and conv_weight.is_contiguous() and conv_pool.stride(2) == 1
+    assert conv_pool.shape[1:] == (conv_dim, kw - 1) and conv_pool.stride(1) == kw - 1
+    assert a.stride(0) == b.stride(0) and a.stride(1) == b.stride(1) == 1
+    assert counts.dtype == torch.int32 and counts.shape[0] >= batch and counts.shape[1] == num_k_heads
+    bv, warps = cfg or _tile(STEPS_CFG, batch)
+    bk, bv = next_pow2(head_k_dim), min(next_pow2(head_v_dim), bv)
+    _gdn_decode_conv_kernel[(batch, hv, triton.cdiv(head_v_dim, bv))](
+        x, a, b, conv_weight, conv_pool, A_log, dt_bias, pool, slots, counts, out,
+        x.stride(0), a.stride(0), conv_pool.stride(0), pool.stride(0), head_k_dim ** -0.5,
+        HK=num_k_heads, HV=hv, DK=head_k_dim, DV=head_v_dim, KW=kw, BK=bk, BV=bv, num_warps=warps,
+        **pdl_launch(x),
+    )
     return out
 
 

@@ -10,9 +10,9 @@ Three layouts of the (token, expert) pairs, picked by their number P = tokens * 
   blocks of BM that each belong to one expert (padding with a sentinel pair), then a grouped GEMM with
   tensor-core dots. The sort runs on the device with fixed-size outputs, so it needs no host sync and can be
   captured in a CUDA graph.
-The pair and grouped kernels write one row per pair (weighted by its routing weight); the k rows of a token are
-summed at the end, or, in the model, by the residual add that follows (``norm_triton.add_rms_norm`` takes them
-unreduced).
+The grouped kernels write one row per pair (weighted by its routing weight); the k rows of a token are summed at
+the end, or, in the model, by the residual add that follows (``norm_triton.add_rms_norm`` takes them unreduced).
+The pair kernels' down projection sums a token's pairs itself (one row per token).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import triton.language as tl
 
 from .moe_grouped_mm import fused_moe_grouped_mm, grouped_mm_usable
 from .triton_pdl import l2_prefetch, pdl_enter
-from .triton_utils import next_pow2, pdl_launch, prefetch_args
+from .triton_utils import env_cfg, next_pow2, pdl_launch, prefetch_args
 
 # up to 16 tokens of 10 experts + the shared one: at 8 and 16 tokens the pair kernels beat the grouped GEMM and
 # its alignment (94.6 vs 127 us and 153 vs 158 us per layer on bench-6b, tools/tune_kernels.py)
@@ -90,6 +90,32 @@ def _pair_down_kernel(act_ptr, w2_ptr, ids_ptr, wts_ptr, out_ptr, H: tl.constexp
         acc += tl.sum(w * a[None, :], 1)
     acc = acc * tl.load(wts_ptr + pair).to(tl.float32)
     tl.store(out_ptr + pair * H + offs_n, acc, mask=mn)
+
+
+@triton.jit
+def _pair_down_sum_kernel(act_ptr, w2_ptr, ids_ptr, wts_ptr, out_ptr, H: tl.constexpr, I: tl.constexpr,
+                          TOP_K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr = False):
+    """Program (token, block of BN outputs): the weighted down projections of the token's TOP_K pairs, summed in
+    float32 into one row per token. Every pair's weight tile is loaded in the same program (the loop over pairs is
+    unrolled), so the residual add that follows reads one row instead of TOP_K."""
+    pdl_enter(PDL)
+    tok = tl.program_id(0)
+    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+    mn = offs_n < H
+    acc = tl.zeros([BN], dtype=tl.float32)
+    for p in tl.static_range(TOP_K):
+        pair = tok * TOP_K + p
+        w_base = w2_ptr + tl.load(ids_ptr + pair).to(tl.int64) * (H * I)
+        part = tl.zeros([BN], dtype=tl.float32)
+        for k0 in range(0, I, BK):
+            offs_k = k0 + tl.arange(0, BK)
+            mk = offs_k < I
+            a = tl.load(act_ptr + pair * I + offs_k, mask=mk, other=0.0).to(tl.float32)
+            w = tl.load(w_base + offs_n[:, None] * I + offs_k[None, :], mask=mn[:, None] & mk[None, :],
+                        other=0.0).to(tl.float32)
+            part += tl.sum(w * a[None, :], 1)
+        acc += part * tl.load(wts_ptr + pair).to(tl.float32)
+    tl.store(out_ptr + tok * H + offs_n, acc, mask=mn)
 
 
 # ---- many pairs: grouped GEMM over expert-sorted blocks --------------------------------------------------------
@@ -221,6 +247,11 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int):
 # blocks took 34 us), down 8.2 us at 1 token and 35 us at 8 (down: by the number of pairs)
 PAIR_GATE_UP_CFG = (4, 256, 4, 1)
 PAIR_DOWN_CFG = ((32, (8, 512, 2, 1)), (PAIR_GEMV_MAX_PAIRS, (16, 512, 2, 1)))
+# The down projections summed per token in the kernel (``_pair_down_sum_kernel``): the residual add that follows
+# reads one float32 row per token instead of top_k (11 on bench-6b: the add-norm kernel took 3.0 us a layer at
+# batch 1 reading them, against 1.5 for one row). HYLO_PAIR_DOWN_SUM=0 goes back to one row per pair.
+PAIR_DOWN_SUM = os.environ.get("HYLO_PAIR_DOWN_SUM", "1") == "1"
+PAIR_DOWN_SUM_CFG = env_cfg("HYLO_PAIR_DOWN_SUM_CFG", (4, 512, 4, 1))
 # grouped kernels (BM, BN, BK, warps, stages) by number of pairs. BM = 64 by default: each block re-reads its
 # expert's weights, so at decode batches (where the shared expert and popular experts have tens of pairs)
 # smaller blocks multiply the bytes read. Measured on the H200: BN = 128 with 8 warps made the 8192-token prefill
@@ -256,7 +287,8 @@ if os.environ.get("HYLO_GROUPED_CFG"):
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, reduce: bool = True) -> torch.Tensor:
     """x: [T, H]; w13: [E, 2I, H]; w2: [E, H, I]; topk_*: [T, k]. Returns [T, H] in x's dtype, or with
-    ``reduce=False`` the weighted rows of every pair, [T, k, H], for the caller to sum (``add_rms_norm`` does)."""
+    ``reduce=False`` float32 rows [T, J, H] whose sum over J is the result, for the caller to sum (``add_rms_norm``
+    does): the weighted row of every pair (J = k), or rows summed per token already (J = 1)."""
     num_tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
     num_experts, inter = w13.shape[0], w2.shape[-1]
@@ -272,6 +304,13 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         _pair_gate_up_kernel[(num_pairs, triton.cdiv(inter, bn))](
             x, w13, ids, act, hidden, inter, TOP_K=top_k, BN=bn, BK=min(bk, next_pow2(hidden)), num_warps=warps,
             num_stages=stages, **pdl_launch(x))
+        if PAIR_DOWN_SUM:  # one float32 row per token, [T, 1, H]
+            bn, bk, warps, stages = PAIR_DOWN_SUM_CFG
+            out = torch.empty(num_tokens, hidden, dtype=torch.float32, device=x.device)
+            _pair_down_sum_kernel[(num_tokens, triton.cdiv(hidden, bn))](
+                act, w2, ids, wts, out, hidden, inter, TOP_K=top_k, BN=bn, BK=min(bk, next_pow2(inter)),
+                num_warps=warps, num_stages=stages, **pdl_launch(x))
+            return out.to(x.dtype) if reduce else out.view(num_tokens, 1, hidden)
         bn, bk, warps, stages = next((cfg for limit, cfg in PAIR_DOWN_CFG if num_pairs <= limit),
                                      PAIR_DOWN_CFG[-1][1])
         out = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)

@@ -94,9 +94,15 @@ def test_add_rms_norm_sums_unreduced_rows(dev, rows, j, dim):
 
 
 @pytest.mark.parametrize("tokens,top_k", [(1, 11), (16, 11), (70, 3)])
-def test_unreduced_moe_rows_sum_to_the_reduced_output(dev, tokens, top_k):
+@pytest.mark.parametrize("summed", [True, False])
+def test_unreduced_moe_rows_sum_to_the_reduced_output(dev, tokens, top_k, summed, monkeypatch):
+    """The unreduced MoE output: per pair (the grouped kernels, or the pair kernels with HYLO_PAIR_DOWN_SUM=0) or
+    per token (the pair kernels' summing down projection); either way its rows sum to the reduced output."""
+    from hylo.ops import moe_triton
     from hylo.ops.moe import fused_moe_ref, route_topk
     from hylo.ops.moe_triton import fused_moe
+
+    monkeypatch.setattr(moe_triton, "PAIR_DOWN_SUM", summed)
 
     g = torch.Generator().manual_seed(14)
     experts, hidden, inter = 16, 64, 40
@@ -107,7 +113,8 @@ def test_unreduced_moe_rows_sum_to_the_reduced_output(dev, tokens, top_k):
     weights, ids = route_topk(torch.randn(tokens, experts, generator=g), top_k, True)
     args = (x.to(dev, dt), w13.to(dev, dt), w2.to(dev, dt), weights.to(dev, dt), ids.to(dev))
     rows = fused_moe(*args, reduce=False)
-    assert rows.shape == (tokens, top_k, hidden)
+    pair_kernels = tokens * top_k <= moe_triton.PAIR_GEMV_MAX_PAIRS
+    assert rows.shape == (tokens, 1 if summed and pair_kernels else top_k, hidden)
     ref = fused_moe_ref(x.double(), w13.double(), w2.double(), weights.double(), ids)
     tol = 3e-2 if dt == torch.bfloat16 else 1e-4
     assert (rows.double().sum(1).cpu() - ref).norm() / ref.norm() < tol

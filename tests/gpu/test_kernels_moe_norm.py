@@ -28,9 +28,12 @@ def _assert_close_to(out, ref):
 @pytest.mark.parametrize("tokens,experts,top_k,hidden,inter", [(1, 8, 2, 48, 40), (3, 64, 10, 64, 32),
                                                                 (37, 8, 3, 40, 24), (9, 64, 10, 96, 80),
                                                                 (70, 8, 3, 40, 24)])
-def test_fused_moe_matches_reference(dev, tokens, experts, top_k, hidden, inter):
+@pytest.mark.parametrize("summed", [True, False])
+def test_fused_moe_matches_reference(dev, tokens, experts, top_k, hidden, inter, summed, monkeypatch):
+    from hylo.ops import moe_triton
     from hylo.ops.moe_triton import fused_moe
 
+    monkeypatch.setattr(moe_triton, "PAIR_DOWN_SUM", summed)
     args, ref = _moe_case(dev, 3, tokens, experts, top_k, hidden, inter)
     _assert_close_to(fused_moe(*args), ref)
 
