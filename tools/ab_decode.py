@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -63,7 +64,8 @@ def main() -> None:
     variants = []
     for spec in args.variant:
         name, _, assigns = spec.partition(":")
-        env = dict(kv.split("=", 1) for kv in assigns.split(",") if kv)
+        # a comma starts the next assignment only before NAME=, so that a value may hold commas ("4,256,4,1")
+        env = dict(kv.split("=", 1) for kv in re.split(r",(?=[A-Za-z_]\w*=)", assigns) if kv)
         variants.append((name, env))
     best: dict[str, list[dict]] = {}
     every: list[dict] = []

@@ -109,29 +109,20 @@ def _gdn_steps_kernel(
 
 
 @triton.jit
-def _conv_out(x_row, w_ptr, st_row, ch, m, valid, KW: tl.constexpr):
-    """silu(causal conv) of channels ``ch`` for one new input: the window is the slot's KW - 1 previous inputs
-    (``st_row``: the slot's conv state, channel-major; zeros unless ``valid``) and the row's new one. Rounded to
-    the input dtype, as the separate conv kernel stores it."""
-    acc = tl.zeros(ch.shape, dtype=tl.float32)
-    for j in tl.static_range(KW - 1):
-        acc += (tl.load(st_row + ch * (KW - 1) + j, mask=m & valid, other=0.0).to(tl.float32)
-                * tl.load(w_ptr + ch * KW + j, mask=m, other=0.0).to(tl.float32))
+def _conv_window(x_row, w_ptr, st_row, ch, m, valid, KW: tl.constexpr, KP: tl.constexpr):
+    """The causal conv of channels ``ch`` for one new input, as [channels, KP >= KW] tiles: the window is the
+    slot's KW - 1 previous inputs (``st_row``: its conv state, channel-major, contiguous; zeros unless ``valid``)
+    then the row's new one. Returns (silu(conv) rounded to the input dtype as the separate conv kernel stores it,
+    the new window: the last KW - 1 of the old window and the input, in columns 0 .. KW - 2)."""
+    j = tl.arange(0, KP)[None, :]
+    at = st_row + ch[:, None] * (KW - 1) + j
+    old = tl.load(at, mask=m[:, None] & (j < KW - 1) & valid, other=0.0)
+    nxt = tl.load(at + 1, mask=m[:, None] & (j < KW - 2) & valid, other=0.0)
     x = tl.load(x_row + ch, mask=m, other=0.0)
-    acc += x.to(tl.float32) * tl.load(w_ptr + ch * KW + KW - 1, mask=m, other=0.0).to(tl.float32)
-    return (acc / (1.0 + tl.exp(-acc))).to(x.dtype).to(tl.float32)
-
-
-@triton.jit
-def _conv_shift(x_row, st_row, ch, m, KW: tl.constexpr):
-    """The slot's new conv window of channels ``ch``: the last KW - 1 of [state | new input], shifted in place
-    (element j reads j + 1, which no earlier iteration has written)."""
-    for j in tl.static_range(KW - 1):
-        if j + 1 < KW - 1:
-            val = tl.load(st_row + ch * (KW - 1) + j + 1, mask=m)
-        else:
-            val = tl.load(x_row + ch, mask=m)
-        tl.store(st_row + ch * (KW - 1) + j, val.to(st_row.dtype.element_ty), mask=m)
+    w = tl.load(w_ptr + ch[:, None] * KW + j, mask=m[:, None] & (j < KW), other=0.0).to(tl.float32)
+    acc = tl.sum(tl.where(j == KW - 1, x[:, None].to(tl.float32), old.to(tl.float32)) * w, 1)
+    out = (acc / (1.0 + tl.exp(-acc))).to(x.dtype).to(tl.float32)
+    return out, tl.where(j == KW - 2, x[:, None].to(nxt.dtype), nxt)
 
 
 @triton.jit
@@ -139,13 +130,14 @@ def _gdn_decode_conv_kernel(
     x_ptr, a_ptr, b_ptr, cw_ptr, conv_ptr, A_log_ptr, dt_bias_ptr, pool_ptr, slots_ptr, count_ptr, out_ptr,
     stride_x, stride_ab, stride_conv, stride_pool, scale,
     HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, KW: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, PDL: tl.constexpr = False,
+    KP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """A decode step with the causal conv inside: program (row, value head, block of value channels) convolves
     the q and k channels of its key head and its own v channels from the slot's conv window and the input
     projection's row, then takes the recurrent step. Its v channels' windows are its own to shift. The q and k
-    windows of a key head are read by the (Hv / Hk) * blocks programs that share it, so the last of them to count
-    itself in ``count[row, key head]`` (after reading) shifts them and resets the count for the next launch."""
+    windows of a key head are read by the (Hv / Hk) * blocks programs that share it: each counts itself in
+    ``count[row, key head]`` once it has read them (before its recurrent step, so that the count's round trip
+    overlaps the state's load), and the last one writes them at its end and resets the count for the next launch."""
     pdl_enter(PDL)
     row = tl.program_id(0)
     h = tl.program_id(1)
@@ -159,31 +151,35 @@ def _gdn_decode_conv_kernel(
     mk = offs_k < DK
     mv = offs_v < DV
     m2 = mk[:, None] & mv[None, :]
+    state_off = h * DK * DV + offs_k[:, None] * DV + offs_v[None, :]
+    state = tl.load(pool_ptr + safe_slot * stride_pool + state_off, mask=m2 & valid, other=0.0)
     x_row = x_ptr + row * stride_x
     st_row = conv_ptr + safe_slot * stride_conv
     ch_q = hk * DK + offs_k
     ch_k = HK * DK + hk * DK + offs_k
     ch_v = 2 * HK * DK + h * DV + offs_v
-    q = _conv_out(x_row, cw_ptr, st_row, ch_q, mk, valid, KW)
-    k = _conv_out(x_row, cw_ptr, st_row, ch_k, mk, valid, KW)
-    v = _conv_out(x_row, cw_ptr, st_row, ch_v, mv, valid, KW)
-    state_off = h * DK * DV + offs_k[:, None] * DV + offs_v[None, :]
-    state = tl.load(pool_ptr + safe_slot * stride_pool + state_off, mask=m2 & valid, other=0.0).to(tl.float32)
+    q, new_q = _conv_window(x_row, cw_ptr, st_row, ch_q, mk, valid, KW, KP)
+    k, new_k = _conv_window(x_row, cw_ptr, st_row, ch_k, mk, valid, KW, KP)
+    v, new_v = _conv_window(x_row, cw_ptr, st_row, ch_v, mv, valid, KW, KP)
+    last = False
+    if valid:
+        tl.debug_barrier()  # every thread of the program has read its windows before the program counts itself
+        last = tl.atomic_add(count_ptr + row * HK + hk, 1) == (HV // HK) * tl.num_programs(2) - 1  # acq_rel
     A = -tl.exp(tl.load(A_log_ptr + h).to(tl.float32))
     dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
     a_in = tl.load(a_ptr + row * stride_ab + h)
     b_in = tl.load(b_ptr + row * stride_ab + h)
-    state, o = _delta_step(state, q, k, v, a_in, b_in, A, dt_bias, scale)
+    state, o = _delta_step(state.to(tl.float32), q, k, v, a_in, b_in, A, dt_bias, scale)
     tl.store(out_ptr + row * (HV * DV) + h * DV + offs_v, o.to(out_ptr.dtype.element_ty), mask=mv)
     tl.store(pool_ptr + safe_slot * stride_pool + state_off, state.to(pool_ptr.dtype.element_ty), mask=m2 & valid)
-    if valid:
-        tl.debug_barrier()  # every thread of the program has read its windows before any is shifted or counted
-        _conv_shift(x_row, st_row, ch_v, mv, KW)
-        count = count_ptr + row * HK + hk
-        if tl.atomic_add(count, 1) == (HV // HK) * tl.num_programs(2) - 1:  # acq_rel: the others have read
-            tl.atomic_xchg(count, 0)
-            _conv_shift(x_row, st_row, ch_q, mk, KW)
-            _conv_shift(x_row, st_row, ch_k, mk, KW)
+    j = tl.arange(0, KP)[None, :]
+    win = st_row + j
+    cdt = conv_ptr.dtype.element_ty
+    tl.store(win + ch_v[:, None] * (KW - 1), new_v.to(cdt), mask=mv[:, None] & (j < KW - 1) & valid)
+    if last:
+        tl.atomic_xchg(count_ptr + row * HK + hk, 0)
+        tl.store(win + ch_q[:, None] * (KW - 1), new_q.to(cdt), mask=mk[:, None] & (j < KW - 1))
+        tl.store(win + ch_k[:, None] * (KW - 1), new_k.to(cdt), mask=mk[:, None] & (j < KW - 1))
 
 
 # (value channels per program, warps) for decode (S = 1), the multi-step verify and the replay, which do up to
@@ -257,7 +253,8 @@ def gdn_decode_conv(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, conv_weig
     _gdn_decode_conv_kernel[(batch, hv, triton.cdiv(head_v_dim, bv))](
         x, a, b, conv_weight, conv_pool, A_log, dt_bias, pool, slots, counts, out,
         x.stride(0), a.stride(0), conv_pool.stride(0), pool.stride(0), head_k_dim ** -0.5,
-        HK=num_k_heads, HV=hv, DK=head_k_dim, DV=head_v_dim, KW=kw, BK=bk, BV=bv, num_warps=warps,
+        HK=num_k_heads, HV=hv, DK=head_k_dim, DV=head_v_dim, KW=kw, KP=next_pow2(kw), BK=bk, BV=bv,
+        num_warps=warps,
         **pdl_launch(x),
     )
     return out

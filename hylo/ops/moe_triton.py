@@ -243,15 +243,18 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int):
 
 
 # launch parameters of the pair kernels (BN, BK, warps, stages), measured on the H200 (tools/tune_kernels.py,
-# bench/results/tune-decode-20261202.json): gate/up 13.6 us at 1 token (1.26x its bytes; the previous 8-row
-# blocks took 34 us), down 8.2 us at 1 token and 35 us at 8 (down: by the number of pairs)
-PAIR_GATE_UP_CFG = (4, 256, 4, 1)
+# bench/results/tune-decode-20261202.json): down 8.2 us at 1 token and 35 us at 8 (down: by the number of pairs).
+# Gate/up from tune_kernels --only pairs (tune-pairs-20261204-1322.json: with 2 stages, as the one-row GEMV): 12.9 us
+# at 1 token (1.20x its bytes) and 56.9 at 8, against 13.7 and 59.9 with the previous (4, 256, 4, 1).
+PAIR_GATE_UP_CFG = env_cfg("HYLO_PAIR_GATE_UP_CFG", (4, 1024, 2, 2))
 PAIR_DOWN_CFG = ((32, (8, 512, 2, 1)), (PAIR_GEMV_MAX_PAIRS, (16, 512, 2, 1)))
 # The down projections summed per token in the kernel (``_pair_down_sum_kernel``): the residual add that follows
 # reads one float32 row per token instead of top_k (11 on bench-6b: the add-norm kernel took 3.0 us a layer at
-# batch 1 reading them, against 1.5 for one row). HYLO_PAIR_DOWN_SUM=0 goes back to one row per pair.
+# batch 1 reading them, against 1.5 for one row). HYLO_PAIR_DOWN_SUM=0 goes back to one row per pair. Its tile
+# from tune_kernels --only pairs: one output column per one-warp program, 7.9 us at 1 token and 33.9 at 8, against
+# the per-pair kernel's 8.3 and 35.1 (the first guess, (4, 512, 4, 1), took 11.8 at 1 token).
 PAIR_DOWN_SUM = os.environ.get("HYLO_PAIR_DOWN_SUM", "1") == "1"
-PAIR_DOWN_SUM_CFG = env_cfg("HYLO_PAIR_DOWN_SUM_CFG", (4, 512, 4, 1))
+PAIR_DOWN_SUM_CFG = env_cfg("HYLO_PAIR_DOWN_SUM_CFG", (1, 512, 1, 1))
 # grouped kernels (BM, BN, BK, warps, stages) by number of pairs. BM = 64 by default: each block re-reads its
 # expert's weights, so at decode batches (where the shared expert and popular experts have tens of pairs)
 # smaller blocks multiply the bytes read. Measured on the H200: BN = 128 with 8 warps made the 8192-token prefill
