@@ -62,11 +62,11 @@ case "$phase" in
     timeout 300 python3 tools/ab_decode.py --variant tc:HYLO_GEMV_FMA=0 --variant fma: --rounds 2 --bs 1 8 \
       --out "$out" 2>&1 | tail -8
     ;;
-  fused)  # session 15: the decode A/B of the conv inside the GDN step and the summing MoE down projection with
-          # the pair kernels' new tiles (all on by default) against the tree before them, then their GPU tests with
-          # the engine's (the sweep that chose the tiles: tune_kernels.py --only pairs)
-    timeout 250 python3 tools/ab_decode.py --variant new: --variant conv-off:HYLO_GDN_FUSED_CONV=0 \
-      --variant old:HYLO_GDN_FUSED_CONV=0,HYLO_PAIR_DOWN_SUM=0,HYLO_PAIR_GATE_UP_CFG=4,256,4,1 \
+  fused)  # session 15: the decode A/B of the conv inside the GDN step (off by default: measured slower) and the
+          # summing MoE down projection with the pair kernels' new tiles (the defaults) against the tree before
+          # them, then their GPU tests with the engine's (the sweep that chose the tiles: tune_kernels.py --only pairs)
+    timeout 250 python3 tools/ab_decode.py --variant new: --variant conv-on:HYLO_GDN_FUSED_CONV=1 \
+      --variant old:HYLO_PAIR_DOWN_SUM=0,HYLO_PAIR_GATE_UP_CFG=4,256,4,1 \
       --rounds 2 --bs 1 8 --out "$out" 2>&1 | tail -8
     timeout 320 python3 -m pytest -q -p no:cacheprovider tests/gpu -k "test_engine_gpu or conv_inside or gdn_steps \
       or conv_steps or fused_moe_matches or unreduced or norm_kernels" > "$out/gputests.txt" 2>&1

@@ -14,8 +14,11 @@ state is read from the pool by slot (-1: zero state, nothing written). The same 
   A float32 state of bench-6b is 2 MB per layer: a verify of k + 1 = 4 steps writing every state moves 4 of them
   per row and layer, and the commit copy 2 more; the replay moves 2 and rereads a few KB of inputs.
 
-Decode also runs as ``gdn_decode_conv``: the causal conv of the step inside the same program (one launch per GDN
-layer fewer; ``HYLO_GDN_FUSED_CONV=0`` goes back to ``conv1d_triton.conv_steps`` followed by DECODE).
+Decode can also run as ``gdn_decode_conv`` (``HYLO_GDN_FUSED_CONV=1``): the causal conv of the step inside the
+same program, one launch per GDN layer fewer. Measured slower on the H200 (bench-6b decode graph 1.583 against
+1.504 ms at batch 1, 3.568 against 3.451 at batch 8, ab-decode-20261204-133635): the last program of each key
+head must wait for its siblings' counts and each program re-reads its conv windows, which costs more than the
+launch it saves under programmatic dependent launch. Off by default; kept tested as the measured alternative.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from .triton_pdl import pdl_enter
 from .triton_utils import env_cfg, next_pow2, pdl_launch
 
 DECODE, VERIFY_STATES, VERIFY_INPUTS, REPLAY = 0, 1, 2, 3
-FUSED_CONV = os.environ.get("HYLO_GDN_FUSED_CONV", "1") == "1"
+FUSED_CONV = os.environ.get("HYLO_GDN_FUSED_CONV", "0") == "1"
 
 
 @triton.jit
