@@ -6,7 +6,9 @@ Each variant runs in its own process (the settings are module globals read at im
 weights on the GPU, captures the decode graphs and measures, per batch size at context 1k, the wall time of a
 steady-state step (``bench_steps.time_steps``) and the decode graph's GPU time alone. With ``--rounds 2`` the
 variants run twice, interleaved (A B A B), and each keeps its better round: the host and the GPU clocks drift a few
-percent across a call. The rows go to stdout and to DIR/ab-decode-<time>.json.
+percent across a call. The rows go to stdout and to DIR/ab-decode-<time>.json. ``--prefill N`` measures the
+prefill of one N-token prompt instead (best of four after a first, compiling one; the engine as the bench builds
+it for its prefill row) and writes DIR/ab-prefill-<time>.json.
 """
 
 from __future__ import annotations
@@ -47,17 +49,49 @@ def child(batches: list[int]) -> None:
     print("AB_ROWS " + json.dumps(rows), flush=True)
 
 
+def child_prefill(tokens: int) -> None:
+    import math
+
+    import torch
+
+    from hylo.bench import bench_config, build_model
+    from hylo.bench_steps import clear
+    from hylo.config import EngineConfig
+    from hylo.core import SamplingParams
+    from hylo.engine.engine import Engine
+
+    mc = bench_config("bench-6b")
+    lm = build_model(mc, torch.device("cuda"))
+    ec = EngineConfig(max_num_seqs=1, kv_cache_tokens=tokens + 4096, chunk_size=tokens, cuda_graph_sizes=(1,),
+                      max_model_len=tokens + 256, verbose=False)
+    eng = Engine(lm, device="cuda", dtype="bfloat16", engine_config=ec)
+    prompt = torch.randint(0, mc.vocab_size, (tokens,), generator=torch.Generator().manual_seed(1)).tolist()
+    times = []
+    for _ in range(5):
+        rid = eng.add_request(prompt, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        eng.step()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+        clear(eng, [rid])
+    best = min(times[1:]) if len(times) > 1 else math.inf
+    print("AB_ROWS " + json.dumps([dict(tokens=tokens, ms_per_step=best, graph_ms=best, times_ms=times)]),
+          flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--variant", action="append", default=[],
                     help="NAME:VAR=VALUE,VAR=VALUE (environment of that variant; 'base:' for none)")
     ap.add_argument("--bs", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--prefill", type=int, default=0, help="time the prefill of one prompt of this many tokens")
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--child", action="store_true")
     args = ap.parse_args()
     if args.child:
-        child(args.bs)
+        child_prefill(args.prefill) if args.prefill else child(args.bs)
         return
     if not args.variant:
         ap.error("give at least one --variant")
@@ -71,7 +105,7 @@ def main() -> None:
     every: list[dict] = []
     for rnd in range(args.rounds):
         for name, env in variants:
-            cmd = [sys.executable, __file__, "--child", "--bs", *map(str, args.bs)]
+            cmd = [sys.executable, __file__, "--child", "--bs", *map(str, args.bs), "--prefill", str(args.prefill)]
             proc = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True)
             line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("AB_ROWS ")), None)
             if line is None:
@@ -80,16 +114,24 @@ def main() -> None:
             rows = json.loads(line[len("AB_ROWS "):])
             every.append({"round": rnd + 1, "variant": name, "rows": rows})
             for r in rows:
+                if args.prefill:
+                    print(f"round {rnd + 1} {name:>12} prefill {r['tokens']}: {r['ms_per_step']:.2f} ms "
+                          f"(each: {', '.join(f'{t:.1f}' for t in r['times_ms'])})", flush=True)
+                    continue
                 print(f"round {rnd + 1} {name:>12} bs={r['batch_size']:>3}: {r['ms_per_step']:.3f} ms/step "
                       f"({r['ms_per_step'] / r['floor_ms']:.2f}x floor), graph {r['graph_ms']:.3f} ms", flush=True)
             old = best.get(name)
             best[name] = rows if old is None else [min(a, b, key=lambda r: r["graph_ms"]) for a, b in zip(old, rows)]
-    print("best of rounds (by graph time):")
+    print("best of rounds (by graph time):" if not args.prefill else "best of rounds:")
     for name, rows in best.items():
+        if args.prefill:
+            print(f"  {name:>12}: prefill {rows[0]['tokens']} {rows[0]['ms_per_step']:.2f} ms")
+            continue
         print(f"  {name:>12}: " + ", ".join(f"bs{r['batch_size']} {r['ms_per_step']:.3f} / graph {r['graph_ms']:.3f} "
                                             f"({r['graph_ms'] / r['floor_ms']:.2f}x)" for r in rows))
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"ab-decode-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    kind = "prefill" if args.prefill else "decode"
+    path = os.path.join(args.out, f"ab-{kind}-{time.strftime('%Y%m%d-%H%M%S')}.json")
     with open(path, "w") as f:
         json.dump({"variants": {n: e for n, e in variants}, "best": best, "rounds": every}, f, indent=1)
     print(f"wrote {path}")

@@ -36,6 +36,7 @@ def main():
     ap.add_argument("--host", action="store_true", help="profile the host side of overlapped, graph-replayed "
                     "decode steps (cProfile), beside their wall and GPU-only times")
     args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
     lm = build_model(bench_config("bench-6b"), torch.device("cuda"))
     report = {}
     if args.host:

@@ -347,22 +347,27 @@ def tune_fma(dev, dt, results):
 
 
 def tune_gather(dev, dt, results):
-    """The prefill MoE's pair-row gather at an 8192-token bench-6b chunk (90112 rows of 2048, shared expert
-    included): torch's ``index_select`` against the Triton kernel (``HYLO_GATHER_ROWS``), against the bytes
-    written and read (each token's row is read from L2 after its first use: counted once)."""
-    from hylo.ops.moe_grouped_mm import gather_rows
-
-    tokens, pairs = 8192, 8192 * (TOP_K + 1)
+    """The prefill MoE's pair rows in expert order at an 8192-token bench-6b chunk (90112 rows of 2048, shared
+    expert included), as the prefill sorts them (random experts per token): torch's ``index_select`` (cfg 0),
+    the Triton gather by sorted row (1, ``HYLO_SCATTER_ROWS=0``) and the scatter by pair (2, the default; then
+    tokens per program and warps, ``HYLO_SCATTER_ROWS_CFG``), against the bytes written and read once. The
+    sweep of session 14 gathered rows whose tokens were in ascending order, which kept every token's row in L2."""
+    tokens, k = 8192, TOP_K + 1
     x = torch.randn(tokens, H, device=dev, dtype=dt)
-    tok = torch.randint(0, tokens, (pairs,), device=dev).sort().values
-    floor = (pairs + tokens) * H * 2 / COPY_TBPS / 1e6
+    pos, tok, _ = G.sort_pairs_by_expert(routed_ids(tokens, dev).view(-1), E + 1, k)
+    floor = (tokens * k + tokens) * H * 2 / COPY_TBPS / 1e6
+    modes = {0: "torch", 1: "gather", 2: "scatter"}
 
     def run(cfg):
         def fn():
             for _ in range(LAYERS):
-                gather_rows(x, tok, triton_kernel=bool(cfg[0]))
+                if cfg[0] == 2:
+                    G.scatter_rows(x, pos, k, cfg=cfg[1:])
+                else:
+                    G.sorted_rows(x, pos, tok, k, modes[cfg[0]])
         return fn
-    sweep("gather_rows_t8192", [(0,), (1,)], run, floor, results)
+    cfgs = [(0,), (1,)] + [(2, bt, w) for bt in (1, 2, 4) for w in (4, 8, 16)]
+    sweep("sorted_rows_t8192", cfgs, run, floor, results)
 
 
 def tune_prefill_moe(dev, dt, results, tokens=8192, layers=4):

@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_utils import env_cfg
+
 # below this many pairs the Triton grouped kernel (tuned for decode batches, graph-captured) is used;
 # HYLO_GROUPED_MM_MIN_PAIRS moves the threshold (a huge value keeps every chunk on the Triton kernel)
 GROUPED_MM_MIN_PAIRS = int(os.environ.get("HYLO_GROUPED_MM_MIN_PAIRS", "4096"))
@@ -65,10 +67,58 @@ def _gather_rows_kernel(x_ptr, tok_ptr, out_ptr, P, H: tl.constexpr, BR: tl.cons
     tl.store(out_ptr + rows.to(tl.int64)[:, None] * H + cols[None, :], v, mask=m)
 
 
+@triton.jit
+def _scatter_rows_kernel(x_ptr, pos_ptr, out_ptr, T, H: tl.constexpr, TOP_K: tl.constexpr, BT: tl.constexpr,
+                         BH: tl.constexpr):
+    """Program (block of BT tokens, block of BH columns): each token's row is read once and written to the sorted
+    rows of its TOP_K pairs, out[pos[t * TOP_K + j]] = x[t]. The same rows as the gather by ``tok``, but x is read
+    in order: the gather reads each token's row TOP_K times in expert order, and an 8192-token chunk's 335 MB of
+    sorted rows stream through L2 between those reads."""
+    toks = tl.program_id(0) * BT + tl.arange(0, BT)
+    cols = tl.program_id(1) * BH + tl.arange(0, BH)
+    mt = toks < T
+    m = mt[:, None] & (cols < H)[None, :]
+    v = tl.load(x_ptr + toks.to(tl.int64)[:, None] * H + cols[None, :], mask=m)
+    for j in tl.static_range(TOP_K):
+        row = tl.load(pos_ptr + toks * TOP_K + j, mask=mt, other=0).to(tl.int64)
+        tl.store(out_ptr + row[:, None] * H + cols[None, :], v, mask=m)
+
+
 # the pair rows gathered by the Triton kernel above instead of torch's index_select: 105.6 against 142.8 us per
 # layer at an 8192-token bench-6b chunk on the H200, floor 94.1 (tune_kernels --only gather,
-# tune-fma-20261204-0501.json), about 0.9 ms of the prefill; HYLO_GATHER_ROWS=0 goes back to index_select
+# tune-fma-20261204-0501.json, with the rows' tokens in ascending order); in the prefill itself, with the rows in
+# expert order, it took 148 us a layer (profile-prefill-20261204-1745). HYLO_GATHER_ROWS=0 goes back to
+# index_select; HYLO_SCATTER_ROWS=0 keeps the gather instead of the scatter by pair (``scatter_rows``)
 GATHER_ROWS = os.environ.get("HYLO_GATHER_ROWS", "1") == "1"
+SCATTER_ROWS = os.environ.get("HYLO_SCATTER_ROWS", "1") == "1"
+SCATTER_ROWS_CFG = env_cfg("HYLO_SCATTER_ROWS_CFG", (2, 4))  # tokens a program (of a 2048-wide row), warps
+
+
+def scatter_rows(x: torch.Tensor, pos: torch.Tensor, top_k: int, cfg: tuple[int, int] | None = None) -> torch.Tensor:
+    """The expert-sorted pair rows from each pair's sorted row: out[pos[t * top_k + j]] = x[t], for x [T, H]
+    contiguous and pos [T * top_k] a permutation of the pairs (as ``sort_pairs_by_expert`` returns it); equal to
+    ``gather_rows(x, tok)`` with that sort's ``tok``."""
+    tokens, hidden = x.shape
+    out = torch.empty(pos.numel(), hidden, dtype=x.dtype, device=x.device)
+    if tokens:
+        per_2048, warps = cfg or SCATTER_ROWS_CFG
+        bh = min(2048, triton.next_power_of_2(hidden))
+        bt = triton.next_power_of_2(max(1, per_2048 * 2048 // bh))
+        _scatter_rows_kernel[(triton.cdiv(tokens, bt), triton.cdiv(hidden, bh))](x, pos, out, tokens, hidden,
+                                                                                 TOP_K=top_k, BT=bt, BH=bh,
+                                                                                 num_warps=warps)
+    return out
+
+
+def sorted_rows(x: torch.Tensor, pos: torch.Tensor, tok: torch.Tensor, top_k: int,
+                mode: str | None = None) -> torch.Tensor:
+    """The MoE's pair rows in expert order: ``mode`` "scatter" (by pair, the default), "gather" (by sorted row) or
+    "torch" (``index_select``); None: the settings above."""
+    if mode is None:
+        mode = ("scatter" if SCATTER_ROWS else "gather") if GATHER_ROWS else "torch"
+    if mode == "scatter":
+        return scatter_rows(x, pos, top_k)
+    return gather_rows(x, tok, triton_kernel=mode == "gather")
 
 
 def gather_rows(x: torch.Tensor, tok: torch.Tensor, triton_kernel: bool | None = None) -> torch.Tensor:
@@ -214,7 +264,7 @@ def fused_moe_grouped_mm(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
     # pairs grouped by expert: pos = each pair's sorted row, tok = each sorted row's token, and group g holds the
     # sorted rows [ends[g-1], ends[g])
     pos, tok, ends = sort_pairs_by_expert(flat, num_experts, top_k)
-    xs = gather_rows(x.contiguous(), tok)
+    xs = sorted_rows(x.contiguous(), pos, tok, top_k)
     h = torch._grouped_mm(xs, w13.transpose(1, 2), offs=ends)  # [P, 2I]
     act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     br, bi = 16, triton.next_power_of_2(inter)

@@ -349,3 +349,21 @@ def test_gather_rows_matches_index_select(dev, tokens, hidden, pairs):
     x = torch.randn(tokens, hidden, generator=g).to(dev)
     tok = torch.randint(0, tokens, (pairs,), generator=g).to(dev)
     assert torch.equal(gather_rows(x, tok, triton_kernel=True), x.index_select(0, tok))
+
+
+@pytest.mark.parametrize("tokens,hidden,top_k,experts", [(37, 100, 3, 8), (5, 2048, 4, 16), (9, 3000, 2, 5),
+                                                          (130, 64, 11, 65)])
+def test_scatter_rows_equal_the_gather_of_the_sorted_pairs(dev, tokens, hidden, top_k, experts):
+    """The prefill MoE's pair rows written by pair (``scatter_rows``, the default) against ``index_select`` by the
+    sort's ``tok``, for every mode of ``sorted_rows``: token counts not a multiple of the token block, widths not a
+    power of two or wider than one column block, experts some tokens share and some no token picks."""
+    from hylo.ops.moe_grouped_mm import sort_pairs_by_expert, sorted_rows
+
+    g = torch.Generator().manual_seed(tokens * top_k)
+    x = torch.randn(tokens, hidden, generator=g).to(dev)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)]).to(dev)
+    pos, tok, _ = sort_pairs_by_expert(ids.reshape(-1).contiguous(), experts, top_k)
+    want = x.index_select(0, tok)
+    assert torch.equal(want[pos], x.repeat_interleave(top_k, 0))  # the sort's pos and tok agree
+    for mode in ("scatter", "gather", "torch"):
+        assert torch.equal(sorted_rows(x, pos, tok, top_k, mode), want), mode
