@@ -18,10 +18,9 @@ from dataclasses import replace
 import torch
 
 from .config import EngineConfig, ModelConfig
-from .core import SamplingParams
 from .engine.engine import Engine, LoadedModel
 from .bench_floors import Footprint, measure_copy_rate, measure_matmul_rate
-from .bench_steps import clear, fake_prefill, graph_alone_ms, overlap_profile, time_steps
+from .bench_steps import clear, fake_prefill, graph_alone_ms, overlap_profile, prefill_times, time_steps
 from .models.qwen3_next import Qwen3NextForCausalLM
 from .models.random_init import RandomReader
 from .ops.triton_utils import pdl_settings
@@ -120,15 +119,7 @@ def run_bench(model_name: str = "bench-6b", vs_hf: bool = False, quick: bool = F
 
     # prefill 1 x 8192
     prompt = torch.randint(0, mc.vocab_size, (8192,), generator=torch.Generator().manual_seed(1)).tolist()
-    best = math.inf
-    for _ in range(5):  # the first compiles; the best of the other four (the host's share is noisy)
-        rid = eng.add_request(prompt, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        eng.step()
-        torch.cuda.synchronize()
-        best = min(best, (time.perf_counter() - t0) * 1e3)
-        clear(eng, [rid])
+    best = min(prefill_times(eng, prompt, 5))  # the first compiles; the best of all (the host's share is noisy)
     attn_flops = len(mc.attn_layer_ids) * 2 * mc.num_attention_heads * mc.head_dim * 8192 ** 2  # causal QK + PV
     flops = 2 * fp.matmul_params * 8192 + attn_flops
     floor = flops / mm_rate * 1e3

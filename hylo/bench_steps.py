@@ -144,6 +144,21 @@ def _busy(prof) -> tuple[float, float, list[tuple[float, str, str]]]:
     return busy, (cur_end - spans[0][0]) if spans else 0.0, gaps
 
 
+def prefill_times(engine: Engine, prompt: list[int], runs: int) -> list[float]:
+    """Wall milliseconds of ``runs`` prefills of ``prompt`` from an idle device, each one engine step of a fresh
+    request (freed after it); the first also compiles what it launches."""
+    times = []
+    for _ in range(runs):
+        rid = engine.add_request(prompt, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+        _sync()
+        t0 = time.perf_counter()
+        engine.step()
+        _sync()
+        times.append((time.perf_counter() - t0) * 1e3)
+        clear(engine, [rid])
+    return times
+
+
 def clear(engine: Engine, rids: list[str]) -> None:
     engine.drain()
     for rid in rids:

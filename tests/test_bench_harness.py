@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from hylo.bench import Footprint, bench_config
-from hylo.bench_steps import fake_prefill, time_steps
+from hylo.bench_steps import fake_prefill, prefill_times, time_steps
 from hylo.config import EngineConfig
 from hylo.engine.engine import Engine
 from hylo.spec.setup import SpecSetup
@@ -21,6 +21,17 @@ def test_fake_prefill_decodes_and_frees():
         eng.abort(rid)
     c = eng.caches
     assert c.kv_pool.num_free == c.kv_pool.num_tokens and c.req_slots.num_free == 4
+
+
+def test_prefill_times_runs_each_prefill_and_frees_it():
+    """The bench's prefill row (and ``ab_decode --prefill``): each run prefills a fresh request in one step, is
+    timed, and leaves the engine's pools as they were."""
+    eng = Engine(None, device="cpu", engine_config=EngineConfig(verbose=False, max_num_seqs=2))
+    c = eng.caches
+    free = (c.kv_pool.num_free, c.req_slots.num_free)
+    times = prefill_times(eng, list(range(1, 30)), 3)
+    assert len(times) == 3 and all(t > 0 for t in times)
+    assert (c.kv_pool.num_free, c.req_slots.num_free) == free and not eng._reqs
 
 
 def test_fake_prefill_of_sampling_rows():

@@ -7,8 +7,9 @@ weights on the GPU, captures the decode graphs and measures, per batch size at c
 steady-state step (``bench_steps.time_steps``) and the decode graph's GPU time alone. With ``--rounds 2`` the
 variants run twice, interleaved (A B A B), and each keeps its better round: the host and the GPU clocks drift a few
 percent across a call. The rows go to stdout and to DIR/ab-decode-<time>.json. ``--prefill N`` measures the
-prefill of one N-token prompt instead (best of four after a first, compiling one; the engine as the bench builds
-it for its prefill row) and writes DIR/ab-prefill-<time>.json.
+prefill of one N-token prompt instead (best of four after a first, compiling one), on a one-request engine sized
+for the prompt (the bench's prefill row runs on its larger decode engine: 4 graph sizes, a 40k context), and
+writes DIR/ab-prefill-<time>.json.
 """
 
 from __future__ import annotations
@@ -50,14 +51,11 @@ def child(batches: list[int]) -> None:
 
 
 def child_prefill(tokens: int) -> None:
-    import math
-
     import torch
 
     from hylo.bench import bench_config, build_model
-    from hylo.bench_steps import clear
+    from hylo.bench_steps import prefill_times
     from hylo.config import EngineConfig
-    from hylo.core import SamplingParams
     from hylo.engine.engine import Engine
 
     mc = bench_config("bench-6b")
@@ -66,18 +64,9 @@ def child_prefill(tokens: int) -> None:
                       max_model_len=tokens + 256, verbose=False)
     eng = Engine(lm, device="cuda", dtype="bfloat16", engine_config=ec)
     prompt = torch.randint(0, mc.vocab_size, (tokens,), generator=torch.Generator().manual_seed(1)).tolist()
-    times = []
-    for _ in range(5):
-        rid = eng.add_request(prompt, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        eng.step()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) * 1e3)
-        clear(eng, [rid])
-    best = min(times[1:]) if len(times) > 1 else math.inf
-    print("AB_ROWS " + json.dumps([dict(tokens=tokens, ms_per_step=best, graph_ms=best, times_ms=times)]),
-          flush=True)
+    times = prefill_times(eng, prompt, 5)
+    print("AB_ROWS " + json.dumps([dict(tokens=tokens, ms_per_step=min(times[1:]), graph_ms=min(times[1:]),
+                                        times_ms=times)]), flush=True)
 
 
 def main() -> None:

@@ -16,9 +16,10 @@ state is read from the pool by slot (-1: zero state, nothing written). The same 
 
 Decode can also run as ``gdn_decode_conv`` (``HYLO_GDN_FUSED_CONV=1``): the causal conv of the step inside the
 same program, one launch per GDN layer fewer. Measured slower on the H200 (bench-6b decode graph 1.583 against
-1.504 ms at batch 1, 3.568 against 3.451 at batch 8, ab-decode-20261204-133635): the last program of each key
-head must wait for its siblings' counts and each program re-reads its conv windows, which costs more than the
-launch it saves under programmatic dependent launch. Off by default; kept tested as the measured alternative.
+1.504 ms at batch 1, 3.568 against 3.451 at batch 8, ab-decode-20261204-133635): every value head's program
+recomputes its key head's q/k conv and counts itself with an atomic so that the last one shifts the windows,
+which costs more than the launch it saves under programmatic dependent launch. Off by default; kept tested as
+the measured alternative.
 """
 
 from __future__ import annotations

@@ -118,6 +118,8 @@ def sorted_rows(x: torch.Tensor, pos: torch.Tensor, tok: torch.Tensor, top_k: in
         mode = ("scatter" if SCATTER_ROWS else "gather") if GATHER_ROWS else "torch"
     if mode == "scatter":
         return scatter_rows(x, pos, top_k)
+    if mode not in ("gather", "torch"):
+        raise ValueError(f"sorted_rows: mode {mode!r} is not 'scatter', 'gather' or 'torch'")
     return gather_rows(x, tok, triton_kernel=mode == "gather")
 
 

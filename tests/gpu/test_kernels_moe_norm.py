@@ -367,3 +367,5 @@ def test_scatter_rows_equal_the_gather_of_the_sorted_pairs(dev, tokens, hidden, 
     assert torch.equal(want[pos], x.repeat_interleave(top_k, 0))  # the sort's pos and tok agree
     for mode in ("scatter", "gather", "torch"):
         assert torch.equal(sorted_rows(x, pos, tok, top_k, mode), want), mode
+    with pytest.raises(ValueError, match="mode 'index'"):
+        sorted_rows(x, pos, tok, top_k, "index")
