@@ -291,8 +291,8 @@ def _fused_router_records(lm: LoadedModel, copy_rate: float, steps: int, records
     ``fused_router``: against the main rows."""
     from .ops import moe as moe_ops
 
-    previous = moe_ops.FUSED_ROUTER
-    moe_ops.FUSED_ROUTER = True
+    previous = moe_ops.FUSED_ROUTER, moe_ops.FUSED_NORM_ROUTER
+    moe_ops.FUSED_ROUTER = moe_ops.FUSED_NORM_ROUTER = True
     try:
         eng = _batch1_engine(lm, spec=False)
         floor = Footprint.of(lm.model, None, eng.caches).decode_bytes(1, 1024) / copy_rate * 1e3
@@ -313,7 +313,7 @@ def _fused_router_records(lm: LoadedModel, copy_rate: float, steps: int, records
               f"{rec['ms_per_token']:.3f} ms/token, GPU busy {rec['gpu_busy_fraction']:.3f} (steady window "
               f"{rec['gpu_busy_fraction_steady']:.3f})", flush=True)
     finally:
-        moe_ops.FUSED_ROUTER = previous
+        moe_ops.FUSED_ROUTER, moe_ops.FUSED_NORM_ROUTER = previous
 
 
 def _batch1_engine(lm: LoadedModel, spec: bool) -> Engine:

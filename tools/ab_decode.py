@@ -9,7 +9,8 @@ variants run twice, interleaved (A B A B), and each keeps its better round: the 
 percent across a call. The rows go to stdout and to DIR/ab-decode-<time>.json. ``--prefill N`` measures the
 prefill of one N-token prompt instead (best of four after a first, compiling one), on a one-request engine sized
 for the prompt (the bench's prefill row runs on its larger decode engine: 4 graph sizes, a 40k context), and
-writes DIR/ab-prefill-<time>.json.
+writes DIR/ab-prefill-<time>.json. A variant's ``HYLO_ABLATE`` leaves pieces of the step out (``tools/ablate.py``:
+what-if timing); ``AB_BENCH_ENGINE=1`` sizes its engine as ``hylo bench`` does.
 """
 
 from __future__ import annotations
@@ -32,11 +33,19 @@ def child(batches: list[int]) -> None:
     from hylo.config import EngineConfig
     from hylo.engine.engine import Engine
 
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import ablate
+
+    ablate.apply()  # HYLO_ABLATE: pieces left out (what-if timing)
     dev = torch.device("cuda")
     copy_rate = measure_copy_rate(dev)
     lm = build_model(bench_config("bench-6b"), dev)
-    ec = EngineConfig(max_num_seqs=max(batches), kv_cache_tokens=max(batches) * SPEC_KV_TOKENS, chunk_size=8192,
-                      cuda_graph_sizes=tuple(batches), max_model_len=SPEC_MODEL_LEN, verbose=False)
+    # AB_BENCH_ENGINE=1: the engine as `hylo bench` sizes it (256 sequences, a 40k context, a 2.2M-token KV pool)
+    big = os.environ.get("AB_BENCH_ENGINE") == "1"
+    seqs = 256 if big else max(batches)
+    ec = EngineConfig(max_num_seqs=seqs, kv_cache_tokens=64 * 32768 + 300 * 256 if big else seqs * SPEC_KV_TOKENS,
+                      chunk_size=8192, cuda_graph_sizes=tuple(batches), max_model_len=40000 if big else SPEC_MODEL_LEN,
+                      verbose=False)
     eng = Engine(lm, device="cuda", dtype="bfloat16", engine_config=ec)
     fp = Footprint.of(lm.model, None, eng.caches)
     rows = []

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from ..cache.state_pool import StatePool
-from ..core import ForwardBatch, ForwardMode
+from ..core import ForwardBatch, ForwardMode, to_device
 from ..ops import conv1d as conv_ops
 from ..ops import gdn as gdn_ops
 from ..ops.triton_utils import INTERPRET, use_triton
@@ -102,7 +102,7 @@ class PrefillIndex:
                      kept_rows=kept, kept_slots=[slots[i] for i in kept], cu_seqlens=cu,
                      chunk_indices=[v for pair in zip(chunk_rows, chunk_pos) for v in pair])
         flat = torch.tensor([v for values in parts.values() for v in values], dtype=torch.long)
-        flat_dev = flat.to(device, non_blocking=True)
+        flat_dev = to_device(flat, device)
         views, at = {}, 0
         for name, values in parts.items():
             views[name] = flat_dev[at:at + len(values)]
@@ -112,7 +112,7 @@ class PrefillIndex:
         views["chunk_indices"] = views["chunk_indices"].view(-1, 2)
         if token_row is None:
             token_row = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens, dtype=torch.long))
-            token_row = token_row.to(device, non_blocking=True)
+            token_row = to_device(token_row, device)
         return cls(cu_seqlens_cpu=cu_cpu, all_slots=len(kept) == len(slots), token_row=token_row, **views)
 
 

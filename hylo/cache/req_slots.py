@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from ..core import to_device
+
 
 class ReqSlots:
     """``req_to_token[slot, pos]`` is the KV pool location of position ``pos``; ``req_to_state[slot]`` the state slot.
@@ -51,7 +53,7 @@ class ReqSlots:
         location) triples [3, W] (one copy to the device, one scatter)."""
         if triples is None or not triples.shape[1]:
             return
-        self.scatter_locations(*triples.to(self.req_to_token.device, non_blocking=True))
+        self.scatter_locations(*to_device(triples, self.req_to_token.device))
 
     def scatter_locations(self, rows: torch.Tensor, cols: torch.Tensor, locs: torch.Tensor) -> None:
         """``req_to_token[rows[i], cols[i]] = locs[i]``, on the device (a staged graph's prologue runs this)."""
@@ -63,9 +65,9 @@ class ReqSlots:
         if not slots:
             return
         dev = self.sampling_f.device
-        idx = torch.tensor(slots, dtype=torch.int64).to(dev, non_blocking=True)
-        self.sampling_f[idx] = torch.tensor(floats, dtype=torch.float32).to(dev, non_blocking=True)
-        self.sampling_i[idx] = torch.tensor(ints, dtype=torch.int64).to(dev, non_blocking=True)
+        idx = to_device(torch.tensor(slots, dtype=torch.int64), dev)
+        self.sampling_f[idx] = to_device(torch.tensor(floats, dtype=torch.float32), dev)
+        self.sampling_i[idx] = to_device(torch.tensor(ints, dtype=torch.int64), dev)
 
     def write_sampling_rows(self, slots: torch.Tensor, floats: torch.Tensor, ints: torch.Tensor) -> None:
         """:meth:`write_sampling` from tensors already on the device: slots [S], floats [S, 2], ints [S, 3]."""

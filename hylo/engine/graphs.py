@@ -29,7 +29,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from tqdm.auto import tqdm
 
-from ..core import ForwardBatch, ForwardMode
+from ..core import ForwardBatch, ForwardMode, pin
 
 
 def default_capture_sizes(max_bs: int) -> list[int]:
@@ -239,7 +239,7 @@ class GraphRunner:
         raw_bs = len(req_slots)
         bs = self.padded_size(raw_bs)
         host = st.host_stage(bs, req_slots, state_slots, kv)
-        st.stage[:host.shape[0]].copy_(host, non_blocking=True)
+        st.stage[:host.shape[0]].copy_(pin(host) if st.stage.is_cuda else host, non_blocking=True)
         rep = st.replays[bs]
         rep.replay()
         return _real_outputs(rep.outputs, raw_bs, bs, st.tokens_per_row), real_rows(rep.batch, raw_bs)

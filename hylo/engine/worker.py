@@ -10,7 +10,7 @@ from ..backends.attention import AttentionBackend
 from ..backends.gdn import GDNBackend
 from ..backends.hybrid import HybridBackend
 from ..cache.memory import Caches
-from ..core import ForwardBatch, ForwardMode, SamplingBatch
+from ..core import ForwardBatch, ForwardMode, SamplingBatch, to_device
 from ..models.qwen3_next import Qwen3NextForCausalLM
 from ..ops.sampling import sample
 from ..ops.triton_utils import use_triton
@@ -45,7 +45,7 @@ def all_greedy(reqs) -> bool:
 
 
 def _dev(values, device, dtype=torch.int64) -> torch.Tensor:
-    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+    return to_device(torch.tensor(values, dtype=dtype), device)
 
 
 class ModelWorker:
@@ -83,7 +83,7 @@ class ModelWorker:
                    for r, n, d in zip(sched.reqs, sched.extend_lens, sched.from_device) if d)
         register = [r for r, p in zip(sched.reqs, sched.prefix_lens) if p == 0]
         pack = ExtendPack.build(sched, register, self.vocab_size)
-        meta = pack.meta.to(dev, non_blocking=True)
+        meta = to_device(pack.meta, dev)
         v = pack.views(meta)
         if register:
             slots.write_sampling_rows(v["reg_slots"], v["reg_floats"].view(torch.float32).view(-1, 2),

@@ -4,6 +4,8 @@ sum. Everywhere else (CPU, prefill) they are ``F.linear``."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -71,6 +73,10 @@ def out_proj(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
     return F.linear(x, w, bias)
 
 
+# programs of the GDN output projection with its norm (splits of K: 8 at 2048 x 4096); HYLO_GDN_NORM_PROGRAMS
+NORM_PROGRAMS = int(os.environ.get("HYLO_GDN_NORM_PROGRAMS", "256"))
+
+
 def norm_out_proj(x: torch.Tensor, z: torch.Tensor, norm_weight: torch.Tensor, eps: float, w: torch.Tensor,
                   reduce: bool = True) -> torch.Tensor:
     """The GDN output: ``gated_rms_norm`` of every head of x [M, Hv, Dv] with gate z [M, Hv, Dv], then W^T; on the
@@ -79,6 +85,6 @@ def norm_out_proj(x: torch.Tensor, z: torch.Tensor, norm_weight: torch.Tensor, e
     if (_few_rows(x) and x.is_contiguous() and z.stride(-1) == 1 and z.stride(-2) == dv
             and dv & (dv - 1) == 0 and 16 <= dv <= 256):
         return _split_gemv(x.view(rows, heads * dv), w, reduce, bk=dv, gate=z.flatten(1), norm_weight=norm_weight,
-                           eps=eps)
+                           eps=eps, programs=NORM_PROGRAMS)
     core = gated_rms_norm(x, z, norm_weight, eps)
     return out_proj(core.reshape(rows, heads * dv), w, reduce=reduce)

@@ -29,9 +29,10 @@ def _gemv_kernel(x_ptr, g_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, M, N, K: tl.constexp
                  K_SPLIT: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                  BK: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr, PREC: tl.constexpr,
                  FMA: tl.constexpr = False, PF_LINES: tl.constexpr = 0, PF_STRIDE: tl.constexpr = 64,
-                 PDL: tl.constexpr = False):
+                 D: tl.constexpr = 1, PDL: tl.constexpr = False):
     """Program (block of BN outputs, K split): BM rows (padded to 16 for the tensor cores), or with FMA one row
-    (BM = 1) multiplied on the CUDA cores, a [BK] slice of x against the [BN, BK] tile of W."""
+    (BM = 1) multiplied on the CUDA cores, a [BK] slice of x against the [BN, BK] tile of W. With NORM, each K
+    block holds BK / D whole heads of D channels."""
     split = tl.program_id(1)
     offs_m = tl.arange(0, BM)
     offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
@@ -42,7 +43,7 @@ def _gemv_kernel(x_ptr, g_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, M, N, K: tl.constexp
     mm, mn = offs_m < M, offs_n < N
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     if NORM:
-        nw = tl.load(nw_ptr + tl.arange(0, BK)).to(tl.float32)
+        nw = tl.load(nw_ptr + tl.arange(0, BK) % D).to(tl.float32)
     for k0 in range(0, K_SPLIT, BK):
         offs_k = split * K_SPLIT + k0 + tl.arange(0, BK)
         mk = offs_k < K
@@ -52,9 +53,10 @@ def _gemv_kernel(x_ptr, g_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, M, N, K: tl.constexp
             # the GDN output norm of one head (BK channels): normalise in float32, round, scale by the weight,
             # round, gate by silu(z) in float32, in the order of ``ops.norm.gated_rms_norm``
             g = tl.load(g_ptr + offs_m[:, None] * stride_g + offs_k[None, :], mask=m2, other=0.0).to(tl.float32)
-            xf = x.to(tl.float32)
-            inv = tl.rsqrt(tl.sum(xf * xf, 1) / BK + eps)
-            y = (xf * inv[:, None]).to(x.dtype).to(tl.float32) * nw[None, :]
+            xf = tl.reshape(x.to(tl.float32), (BM, BK // D, D))
+            inv = tl.rsqrt(tl.sum(xf * xf, 2) / D + eps)
+            xn = tl.reshape(xf * inv[:, :, None], (BM, BK))
+            y = xn.to(x.dtype).to(tl.float32) * nw[None, :]
             y = y.to(x.dtype).to(tl.float32) * (g * tl.sigmoid(g))
             x = y.to(x.dtype)
         w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
@@ -94,6 +96,9 @@ def fma_tile(n: int, split: int, k_split: int, device: torch.device) -> tuple[in
 
 # The gated norm in the loads makes the GDN output projection 7.8 us against 6.1 without it (batch 1); loading its
 # x and gate tiles one K block ahead was no faster (7.7, tune-gates-20261204-0407.json) and was taken out again.
+# Up to session 16 a K block with the norm was one head (128 channels, four times narrower loads than the plain
+# one-row GEMV's); GEMV_NORM_BK bounds how many channels (whole heads) a block takes now (HYLO_GEMV_NORM_BK).
+GEMV_NORM_BK = int(os.environ.get("HYLO_GEMV_NORM_BK", "512"))
 SPLIT_GEMV_CFG = (64, 128, 4, 4)
 
 
@@ -123,7 +128,10 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, gat
     if cfg is None and fma:
         cfg = GEMV_FMA_CFG or fma_tile(n, split, k_split, x.device)
     bn, bk, warps, stages = cfg or (GEMV_CFG if split == 1 else SPLIT_GEMV_CFG)
-    bk = norm_weight.shape[0] if norm_weight is not None else min(bk, next_pow2(k_split))
+    d = norm_weight.shape[0] if norm_weight is not None else 1
+    bk = min(bk, next_pow2(k_split))
+    if norm_weight is not None:  # whole heads per K block
+        bk = max(d, min(bk, GEMV_NORM_BK) // d * d)
     k_split = triton.cdiv(k_split, bk) * bk
     if split == 1:
         y = torch.empty(m, n, dtype=x.dtype, device=x.device)
@@ -133,7 +141,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, gat
     _gemv_kernel[(triton.cdiv(n, bn), split)](
         x, g, norm_weight if norm_weight is not None else w, w, bias if bias is not None else w, y, m, n, k,
         x.stride(0), g.stride(0), eps, K_SPLIT=k_split, SPLIT=split, BM=1 if fma else 16, BN=bn, BK=bk,
-        NORM=norm_weight is not None, HAS_BIAS=bias is not None, FMA=fma,
+        NORM=norm_weight is not None, HAS_BIAS=bias is not None, FMA=fma, D=d,
         **prefetch_args(k_split, w),
         PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages, **pdl_launch(x))
     return y

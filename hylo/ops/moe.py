@@ -6,6 +6,7 @@ Expert weights are held fused: ``w13[E, 2I, H]`` (gate rows then up rows) and ``
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -14,7 +15,14 @@ from .linear import narrow
 from .norm import add_rms_norm
 from .triton_utils import use_triton
 
-FUSED_ROUTER = os.environ.get("HYLO_FUSED_ROUTER") == "1"
+# HYLO_FUSED_ROUTER=1: the residual-add norm, the router GEMV and the routing in one launch (few tokens); =route:
+# the router GEMV and the routing in one launch, the norm its own. Off by default (measured slower, session 12).
+FUSED_ROUTER = os.environ.get("HYLO_FUSED_ROUTER", "0") in ("1", "route")
+FUSED_NORM_ROUTER = os.environ.get("HYLO_FUSED_ROUTER") == "1"
+# For a few tokens (batch-1 decode, a batch-1 verify) the routing inside the MoE's gate/up kernel: every pair's
+# programs rank the token's experts from the router's logits themselves, so the routing kernel's launch goes.
+# HYLO_ROUTE_IN_PAIRS=0 keeps the routing kernel.
+ROUTE_IN_PAIRS = os.environ.get("HYLO_ROUTE_IN_PAIRS", "1") == "1"
 
 
 def route(router_logits: torch.Tensor, num_experts: int, top_k: int, normalize: bool, shared: bool,
@@ -40,17 +48,44 @@ def route(router_logits: torch.Tensor, num_experts: int, top_k: int, normalize: 
     return weights, ids
 
 
+@dataclass(frozen=True)
+class RouterLogits:
+    """Routing left to the expert kernels (:func:`moe_experts`): the router's logits of the tokens, or their float32
+    split-K partials, which the gate/up kernel ranks itself (``moe_triton.fused_moe_routed``)."""
+
+    logits: torch.Tensor
+
+
 def route_hidden(x: torch.Tensor, router: torch.Tensor, num_experts: int, top_k: int, normalize: bool,
-                 shared: bool):
-    """:func:`route` of the router's logits ``x @ router^T`` (router [E (+1), H]), in x's dtype. With
-    ``HYLO_FUSED_ROUTER=1``, on the Triton path and for at most a few tokens (batch-1 decode and verify), the
+                 shared: bool, defer: bool = False):
+    """:func:`route` of the router's logits ``x @ router^T`` (router [E (+1), H]), in x's dtype: (weights, ids).
+    With ``defer`` the routing may be left to the expert kernels instead (a :class:`RouterLogits`, for
+    :func:`moe_experts`): on the Triton path for a few tokens (``HYLO_ROUTE_IN_PAIRS``, on by default).
+    With ``HYLO_FUSED_ROUTER``, on the Triton path and for at most a few tokens (batch-1 decode and verify), the
     router GEMV and the routing are one launch (``moe_route_triton.router_route``); off by default: measured
-    slower on the H200 (docs/PERFORMANCE.md, session 12)."""
+    slower on the H200 (docs/PERFORMANCE.md, sessions 12 and 17)."""
     if _fused_router_fits(x, router):
         from .moe_route_triton import router_route
 
         return router_route(x, router, num_experts, top_k, normalize, shared)
-    return route(narrow(x, router), num_experts, top_k, normalize, shared, x.dtype)
+    logits = narrow(x, router)
+    if defer and ROUTE_IN_PAIRS and use_triton(x) and x.dim() == 2:
+        from .moe_triton import routed_in_pairs_fits
+
+        if routed_in_pairs_fits(x.shape[0], num_experts, top_k, shared):
+            return RouterLogits(logits)
+    return route(logits, num_experts, top_k, normalize, shared, x.dtype)
+
+
+def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, routing, num_experts: int, top_k: int,
+                normalize: bool, shared: bool, reduce: bool = True) -> torch.Tensor:
+    """:func:`fused_moe` for ``routing`` as :func:`route_hidden` gives it: (weights, ids), or a
+    :class:`RouterLogits` that the gate/up kernel routes from."""
+    if isinstance(routing, RouterLogits):
+        from .moe_triton import fused_moe_routed
+
+        return fused_moe_routed(x, w13, w2, routing.logits, num_experts, top_k, normalize, shared, reduce=reduce)
+    return fused_moe(x, w13, w2, *routing, reduce=reduce)
 
 
 def _fused_router_fits(x: torch.Tensor, router: torch.Tensor) -> bool:
@@ -67,15 +102,16 @@ def _fused_router_fits(x: torch.Tensor, router: torch.Tensor) -> bool:
 def add_norm_route(x: torch.Tensor, delta: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                    router: torch.Tensor, num_experts: int, top_k: int, normalize: bool, shared: bool):
     """The residual step before a MoE and its routing: ``add_rms_norm(x, delta, ...)``, then :func:`route_hidden`
-    of the normed rows. Returns (new residual, normed rows, (weights, ids)). With ``HYLO_FUSED_ROUTER=1`` on the
-    Triton path and for at most a few tokens, all of it is one launch (``moe_route_triton.norm_router_route``)."""
-    if _fused_router_fits(x, router) and norm_weight.is_contiguous():
+    of the normed rows. Returns (new residual, normed rows, routing for :func:`moe_experts`). With
+    ``HYLO_FUSED_ROUTER=1`` on the Triton path and for at most a few tokens, all of it is one launch
+    (``moe_route_triton.norm_router_route``)."""
+    if FUSED_NORM_ROUTER and _fused_router_fits(x, router) and norm_weight.is_contiguous():
         from .moe_route_triton import norm_router_route
 
         res, y, w, ids = norm_router_route(x, delta, norm_weight, eps, router, num_experts, top_k, normalize, shared)
         return res, y, (w, ids)
     res, y = add_rms_norm(x, delta, norm_weight, eps)
-    return res, y, route_hidden(y, router, num_experts, top_k, normalize, shared)
+    return res, y, route_hidden(y, router, num_experts, top_k, normalize, shared, defer=True)
 
 
 def route_topk(router_logits: torch.Tensor, top_k: int, normalize: bool):

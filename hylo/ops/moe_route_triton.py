@@ -64,6 +64,44 @@ def _route_kernel(logits_ptr, w_ptr, ids_ptr, stride_l, stride_s, E: tl.constexp
     _select_topk(x, offs, t, w_ptr, ids_ptr, E, K, KP, NORM, SHARED)
 
 
+@triton.jit
+def pair_choice(lrow, stride_s, r, SPLIT: tl.constexpr, E: tl.constexpr, K: tl.constexpr, BE: tl.constexpr,
+                NORM: tl.constexpr, SHARED: tl.constexpr, DT: tl.constexpr):
+    """The expert (int64) and weight (in DT) of pair r of the token whose logits start at ``lrow`` (E experts, then
+    with SHARED the shared expert's gate; SPLIT float32 partial rows ``stride_s`` apart, summed and rounded to DT),
+    as ``_route_kernel`` routes: pair r < K is the expert of rank r by probability (ties to the lower id), pair K
+    the shared expert. The ranks come from comparing every pair of experts ([BE, BE], BE >= E), not from K
+    max-reductions in turn, so that the many programs that each route one pair for themselves stay short."""
+    offs = tl.arange(0, BE)
+    m = offs < E
+    x = tl.load(lrow + offs, mask=m, other=0.0).to(tl.float32)
+    for s in tl.static_range(1, SPLIT):
+        x += tl.load(lrow + s * stride_s + offs, mask=m, other=0.0)
+    if SPLIT > 1:
+        x = x.to(DT).to(tl.float32)
+    xe = tl.where(m, x, float("-inf"))
+    p = tl.exp(xe - tl.max(xe, 0))
+    p = p / tl.sum(p, 0)
+    p = tl.where(m, p, -1.0)
+    pi, pj = p[:, None], p[None, :]
+    beats = (pj > pi) | ((pj == pi) & (offs[None, :] < offs[:, None]))
+    rank = tl.sum(beats.to(tl.int32), 1)
+    mine = m & (rank == r)
+    e = tl.sum(tl.where(mine, offs, 0), 0).to(tl.int64)
+    w = tl.sum(tl.where(mine, p, 0.0), 0)
+    if NORM:
+        w = w * (1.0 / tl.sum(tl.where(m & (rank < K), p, 0.0), 0))
+    if SHARED:
+        g = tl.load(lrow + E).to(tl.float32)
+        for s in tl.static_range(1, SPLIT):
+            g += tl.load(lrow + s * stride_s + E)
+        if SPLIT > 1:
+            g = g.to(DT).to(tl.float32)
+        e = tl.where(r == K, E, e)
+        w = tl.where(r == K, 1.0 / (1.0 + tl.exp(-g)), w)
+    return e, w.to(DT)
+
+
 def _route_out(tokens: int, top_k: int, shared: bool, dtype: torch.dtype, device):
     kp = top_k + int(shared)
     return kp, torch.empty(tokens, kp, dtype=dtype, device=device), torch.empty(tokens, kp, dtype=torch.int64,

@@ -264,11 +264,14 @@ def test_programmatic_dependent_launch_changes_no_result(gpu_ckpt, spec):
         set_pdl(*previous)
 
 
-@pytest.mark.parametrize("spec", [None, "mtp"])
-def test_fused_router_changes_no_token(gpu_ckpt, spec):
-    """HYLO_FUSED_ROUTER: the residual-add norm before each MoE, its router GEMV and its routing as one launch for
-    batches of at most 4 tokens (batch-1 decode and verify here, captured into the graphs; larger batches keep the
-    separate launches). The same arithmetic in float32, so the same tokens as the separate launches."""
+@pytest.mark.parametrize("spec,mode", [(None, "norm"), ("mtp", "norm"), (None, "router"), (None, "pairs"),
+                                       ("mtp", "pairs")])
+def test_fused_router_changes_no_token(gpu_ckpt, spec, mode):
+    """The routing's fused forms against the router GEMV then the routing kernel: HYLO_FUSED_ROUTER, the
+    residual-add norm before each MoE (=1; =route: not the norm), its router GEMV and its routing as one launch;
+    HYLO_ROUTE_IN_PAIRS, the routing inside the gate/up kernel. For batches of at most 4 tokens (batch-1 decode
+    and verify here, captured into the graphs; larger batches keep the separate launches). The same arithmetic in
+    float32, so the same tokens as the separate launches."""
     from hylo import SamplingParams
     from hylo.ops import moe as moe_ops
 
@@ -284,11 +287,14 @@ def test_fused_router_changes_no_token(gpu_ckpt, spec):
             out.append(eng.pop_finished(rid).token_ids)
         return out
 
-    previous = moe_ops.FUSED_ROUTER
+    previous = moe_ops.FUSED_ROUTER, moe_ops.FUSED_NORM_ROUTER, moe_ops.ROUTE_IN_PAIRS
     try:
-        moe_ops.FUSED_ROUTER = False
+        moe_ops.FUSED_ROUTER = moe_ops.FUSED_NORM_ROUTER = moe_ops.ROUTE_IN_PAIRS = False
         plain = run()
-        moe_ops.FUSED_ROUTER = True
+        if mode == "pairs":
+            moe_ops.ROUTE_IN_PAIRS = True
+        else:
+            moe_ops.FUSED_ROUTER, moe_ops.FUSED_NORM_ROUTER = True, mode == "norm"
         assert run() == plain
     finally:
-        moe_ops.FUSED_ROUTER = previous
+        moe_ops.FUSED_ROUTER, moe_ops.FUSED_NORM_ROUTER, moe_ops.ROUTE_IN_PAIRS = previous

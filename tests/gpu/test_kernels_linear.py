@@ -34,10 +34,12 @@ def test_gemv_matches_linear(dev, rows, n, k, split, bias):
 
 @pytest.mark.parametrize("n,k,split,bias,norm", [(65, 2048, 1, False, False), (100, 256, 2, True, False),
                                                   (2048, 4096, 4, False, False), (40, 96, 1, True, False),
-                                                  (48, 4 * 64, 4, False, True), (24, 2 * 32, 1, False, True)])
+                                                  (48, 4 * 64, 4, False, True), (24, 2 * 32, 1, False, True),
+                                                  (100, 32 * 32, 2, True, True)])
 def test_one_row_gemv_on_the_cuda_cores(dev, n, k, split, bias, norm):
     """The batch-1 variant (``fma=True``: one row, no tensor-core padding) against the reference, with a K split,
-    a bias, sizes that are not multiples of the tile, and the GDN gated norm (heads of 64 and 32)."""
+    a bias, sizes that are not multiples of the tile, and the GDN gated norm (heads of 64 and 32; one head, two and
+    sixteen per K block)."""
     from hylo.ops.linear_triton import gemv
     from hylo.ops.norm import gated_rms_norm
 

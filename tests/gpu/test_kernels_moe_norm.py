@@ -369,3 +369,50 @@ def test_scatter_rows_equal_the_gather_of_the_sorted_pairs(dev, tokens, hidden, 
         assert torch.equal(sorted_rows(x, pos, tok, top_k, mode), want), mode
     with pytest.raises(ValueError, match="mode 'index'"):
         sorted_rows(x, pos, tok, top_k, "index")
+
+
+@pytest.mark.parametrize("tokens,experts,top_k,normalize,shared,split,ties", [
+    (1, 64, 10, True, True, 16, False), (3, 64, 10, True, True, 1, True), (2, 8, 3, False, False, 4, False),
+    (4, 13, 2, True, False, 1, True)])
+def test_routing_inside_the_gate_up_kernel_equals_the_routing_kernel(dev, tokens, experts, top_k, normalize, shared,
+                                                                     split, ties):
+    """``fused_moe_routed`` (each gate/up program ranks its token's experts from the router's logits, or from
+    split-K partials) against the routing kernel then ``fused_moe``: the same experts (checked through the ids and
+    weights it stores for the down projection) and the same output; exact ties go to the lower expert id."""
+    from hylo.ops import moe_triton
+    from hylo.ops.moe_route_triton import route
+    from hylo.ops.moe_triton import fused_moe, fused_moe_routed
+
+    g = torch.Generator().manual_seed(21)
+    dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    hidden, inter, n = 64, 48, experts + int(shared)
+    x = torch.randn(tokens, hidden, generator=g).to(dev, dt)
+    w13 = (torch.randn(n, 2 * inter, hidden, generator=g) / hidden ** 0.5).to(dev, dt)
+    w2 = (torch.randn(n, hidden, inter, generator=g) / inter ** 0.5).to(dev, dt)
+    if split > 1:
+        logits = torch.randn(tokens, split, n, generator=g).to(dev)
+    else:
+        logits = torch.randn(tokens, n, generator=g).to(dt)
+        if ties:  # duplicates among the top experts and below them
+            logits[:, 1] = logits[:, 0] = logits.max()
+            logits[:, 5] = logits[:, 7]
+        logits = logits.to(dev)
+    weights, ids = route(logits, experts, top_k, normalize, shared, dt)
+    seen = {}
+    pair_moe = moe_triton._pair_moe
+
+    def keep(x, w13, w2, ids_buf, wts_buf, *args):  # what the gate/up kernel stored for the down projection
+        out = pair_moe(x, w13, w2, ids_buf, wts_buf, *args)
+        seen.update(ids=ids_buf.clone(), wts=wts_buf.clone())
+        return out
+
+    moe_triton._pair_moe = keep
+    try:
+        out = fused_moe_routed(x, w13, w2, logits, experts, top_k, normalize, shared)
+    finally:
+        moe_triton._pair_moe = pair_moe
+    assert torch.equal(seen["ids"].view(tokens, -1).cpu(), ids.cpu())
+    assert torch.allclose(seen["wts"].view(tokens, -1).float().cpu(), weights.float().cpu(), rtol=1e-2, atol=1e-6)
+    ref = fused_moe(x, w13, w2, weights, ids)
+    assert out.dtype == ref.dtype
+    assert torch.allclose(out.float().cpu(), ref.float().cpu(), rtol=2e-2, atol=2e-3)
