@@ -73,8 +73,11 @@ def out_proj(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
     return F.linear(x, w, bias)
 
 
-# programs of the GDN output projection with its norm (splits of K: 8 at 2048 x 4096); HYLO_GDN_NORM_PROGRAMS
-NORM_PROGRAMS = int(os.environ.get("HYLO_GDN_NORM_PROGRAMS", "256"))
+# Programs of the GDN output projection with its norm (they set the splits of K): 256 (8 splits at 2048 x 4096)
+# for several rows (session 13: 7.9 against 8.8 us with 4); for one row 128 (4 splits, each of two 512-channel
+# blocks of whole heads): a batch-1 graph of 1.486 against 1.504 ms with 256 on the H200 (one round of
+# ab-decode-20261204-211702). HYLO_GDN_NORM_PROGRAMS fixes one count for every batch.
+NORM_PROGRAMS = int(os.environ.get("HYLO_GDN_NORM_PROGRAMS", "0"))
 
 
 def norm_out_proj(x: torch.Tensor, z: torch.Tensor, norm_weight: torch.Tensor, eps: float, w: torch.Tensor,
@@ -85,6 +88,6 @@ def norm_out_proj(x: torch.Tensor, z: torch.Tensor, norm_weight: torch.Tensor, e
     if (_few_rows(x) and x.is_contiguous() and z.stride(-1) == 1 and z.stride(-2) == dv
             and dv & (dv - 1) == 0 and 16 <= dv <= 256):
         return _split_gemv(x.view(rows, heads * dv), w, reduce, bk=dv, gate=z.flatten(1), norm_weight=norm_weight,
-                           eps=eps, programs=NORM_PROGRAMS)
+                           eps=eps, programs=NORM_PROGRAMS or (128 if rows == 1 else 256))
     core = gated_rms_norm(x, z, norm_weight, eps)
     return out_proj(core.reshape(rows, heads * dv), w, reduce=reduce)

@@ -19,10 +19,12 @@ from .triton_utils import use_triton
 # the router GEMV and the routing in one launch, the norm its own. Off by default (measured slower, session 12).
 FUSED_ROUTER = os.environ.get("HYLO_FUSED_ROUTER", "0") in ("1", "route")
 FUSED_NORM_ROUTER = os.environ.get("HYLO_FUSED_ROUTER") == "1"
-# For a few tokens (batch-1 decode, a batch-1 verify) the routing inside the MoE's gate/up kernel: every pair's
-# programs rank the token's experts from the router's logits themselves, so the routing kernel's launch goes.
-# HYLO_ROUTE_IN_PAIRS=0 keeps the routing kernel.
-ROUTE_IN_PAIRS = os.environ.get("HYLO_ROUTE_IN_PAIRS", "1") == "1"
+# HYLO_ROUTE_IN_PAIRS=1: for a few tokens (batch-1 decode, a batch-1 verify) the routing inside the MoE's gate/up
+# kernel: every pair's programs rank the token's experts from the router's logits themselves, so the routing
+# kernel's launch goes (leaving the routing kernel out altogether took 74 us off the 1.504 ms batch-1 graph on the
+# H200, ab-decode-20261204-211702: the most this can save). Off by default until measured: built in session 17
+# after the device's last call, tested in Triton's interpreter and compiled for sm_90, not yet run on the GPU.
+ROUTE_IN_PAIRS = os.environ.get("HYLO_ROUTE_IN_PAIRS", "0") == "1"
 
 
 def route(router_logits: torch.Tensor, num_experts: int, top_k: int, normalize: bool, shared: bool,
@@ -60,7 +62,7 @@ def route_hidden(x: torch.Tensor, router: torch.Tensor, num_experts: int, top_k:
                  shared: bool, defer: bool = False):
     """:func:`route` of the router's logits ``x @ router^T`` (router [E (+1), H]), in x's dtype: (weights, ids).
     With ``defer`` the routing may be left to the expert kernels instead (a :class:`RouterLogits`, for
-    :func:`moe_experts`): on the Triton path for a few tokens (``HYLO_ROUTE_IN_PAIRS``, on by default).
+    :func:`moe_experts`): on the Triton path for a few tokens with ``HYLO_ROUTE_IN_PAIRS=1``.
     With ``HYLO_FUSED_ROUTER``, on the Triton path and for at most a few tokens (batch-1 decode and verify), the
     router GEMV and the routing are one launch (``moe_route_triton.router_route``); off by default: measured
     slower on the H200 (docs/PERFORMANCE.md, sessions 12 and 17)."""
