@@ -180,3 +180,30 @@ def test_extend_pack_expands_to_the_rows_tokens_positions_and_locations(runs):
     assert v["reg_slots"].tolist() == [3] and v["reg_ints"].tolist() == [500, 100, 40]  # top_k 0: the vocabulary
     assert v["reg_floats"].view(torch.float32).tolist() == [0.0, pytest.approx(0.9)]
     assert v["req"].tolist() == [3, 5, 1, 7] and v["state"].tolist() == [2, -1, 0, 4]
+
+
+@pytest.mark.parametrize("ckpt", ["ckpt_a", "ckpt_b"])
+def test_deferred_residual_step_changes_no_token(ckpt, request, monkeypatch):
+    """``HYLO_NORM_IN_GEMV``: batch-1 layers hand the mixer a ``PendingAddNorm``; off the Triton path it runs as the
+    plain residual step, so every token (greedy and sampled) stays the same; the new residual reaches the MoE."""
+    from hylo.ops import norm as norm_ops
+
+    path = request.getfixturevalue(ckpt)
+    prompt = random_prompts(vocab_of(path), [9], seed=3)
+    sampled = SamplingParams(max_tokens=8, temperature=0.8, seed=5)
+    plain = [_run_all(Engine(path, engine_config=EngineConfig(verbose=False)), prompt, p)[0].token_ids
+             for p in (GREEDY, sampled)]
+    monkeypatch.setattr(norm_ops, "NORM_IN_GEMV", True)
+    made = []
+    real = norm_ops.PendingAddNorm
+
+    class Counted(real):
+        def __init__(self, *args):
+            super().__init__(*args)
+            made.append(self)
+
+    monkeypatch.setattr("hylo.models.qwen3_next.PendingAddNorm", Counted)
+    deferred = [_run_all(Engine(path, engine_config=EngineConfig(verbose=False)), prompt, p)[0].token_ids
+                for p in (GREEDY, sampled)]
+    assert deferred == plain
+    assert made and all(p.residual is not None for p in made)

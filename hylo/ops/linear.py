@@ -9,7 +9,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from .norm import gated_rms_norm
+from .norm import PendingAddNorm, gated_rms_norm
 from .triton_utils import use_triton
 
 
@@ -21,13 +21,32 @@ def _few_rows(x: torch.Tensor) -> bool:
     return x.shape[0] <= GEMV_MAX_ROWS and x.stride(-1) == 1
 
 
-def dense(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x W^T + bias for a wide projection (the GDN input projection, the attention qkv projection)."""
+def dense(x, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T + bias for a wide projection (the GDN input projection, the attention qkv projection). x may be a
+    ``PendingAddNorm``: on the one-row fast path its residual step runs in the GEMV's prologue."""
+    if isinstance(x, PendingAddNorm):
+        if _norm_in_gemv_fits(x):
+            from .linear_triton import gemv
+
+            res = torch.empty_like(x.x)
+            y = gemv(x.x, w, bias=bias, norm_weight=x.weight, eps=x.eps, delta=x.delta.contiguous(),
+                     residual_out=res)
+            x.residual = res
+            return y
+        x = x.value()
     if _few_rows(x):
         from .linear_triton import gemv
 
         return gemv(x, w, bias=bias)
     return F.linear(x, w, bias)
+
+
+def _norm_in_gemv_fits(p: PendingAddNorm) -> bool:
+    """One row on the Triton path, contiguous, its delta one or a few rows of it, the row wide enough to hold in one
+    program's registers (up to 8192 channels)."""
+    x, d = p.x, p.delta
+    return (x.dim() == 2 and x.shape[0] == 1 and _few_rows(x) and x.is_contiguous() and x.shape[1] <= 8192
+            and d.shape[0] == 1 and d.shape[-1] == x.shape[1] and d.dim() in (2, 3) and p.weight.is_contiguous())
 
 
 def narrow(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .norm_triton import residual_sum
 from .triton_pdl import l2_prefetch, pdl_enter
 from .triton_utils import env_cfg, next_pow2, pdl_launch, prefetch_args, sm_count
 
@@ -29,10 +30,14 @@ def _gemv_kernel(x_ptr, g_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, M, N, K: tl.constexp
                  K_SPLIT: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                  BK: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr, PREC: tl.constexpr,
                  FMA: tl.constexpr = False, PF_LINES: tl.constexpr = 0, PF_STRIDE: tl.constexpr = 64,
-                 D: tl.constexpr = 1, PDL: tl.constexpr = False):
+                 D: tl.constexpr = 1, d_ptr=None, res_ptr=None, ADD_NORM: tl.constexpr = False,
+                 J: tl.constexpr = 1, KP: tl.constexpr = 1, PDL: tl.constexpr = False):
     """Program (block of BN outputs, K split): BM rows (padded to 16 for the tensor cores), or with FMA one row
     (BM = 1) multiplied on the CUDA cores, a [BK] slice of x against the [BN, BK] tile of W. With NORM, each K
-    block holds BK / D whole heads of D channels."""
+    block holds BK / D whole heads of D channels. With ADD_NORM (one row) the input is the residual step before
+    the projection, ``add_rms_norm``'s normed row of x + the J delta rows at ``d_ptr``: every program sums the
+    whole row (KP >= K channels) for its sum of squares, program (0, 0) stores the sum to ``res_ptr``, and each K
+    block is summed and normalised again as it is loaded (from L2)."""
     split = tl.program_id(1)
     offs_m = tl.arange(0, BM)
     offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
@@ -42,13 +47,25 @@ def _gemv_kernel(x_ptr, g_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, M, N, K: tl.constexp
     pdl_enter(PDL)
     mm, mn = offs_m < M, offs_n < N
     acc = tl.zeros([BM, BN], dtype=tl.float32)
+    if ADD_NORM:
+        first = tl.zeros([1], dtype=tl.int64)
+        offs_r = tl.arange(0, KP)
+        row = residual_sum(x_ptr, d_ptr, res_ptr, first, first >= 0, offs_r, K, J)  # [1, KP]
+        if (tl.program_id(0) == 0) & (split == 0):
+            tl.store(res_ptr + offs_r[None, :], row.to(res_ptr.dtype.element_ty), mask=(offs_r < K)[None, :])
+        inv_row = tl.rsqrt(tl.sum(tl.sum(row * row, 1), 0) / K + eps)
     if NORM:
         nw = tl.load(nw_ptr + tl.arange(0, BK) % D).to(tl.float32)
     for k0 in range(0, K_SPLIT, BK):
         offs_k = split * K_SPLIT + k0 + tl.arange(0, BK)
         mk = offs_k < K
         m2 = mm[:, None] & mk[None, :]
-        x = tl.load(x_ptr + offs_m[:, None] * stride_x + offs_k[None, :], mask=m2, other=0.0)
+        if ADD_NORM:  # rms_norm(x + delta) * (1 + w), as norm_triton's add_rms_norm computes it
+            vk = residual_sum(x_ptr, d_ptr, res_ptr, first, first >= 0, offs_k, K, J)  # [1, BK]
+            nwk = tl.load(nw_ptr + offs_k, mask=mk, other=0.0).to(tl.float32)
+            x = tl.where(m2, vk * inv_row * (1.0 + nwk)[None, :], 0.0).to(x_ptr.dtype.element_ty)
+        else:
+            x = tl.load(x_ptr + offs_m[:, None] * stride_x + offs_k[None, :], mask=m2, other=0.0)
         if NORM:
             # the GDN output norm of one head (BK channels): normalise in float32, round, scale by the weight,
             # round, gate by silu(z) in float32, in the order of ``ops.norm.gated_rms_norm``
@@ -112,14 +129,20 @@ def choose_split(n: int, k: int, bn: int, bk: int, target_programs: int = 256) -
 
 def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, gate: torch.Tensor | None = None,
          split: int = 1, cfg: tuple[int, int, int, int] | None = None, norm_weight: torch.Tensor | None = None,
-         eps: float = 1e-6, fma: bool | None = None) -> torch.Tensor:
+         eps: float = 1e-6, fma: bool | None = None, delta: torch.Tensor | None = None,
+         residual_out: torch.Tensor | None = None) -> torch.Tensor:
     """x, gate: [M, K] (M <= 16, unit stride along K); w: [N, K] contiguous. Returns [M, N] in x's dtype when
     ``split`` is 1, else the float32 partial sums of each K split, [M, split, N] (bias in split 0).
 
     The input is x, or with ``gate`` and ``norm_weight`` [D] (D a power of two dividing K) the GDN gated norm of
-    every D-channel head of x, ``gated_rms_norm(x, gate, norm_weight, eps)``. ``fma``: a single row multiplied on
-    the CUDA cores (default ``GEMV_FMA`` for one row; ignored for more)."""
-    if (gate is None) != (norm_weight is None):
+    every D-channel head of x, ``gated_rms_norm(x, gate, norm_weight, eps)``; or with ``delta`` (one row x: the
+    residual stream; delta [1, K] or [1, J, K], contiguous) and ``norm_weight`` [K], the residual step's normed
+    row ``add_rms_norm(x, delta, norm_weight, eps)[1]``, the sum x + delta stored to ``residual_out``.
+    ``fma``: a single row multiplied on the CUDA cores (default ``GEMV_FMA`` for one row; ignored for more)."""
+    if delta is not None:
+        if gate is not None or norm_weight is None or residual_out is None or x.shape[0] != 1:
+            raise ValueError("gemv: the residual step in the loads takes one row, its norm weight and residual_out")
+    elif (gate is None) != (norm_weight is None):
         raise ValueError("gemv: the gate and the norm weight go together (the GDN gated norm)")
     m, k = x.shape
     n = w.shape[0]
@@ -128,9 +151,9 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, gat
     if cfg is None and fma:
         cfg = GEMV_FMA_CFG or fma_tile(n, split, k_split, x.device)
     bn, bk, warps, stages = cfg or (GEMV_CFG if split == 1 else SPLIT_GEMV_CFG)
-    d = norm_weight.shape[0] if norm_weight is not None else 1
+    d = norm_weight.shape[0] if gate is not None else 1
     bk = min(bk, next_pow2(k_split))
-    if norm_weight is not None:  # whole heads per K block
+    if gate is not None:  # whole heads per K block
         bk = max(d, min(bk, GEMV_NORM_BK) // d * d)
     k_split = triton.cdiv(k_split, bk) * bk
     if split == 1:
@@ -141,7 +164,9 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, gat
     _gemv_kernel[(triton.cdiv(n, bn), split)](
         x, g, norm_weight if norm_weight is not None else w, w, bias if bias is not None else w, y, m, n, k,
         x.stride(0), g.stride(0), eps, K_SPLIT=k_split, SPLIT=split, BM=1 if fma else 16, BN=bn, BK=bk,
-        NORM=norm_weight is not None, HAS_BIAS=bias is not None, FMA=fma, D=d,
+        NORM=gate is not None, HAS_BIAS=bias is not None, FMA=fma, D=d,
+        **({} if delta is None else dict(d_ptr=delta, res_ptr=residual_out, ADD_NORM=True, KP=next_pow2(k),
+                                          J=delta.shape[1] if delta.dim() == 3 else 1)),
         **prefetch_args(k_split, w),
         PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages, **pdl_launch(x))
     return y

@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .norm_triton import residual_sum
 from .triton_pdl import pdl_enter
 from .triton_utils import next_pow2, pdl_launch
 
@@ -194,12 +195,12 @@ def _norm_router_route_kernel(x_ptr, d_ptr, nw_ptr, res_ptr, y_ptr, w_ptr, part_
     t = 0
     while t < M:  # while loops: the interpreter cannot run a for loop with run-time bounds
         row = t + tl.zeros([1], dtype=tl.int64)
-        v = _residual_sum(x_ptr, d_ptr, res_ptr, row, row >= 0, offs_h, H, J)
+        v = residual_sum(x_ptr, d_ptr, res_ptr, row, row >= 0, offs_h, H, J)
         inv = tl.where(offs_m == t, tl.rsqrt(tl.sum(tl.sum(v * v, 1), 0) / H + eps), inv)
         t += 1
     offs_k = s * BK + tl.arange(0, BK)
     rows = offs_m.to(tl.int64)
-    v = _residual_sum(x_ptr, d_ptr, res_ptr, rows, mm, offs_k, H, J)
+    v = residual_sum(x_ptr, d_ptr, res_ptr, rows, mm, offs_k, H, J)
     at = rows[:, None] * H + offs_k[None, :]
     tl.store(res_ptr + at, v.to(res_ptr.dtype.element_ty), mask=mm[:, None])
     nw = tl.load(nw_ptr + offs_k).to(tl.float32)
@@ -209,17 +210,6 @@ def _norm_router_route_kernel(x_ptr, d_ptr, nw_ptr, res_ptr, y_ptr, w_ptr, part_
     w = tl.load(w_ptr + offs_e[:, None] * H + offs_k[None, :], mask=(offs_e < E + SHARED)[:, None], other=0.0)
     part = tl.dot(y, tl.trans(w), input_precision=PREC)
     _route_partials(part, part_ptr, count_ptr, wts_ptr, ids_ptr, M, E, K, KP, BE, BM, NORM, SHARED)
-
-
-@triton.jit
-def _residual_sum(x_ptr, d_ptr, res_ptr, rows, mr, offs, H: tl.constexpr, J: tl.constexpr):
-    """Rows ``rows``, columns ``offs`` (< H) of x + the sum of each row's J delta rows, in float32, rounded to the
-    residual's dtype (as ``add_rms_norm`` stores and normalises it); returned in float32, 0 outside."""
-    m = mr[:, None] & (offs < H)[None, :]
-    v = tl.load(x_ptr + rows[:, None] * H + offs[None, :], mask=m, other=0.0).to(tl.float32)
-    for j in tl.static_range(J):
-        v += tl.load(d_ptr + (rows[:, None] * J + j) * H + offs[None, :], mask=m, other=0.0).to(tl.float32)
-    return v.to(res_ptr.dtype.element_ty).to(tl.float32)
 
 
 ROUTER_FUSED_MAX_TOKENS = 4  # batch-1 decode and a batch-1 verify of k = 3; the last program routes them in turn

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -29,6 +31,40 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
     else:
         res = x + delta
     return res, rms_norm_ref(res, weight, eps)
+
+
+# HYLO_NORM_IN_GEMV=1: at one token (batch-1 decode) the residual step before each mixer runs in the prologue of the
+# mixer's input projection (``PendingAddNorm``, ``ops.linear.dense``): one launch per layer fewer. Leaving all 49
+# residual-add norms out of the batch-1 step took 0.090 ms off its 1.504 ms graph on the H200 (session 17,
+# ab-decode-20261204-211702); these are 24 of them. Off by default until measured: built after the session's last
+# device call, tested in Triton's interpreter and compiled for sm_90.
+NORM_IN_GEMV = os.environ.get("HYLO_NORM_IN_GEMV", "0") == "1"
+
+
+class PendingAddNorm:
+    """``add_rms_norm(x, delta, weight, eps)`` not yet run: the projection that reads its normed rows may run it in
+    its own prologue (``ops.linear.dense``) and set ``residual``; anything else calls ``value()``, which runs it.
+    Carries x's shape, dtype and device, which is all the mixers ask of their input besides projecting it."""
+
+    def __init__(self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float):
+        self.x, self.delta, self.weight, self.eps = x, delta, weight, eps
+        self.residual: torch.Tensor | None = None
+        self._normed: torch.Tensor | None = None
+        self.shape, self.dtype, self.device = x.shape, x.dtype, x.device
+
+    def value(self) -> torch.Tensor:
+        """The normed rows (running the residual step now unless a projection ran it)."""
+        if self._normed is None:
+            if self.residual is not None:
+                raise RuntimeError("the residual step ran inside a projection: its normed rows are not kept")
+            self.residual, self._normed = add_rms_norm(self.x, self.delta, self.weight, self.eps)
+        return self._normed
+
+    def new_residual(self) -> torch.Tensor:
+        """x + delta, from whichever ran the step (running it now if nothing did)."""
+        if self.residual is None:
+            self.value()
+        return self.residual
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -265,15 +265,17 @@ def test_programmatic_dependent_launch_changes_no_result(gpu_ckpt, spec):
 
 
 @pytest.mark.parametrize("spec,mode", [(None, "norm"), ("mtp", "norm"), (None, "router"), (None, "pairs"),
-                                       ("mtp", "pairs")])
-def test_fused_router_changes_no_token(gpu_ckpt, spec, mode):
-    """The routing's fused forms against the router GEMV then the routing kernel: HYLO_FUSED_ROUTER, the
-    residual-add norm before each MoE (=1; =route: not the norm), its router GEMV and its routing as one launch;
-    HYLO_ROUTE_IN_PAIRS, the routing inside the gate/up kernel. For batches of at most 4 tokens (batch-1 decode
-    and verify here, captured into the graphs; larger batches keep the separate launches). The same arithmetic in
-    float32, so the same tokens as the separate launches."""
+                                       ("mtp", "pairs"), (None, "gemv"), ("mtp", "gemv")])
+def test_fused_decode_forms_change_no_token(gpu_ckpt, spec, mode):
+    """The fused forms of the batch-1 step against the separate launches: HYLO_FUSED_ROUTER, the residual-add norm
+    before each MoE (=1; =route: not the norm), its router GEMV and its routing as one launch;
+    HYLO_ROUTE_IN_PAIRS, the routing inside the gate/up kernel (both for batches of at most 4 tokens: batch-1
+    decode and verify here, captured into the graphs); HYLO_NORM_IN_GEMV, the residual step before each mixer in
+    its input projection (one token: decode and the MTP drafts). The same arithmetic in float32, so the same
+    tokens as the separate launches."""
     from hylo import SamplingParams
     from hylo.ops import moe as moe_ops
+    from hylo.ops import norm as norm_ops
 
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 
@@ -287,14 +289,17 @@ def test_fused_router_changes_no_token(gpu_ckpt, spec, mode):
             out.append(eng.pop_finished(rid).token_ids)
         return out
 
-    previous = moe_ops.FUSED_ROUTER, moe_ops.FUSED_NORM_ROUTER, moe_ops.ROUTE_IN_PAIRS
+    previous = moe_ops.FUSED_ROUTER, moe_ops.FUSED_NORM_ROUTER, moe_ops.ROUTE_IN_PAIRS, norm_ops.NORM_IN_GEMV
     try:
-        moe_ops.FUSED_ROUTER = moe_ops.FUSED_NORM_ROUTER = moe_ops.ROUTE_IN_PAIRS = False
+        moe_ops.FUSED_ROUTER = moe_ops.FUSED_NORM_ROUTER = moe_ops.ROUTE_IN_PAIRS = norm_ops.NORM_IN_GEMV = False
         plain = run()
         if mode == "pairs":
             moe_ops.ROUTE_IN_PAIRS = True
+        elif mode == "gemv":
+            norm_ops.NORM_IN_GEMV = True
         else:
             moe_ops.FUSED_ROUTER, moe_ops.FUSED_NORM_ROUTER = True, mode == "norm"
         assert run() == plain
     finally:
-        moe_ops.FUSED_ROUTER, moe_ops.FUSED_NORM_ROUTER, moe_ops.ROUTE_IN_PAIRS = previous
+        (moe_ops.FUSED_ROUTER, moe_ops.FUSED_NORM_ROUTER, moe_ops.ROUTE_IN_PAIRS,
+         norm_ops.NORM_IN_GEMV) = previous

@@ -80,6 +80,45 @@ def test_gemv_refuses_a_gate_without_the_norm(dev):
         gemv(x, torch.randn(8, 32).to(dev, _dtype(dev)), gate=x)
 
 
+@pytest.mark.parametrize("n,k,j,fma,bias", [(100, 2048, 1, True, False), (65, 300, 3, True, True),
+                                             (48, 96, 0, False, False)])
+def test_residual_step_in_the_projection_prologue(dev, n, k, j, fma, bias):
+    """``dense`` of a ``PendingAddNorm`` (one row, ``HYLO_NORM_IN_GEMV``): the GEMV runs the residual step itself
+    (x + delta rows, the zero-centred RMSNorm) and stores the new residual, against ``add_rms_norm`` then the
+    plain GEMV; delta as [1, J, K] float32 rows (J = 0: one [1, K] row in x's dtype), K not a power of two, the
+    tensor-core form too (``fma=False``)."""
+    from hylo.ops import linear_triton
+    from hylo.ops.linear import dense
+    from hylo.ops.linear_triton import gemv
+    from hylo.ops.norm import PendingAddNorm
+
+    g = torch.Generator().manual_seed(17)
+    dt = _dtype(dev)
+    x = torch.randn(1, k, generator=g).to(dev, dt)
+    delta = (torch.randn(1, j, k, generator=g) if j else torch.randn(1, k, generator=g).to(dt)).to(dev)
+    nw = (0.1 * torch.randn(k, generator=g)).to(dev, dt)
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(dev, dt)
+    b = torch.randn(n, generator=g).to(dev, dt) if bias else None
+    ref_res, ref_h = add_rms_norm(x, delta, nw, 1e-6)
+    ref = gemv(ref_h, w, b, fma=fma)
+    res = torch.empty_like(x)
+    y = gemv(x, w, b, norm_weight=nw, eps=1e-6, delta=delta, residual_out=res, fma=fma)
+    assert torch.equal(res.cpu(), ref_res.cpu())
+    tol = 1e-2 if dt == torch.bfloat16 else 1e-5
+    assert (y.double().cpu() - ref.double().cpu()).norm() / ref.double().norm() < tol
+    if fma:  # through the layer's call
+        previous = linear_triton.GEMV_FMA
+        pending = PendingAddNorm(x, delta, nw, 1e-6)
+        try:
+            linear_triton.GEMV_FMA = True
+            y2 = dense(pending, w, b)
+        finally:
+            linear_triton.GEMV_FMA = previous
+        assert torch.equal(pending.new_residual().cpu(), ref_res.cpu()) and torch.equal(y2.cpu(), y.cpu())
+        with pytest.raises(RuntimeError, match="not kept"):
+            pending.value()
+
+
 @pytest.mark.parametrize("rows,j,dim", [(1, 11, 2048), (5, 4, 48), (3, 1, 20)])
 def test_add_rms_norm_sums_unreduced_rows(dev, rows, j, dim):
     from hylo.ops.norm_triton import add_rms_norm as add_rms_norm_triton
