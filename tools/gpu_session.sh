@@ -10,7 +10,7 @@
 # phases that add profiles to it may reach the device's 600 s limit; what they wrote under OUT still comes back.
 # Everything is written under OUT (the device tool's $OUT); the summary lines go to stdout.
 set -u
-phase=${1:?tests, tests-host, tests-bench, check, tune-bench, bench, bench-first, bench-short, fma or fused}
+phase=${1:?tests, tests-host, tests-bench, check, tune-bench, bench, bench-first, bench-short, fma, fused or built17}
 out=${2:?output folder}
 mkdir -p "$out"
 
@@ -91,6 +91,15 @@ case "$phase" in
     bench 200
     timeout 120 python3 tools/profile_step.py --prefill 8192 --out "$out" > "$out/prof_prefill.txt" 2>&1
     head -16 "$out/prof_prefill.txt" | tail -14; grep -A1 "layer timeline" "$out/prof_prefill.txt"
+    ;;
+  built17)  # session 17's fusions, built without a GPU and off by default: their GPU tests (kernels and the engine's
+            # token check), then the decode A/B of each and both against the defaults
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_kernels_linear.py \
+      tests/gpu/test_kernels_moe_norm.py tests/gpu/test_engine_gpu.py -k "prologue or inside_the_gate or fused_decode" \
+      > "$out/tests17.txt" 2>&1; echo "pytest rc=$?"; tail -3 "$out/tests17.txt"
+    timeout 330 python3 tools/ab_decode.py --variant base: --variant pairs:HYLO_ROUTE_IN_PAIRS=1 \
+      --variant gemv:HYLO_NORM_IN_GEMV=1 --variant both:HYLO_ROUTE_IN_PAIRS=1,HYLO_NORM_IN_GEMV=1 \
+      --rounds 2 --bs 1 8 --out "$out" 2>&1 | tail -6
     ;;
   *) echo "unknown phase $phase" >&2; exit 2 ;;
 esac
