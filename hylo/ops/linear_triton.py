@@ -67,8 +67,8 @@ def _gemv_kernel(x_ptr, g_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, M, N, K: tl.constexp
         else:
             x = tl.load(x_ptr + offs_m[:, None] * stride_x + offs_k[None, :], mask=m2, other=0.0)
         if NORM:
-            # the GDN output norm of one head (BK channels): normalise in float32, round, scale by the weight,
-            # round, gate by silu(z) in float32, in the order of ``ops.norm.gated_rms_norm``
+            # the GDN output norm of each of the block's BK / D heads: normalise in float32, round, scale by the
+            # weight, round, gate by silu(z) in float32, in the order of ``ops.norm.gated_rms_norm``
             g = tl.load(g_ptr + offs_m[:, None] * stride_g + offs_k[None, :], mask=m2, other=0.0).to(tl.float32)
             xf = tl.reshape(x.to(tl.float32), (BM, BK // D, D))
             inv = tl.rsqrt(tl.sum(xf * xf, 2) / D + eps)

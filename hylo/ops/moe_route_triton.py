@@ -18,17 +18,34 @@ from .triton_utils import next_pow2, pdl_launch
 
 
 @triton.jit
+def _summed_logits(row_ptr, stride_s, offs, m, SPLIT: tl.constexpr, DT: tl.constexpr):
+    """Columns ``offs`` of one token's router logits in float32: its row, or the sum of its SPLIT float32 split-K
+    partial rows ``stride_s`` apart, rounded to DT as a plain matmul's logits are; 0 outside ``m``."""
+    x = tl.load(row_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    if SPLIT > 1:
+        for s in tl.static_range(1, SPLIT):
+            x += tl.load(row_ptr + s * stride_s + offs, mask=m, other=0.0)
+        x = x.to(DT).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _expert_probs(x, m):
+    """Softmax of the logits x over the experts ``m``; -1 outside them (below every probability: never chosen)."""
+    xe = tl.where(m, x, float("-inf"))
+    p = tl.exp(xe - tl.max(xe, 0))
+    p = p / tl.sum(p, 0)
+    return tl.where(m, p, -1.0)
+
+
+@triton.jit
 def _select_topk(x, offs, t, w_ptr, ids_ptr, E: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
                  NORM: tl.constexpr, SHARED: tl.constexpr):
     """x: [BE] float32 logits of token t (column E: the shared expert's gate). Softmax over the E experts, top-K,
     optional renormalisation, stored as pairs 0..K-1; with SHARED, the shared expert (id E) as pair K with weight
     sigmoid(gate). One pass of K max-reductions: each chosen expert's rank is kept, and the weights are stored by
     rank once their sum is known."""
-    m = offs < E
-    xe = tl.where(m, x, float("-inf"))
-    p = tl.exp(xe - tl.max(xe, 0))
-    p = p / tl.sum(p, 0)
-    p = tl.where(m, p, -1.0)
+    p = _expert_probs(x, offs < E)
     q = p
     rank = tl.full(x.shape, -1, tl.int32)
     total = 0.0
@@ -56,12 +73,7 @@ def _route_kernel(logits_ptr, w_ptr, ids_ptr, stride_l, stride_s, E: tl.constexp
     pdl_enter(PDL)
     t = tl.program_id(0)
     offs = tl.arange(0, BE)
-    m = offs < E + SHARED
-    x = tl.load(logits_ptr + t * stride_l + offs, mask=m, other=0.0).to(tl.float32)
-    if SPLIT > 1:
-        for s in tl.static_range(1, SPLIT):
-            x += tl.load(logits_ptr + t * stride_l + s * stride_s + offs, mask=m, other=0.0)
-        x = x.to(w_ptr.dtype.element_ty).to(tl.float32)
+    x = _summed_logits(logits_ptr + t * stride_l, stride_s, offs, offs < E + SHARED, SPLIT, w_ptr.dtype.element_ty)
     _select_topk(x, offs, t, w_ptr, ids_ptr, E, K, KP, NORM, SHARED)
 
 
@@ -75,15 +87,7 @@ def pair_choice(lrow, stride_s, r, SPLIT: tl.constexpr, E: tl.constexpr, K: tl.c
     max-reductions in turn, so that the many programs that each route one pair for themselves stay short."""
     offs = tl.arange(0, BE)
     m = offs < E
-    x = tl.load(lrow + offs, mask=m, other=0.0).to(tl.float32)
-    for s in tl.static_range(1, SPLIT):
-        x += tl.load(lrow + s * stride_s + offs, mask=m, other=0.0)
-    if SPLIT > 1:
-        x = x.to(DT).to(tl.float32)
-    xe = tl.where(m, x, float("-inf"))
-    p = tl.exp(xe - tl.max(xe, 0))
-    p = p / tl.sum(p, 0)
-    p = tl.where(m, p, -1.0)
+    p = _expert_probs(_summed_logits(lrow, stride_s, offs, m, SPLIT, DT), m)
     pi, pj = p[:, None], p[None, :]
     beats = (pj > pi) | ((pj == pi) & (offs[None, :] < offs[:, None]))
     rank = tl.sum(beats.to(tl.int32), 1)
@@ -92,12 +96,9 @@ def pair_choice(lrow, stride_s, r, SPLIT: tl.constexpr, E: tl.constexpr, K: tl.c
     w = tl.sum(tl.where(mine, p, 0.0), 0)
     if NORM:
         w = w * (1.0 / tl.sum(tl.where(m & (rank < K), p, 0.0), 0))
-    if SHARED:
-        g = tl.load(lrow + E).to(tl.float32)
-        for s in tl.static_range(1, SPLIT):
-            g += tl.load(lrow + s * stride_s + E)
-        if SPLIT > 1:
-            g = g.to(DT).to(tl.float32)
+    if SHARED:  # the gate's column, as a one-element block
+        gate = E + tl.arange(0, 1)
+        g = tl.sum(_summed_logits(lrow, stride_s, gate, gate >= 0, SPLIT, DT), 0)
         e = tl.where(r == K, E, e)
         w = tl.where(r == K, 1.0 / (1.0 + tl.exp(-g)), w)
     return e, w.to(DT)

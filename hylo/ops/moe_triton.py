@@ -388,10 +388,10 @@ def fused_moe_routed(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, logit
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     kp = top_k + int(shared)
-    ids = torch.empty(tokens * kp, dtype=torch.int64, device=x.device)
-    wts = torch.empty(tokens * kp, dtype=x.dtype, device=x.device)
     if tokens == 0:
         return torch.zeros_like(x) if reduce else x.new_zeros(tokens, kp, x.shape[1])
+    ids = torch.empty(tokens * kp, dtype=torch.int64, device=x.device)
+    wts = torch.empty(tokens * kp, dtype=x.dtype, device=x.device)
     route = dict(logits_ptr=logits, wts_ptr=wts, stride_lt=logits.stride(0),
                  stride_ls=logits.stride(1) if split > 1 else 0, ROUTE=True, SPLIT=split, E=num_experts, K=top_k,
                  BE=max(16, next_pow2(num_experts)), NORM=normalize, SHARED=shared)

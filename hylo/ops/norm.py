@@ -50,7 +50,18 @@ class PendingAddNorm:
         self.x, self.delta, self.weight, self.eps = x, delta, weight, eps
         self.residual: torch.Tensor | None = None
         self._normed: torch.Tensor | None = None
-        self.shape, self.dtype, self.device = x.shape, x.dtype, x.device
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.x.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.x.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.x.device
 
     def value(self) -> torch.Tensor:
         """The normed rows (running the residual step now unless a projection ran it)."""
