@@ -182,10 +182,12 @@ def test_extend_pack_expands_to_the_rows_tokens_positions_and_locations(runs):
     assert v["req"].tolist() == [3, 5, 1, 7] and v["state"].tolist() == [2, -1, 0, 4]
 
 
-@pytest.mark.parametrize("ckpt", ["ckpt_a", "ckpt_b"])
-def test_deferred_residual_step_changes_no_token(ckpt, request, monkeypatch):
-    """``HYLO_NORM_IN_GEMV``: batch-1 layers hand the mixer a ``PendingAddNorm``; off the Triton path it runs as the
-    plain residual step, so every token (greedy and sampled) stays the same; the new residual reaches the MoE."""
+@pytest.mark.parametrize("ckpt,where", [("ckpt_a", "mixer"), ("ckpt_b", "mixer"), ("ckpt_a", "router")])
+def test_deferred_residual_step_changes_no_token(ckpt, where, request, monkeypatch):
+    """``HYLO_NORM_IN_GEMV``: batch-1 layers hand the mixer a ``PendingAddNorm`` (``HYLO_NORM_IN_ROUTER``: the MoE
+    router's GEMV gets one); off the Triton path it runs as the plain residual step, so every token (greedy and
+    sampled) stays the same; the new residual reaches the next block."""
+    from hylo.ops import moe as moe_ops
     from hylo.ops import norm as norm_ops
 
     path = request.getfixturevalue(ckpt)
@@ -193,7 +195,10 @@ def test_deferred_residual_step_changes_no_token(ckpt, request, monkeypatch):
     sampled = SamplingParams(max_tokens=8, temperature=0.8, seed=5)
     plain = [_run_all(Engine(path, engine_config=EngineConfig(verbose=False)), prompt, p)[0].token_ids
              for p in (GREEDY, sampled)]
-    monkeypatch.setattr(norm_ops, "NORM_IN_GEMV", True)
+    if where == "mixer":
+        monkeypatch.setattr(norm_ops, "NORM_IN_GEMV", True)
+    else:
+        monkeypatch.setattr(moe_ops, "NORM_IN_ROUTER", True)
     made = []
     real = norm_ops.PendingAddNorm
 
@@ -202,7 +207,8 @@ def test_deferred_residual_step_changes_no_token(ckpt, request, monkeypatch):
             super().__init__(*args)
             made.append(self)
 
-    monkeypatch.setattr("hylo.models.qwen3_next.PendingAddNorm", Counted)
+    monkeypatch.setattr("hylo.models.qwen3_next.PendingAddNorm" if where == "mixer" else "hylo.ops.moe.PendingAddNorm",
+                        Counted)
     deferred = [_run_all(Engine(path, engine_config=EngineConfig(verbose=False)), prompt, p)[0].token_ids
                 for p in (GREEDY, sampled)]
     assert deferred == plain

@@ -28,17 +28,23 @@ def dense(x, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if _norm_in_gemv_fits(x):
             from .linear_triton import gemv
 
-            res = torch.empty_like(x.x)
-            y = gemv(x.x, w, bias=bias, norm_weight=x.weight, eps=x.eps, delta=x.delta.contiguous(),
-                     residual_out=res)
-            x.residual = res
-            return y
+            return gemv(x.x, w, bias=bias, **_prologue(x, keep_normed=False))
         x = x.value()
     if _few_rows(x):
         from .linear_triton import gemv
 
         return gemv(x, w, bias=bias)
     return F.linear(x, w, bias)
+
+
+def _prologue(p: PendingAddNorm, keep_normed: bool) -> dict:
+    """The GEMV arguments that run ``p``'s residual step in its prologue; ``p`` takes the new residual (and with
+    ``keep_normed`` the normed row), which the GEMV writes."""
+    p.residual = torch.empty_like(p.x)
+    kw = dict(norm_weight=p.weight, eps=p.eps, delta=p.delta.contiguous(), residual_out=p.residual)
+    if keep_normed:
+        p.normed = kw["normed_out"] = torch.empty_like(p.x)
+    return kw
 
 
 def _norm_in_gemv_fits(p: PendingAddNorm) -> bool:
@@ -49,10 +55,16 @@ def _norm_in_gemv_fits(p: PendingAddNorm) -> bool:
             and d.shape[0] == 1 and d.shape[-1] == x.shape[1] and d.dim() in (2, 3) and p.weight.is_contiguous())
 
 
-def narrow(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def narrow(x, w: torch.Tensor) -> torch.Tensor:
     """x W^T for a projection with few outputs (the MoE router: 2 blocks of 64 outputs from 2048 inputs). On the
     few-row path K is split so that enough loads are in flight, and the float32 partial rows [M, S, N] come back
-    unreduced for the consumer to sum (the routing kernel does); elsewhere the plain [M, N]."""
+    unreduced for the consumer to sum (the routing kernel does); elsewhere the plain [M, N]. x may be a
+    ``PendingAddNorm``: on the one-row fast path its residual step runs in the GEMV's prologue, which also keeps
+    the normed row (the MoE's experts read it next)."""
+    if isinstance(x, PendingAddNorm):
+        if _norm_in_gemv_fits(x):
+            return _split_gemv(x.x, w, reduce=False, **_prologue(x, keep_normed=True))
+        x = x.value()
     if _few_rows(x):
         return _split_gemv(x, w, reduce=False)
     if x.is_cuda and w.shape[0] % 8:

@@ -31,13 +31,15 @@ def _gemv_kernel(x_ptr, g_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, M, N, K: tl.constexp
                  BK: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr, PREC: tl.constexpr,
                  FMA: tl.constexpr = False, PF_LINES: tl.constexpr = 0, PF_STRIDE: tl.constexpr = 64,
                  D: tl.constexpr = 1, d_ptr=None, res_ptr=None, ADD_NORM: tl.constexpr = False,
-                 J: tl.constexpr = 1, KP: tl.constexpr = 1, PDL: tl.constexpr = False):
+                 J: tl.constexpr = 1, KP: tl.constexpr = 1, xn_ptr=None, KEEP_NORMED: tl.constexpr = False,
+                 PDL: tl.constexpr = False):
     """Program (block of BN outputs, K split): BM rows (padded to 16 for the tensor cores), or with FMA one row
     (BM = 1) multiplied on the CUDA cores, a [BK] slice of x against the [BN, BK] tile of W. With NORM, each K
     block holds BK / D whole heads of D channels. With ADD_NORM (one row) the input is the residual step before
     the projection, ``add_rms_norm``'s normed row of x + the J delta rows at ``d_ptr``: every program sums the
     whole row (KP >= K channels) for its sum of squares, program (0, 0) stores the sum to ``res_ptr``, and each K
-    block is summed and normalised again as it is loaded (from L2)."""
+    block is summed and normalised again as it is loaded (from L2); with KEEP_NORMED the programs of the first
+    block of outputs also store their K slices of the normed row to ``xn_ptr`` (for the next kernel to read)."""
     split = tl.program_id(1)
     offs_m = tl.arange(0, BM)
     offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
@@ -64,6 +66,9 @@ def _gemv_kernel(x_ptr, g_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, M, N, K: tl.constexp
             vk = residual_sum(x_ptr, d_ptr, res_ptr, first, first >= 0, offs_k, K, J)  # [1, BK]
             nwk = tl.load(nw_ptr + offs_k, mask=mk, other=0.0).to(tl.float32)
             x = tl.where(m2, vk * inv_row * (1.0 + nwk)[None, :], 0.0).to(x_ptr.dtype.element_ty)
+            if KEEP_NORMED:
+                if tl.program_id(0) == 0:
+                    tl.store(xn_ptr + offs_m[:, None] * K + offs_k[None, :], x, mask=m2)
         else:
             x = tl.load(x_ptr + offs_m[:, None] * stride_x + offs_k[None, :], mask=m2, other=0.0)
         if NORM:
@@ -130,14 +135,15 @@ def choose_split(n: int, k: int, bn: int, bk: int, target_programs: int = 256) -
 def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, gate: torch.Tensor | None = None,
          split: int = 1, cfg: tuple[int, int, int, int] | None = None, norm_weight: torch.Tensor | None = None,
          eps: float = 1e-6, fma: bool | None = None, delta: torch.Tensor | None = None,
-         residual_out: torch.Tensor | None = None) -> torch.Tensor:
+         residual_out: torch.Tensor | None = None, normed_out: torch.Tensor | None = None) -> torch.Tensor:
     """x, gate: [M, K] (M <= 16, unit stride along K); w: [N, K] contiguous. Returns [M, N] in x's dtype when
     ``split`` is 1, else the float32 partial sums of each K split, [M, split, N] (bias in split 0).
 
     The input is x, or with ``gate`` and ``norm_weight`` [D] (D a power of two dividing K) the GDN gated norm of
     every D-channel head of x, ``gated_rms_norm(x, gate, norm_weight, eps)``; or with ``delta`` (one row x: the
     residual stream; delta [1, K] or [1, J, K], contiguous) and ``norm_weight`` [K], the residual step's normed
-    row ``add_rms_norm(x, delta, norm_weight, eps)[1]``, the sum x + delta stored to ``residual_out``.
+    row ``add_rms_norm(x, delta, norm_weight, eps)[1]``, the sum x + delta stored to ``residual_out`` and, when
+    given, the normed row to ``normed_out`` ([1, K] contiguous, x's dtype).
     ``fma``: a single row multiplied on the CUDA cores (default ``GEMV_FMA`` for one row; ignored for more)."""
     if delta is not None:
         if gate is not None or norm_weight is None or residual_out is None or x.shape[0] != 1:
@@ -166,7 +172,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, gat
         x.stride(0), g.stride(0), eps, K_SPLIT=k_split, SPLIT=split, BM=1 if fma else 16, BN=bn, BK=bk,
         NORM=gate is not None, HAS_BIAS=bias is not None, FMA=fma, D=d,
         **({} if delta is None else dict(d_ptr=delta, res_ptr=residual_out, ADD_NORM=True, KP=next_pow2(k),
-                                          J=delta.shape[1] if delta.dim() == 3 else 1)),
+                                          J=delta.shape[1] if delta.dim() == 3 else 1, xn_ptr=normed_out,
+                                          KEEP_NORMED=normed_out is not None)),
         **prefetch_args(k_split, w),
         PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages, **pdl_launch(x))
     return y

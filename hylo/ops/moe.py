@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from .linear import narrow
-from .norm import add_rms_norm
+from .norm import PendingAddNorm, add_rms_norm
 from .triton_utils import use_triton
 
 # HYLO_FUSED_ROUTER=1: the residual-add norm, the router GEMV and the routing in one launch (few tokens); =route:
@@ -25,6 +25,12 @@ FUSED_NORM_ROUTER = os.environ.get("HYLO_FUSED_ROUTER") == "1"
 # H200, ab-decode-20261204-211702: the most this can save). Off by default until measured: built in session 17
 # after the device's last call, tested in Triton's interpreter and compiled for sm_90, not yet run on the GPU.
 ROUTE_IN_PAIRS = os.environ.get("HYLO_ROUTE_IN_PAIRS", "0") == "1"
+# HYLO_NORM_IN_ROUTER=1: at one token the residual step before each MoE runs in the prologue of the router's GEMV
+# (``ops.linear.narrow`` of a ``PendingAddNorm``), whose first block of programs also stores the normed row for the
+# experts: one launch per layer fewer (the other 25 of the batch-1 step's 49 residual-add norms; the mixers' 24 are
+# HYLO_NORM_IN_GEMV's). Each of the router's 144 programs sums the whole row and its delta rows from L2 for the sum
+# of squares. Off by default until measured (session 18).
+NORM_IN_ROUTER = os.environ.get("HYLO_NORM_IN_ROUTER", "0") == "1"
 
 
 def route(router_logits: torch.Tensor, num_experts: int, top_k: int, normalize: bool, shared: bool,
@@ -70,8 +76,14 @@ def route_hidden(x: torch.Tensor, router: torch.Tensor, num_experts: int, top_k:
         from .moe_route_triton import router_route
 
         return router_route(x, router, num_experts, top_k, normalize, shared)
-    logits = narrow(x, router)
-    if defer and ROUTE_IN_PAIRS and use_triton(x) and x.dim() == 2:
+    return _route_logits(narrow(x, router), x, num_experts, top_k, normalize, shared, defer)
+
+
+def _route_logits(logits: torch.Tensor, x, num_experts: int, top_k: int, normalize: bool, shared: bool,
+                  defer: bool):
+    """The routing of the router's ``logits`` (or split partials) of the rows ``x`` (a tensor [T, H] or a
+    ``PendingAddNorm`` of one), as :func:`route_hidden` returns it."""
+    if defer and ROUTE_IN_PAIRS and use_triton(logits) and len(x.shape) == 2:
         from .moe_triton import routed_in_pairs_fits
 
         if routed_in_pairs_fits(x.shape[0], num_experts, top_k, shared):
@@ -112,6 +124,11 @@ def add_norm_route(x: torch.Tensor, delta: torch.Tensor, norm_weight: torch.Tens
 
         res, y, w, ids = norm_router_route(x, delta, norm_weight, eps, router, num_experts, top_k, normalize, shared)
         return res, y, (w, ids)
+    if NORM_IN_ROUTER and not FUSED_ROUTER:  # the residual step in the router GEMV's prologue (one row)
+        pending = PendingAddNorm(x, delta, norm_weight, eps)
+        logits = narrow(pending, router)  # runs the step there when it fits, else before
+        return (pending.new_residual(), pending.value(),
+                _route_logits(logits, pending, num_experts, top_k, normalize, shared, defer=True))
     res, y = add_rms_norm(x, delta, norm_weight, eps)
     return res, y, route_hidden(y, router, num_experts, top_k, normalize, shared, defer=True)
 

@@ -48,8 +48,8 @@ class PendingAddNorm:
 
     def __init__(self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float):
         self.x, self.delta, self.weight, self.eps = x, delta, weight, eps
-        self.residual: torch.Tensor | None = None
-        self._normed: torch.Tensor | None = None
+        self.residual: torch.Tensor | None = None  # set by whichever runs the step
+        self.normed: torch.Tensor | None = None  # likewise, where it keeps the normed rows
 
     @property
     def shape(self) -> torch.Size:
@@ -65,11 +65,11 @@ class PendingAddNorm:
 
     def value(self) -> torch.Tensor:
         """The normed rows (running the residual step now unless a projection ran it)."""
-        if self._normed is None:
+        if self.normed is None:
             if self.residual is not None:
                 raise RuntimeError("the residual step ran inside a projection: its normed rows are not kept")
-            self.residual, self._normed = add_rms_norm(self.x, self.delta, self.weight, self.eps)
-        return self._normed
+            self.residual, self.normed = add_rms_norm(self.x, self.delta, self.weight, self.eps)
+        return self.normed
 
     def new_residual(self) -> torch.Tensor:
         """x + delta, from whichever ran the step (running it now if nothing did)."""

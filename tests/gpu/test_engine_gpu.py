@@ -265,14 +265,16 @@ def test_programmatic_dependent_launch_changes_no_result(gpu_ckpt, spec):
 
 
 @pytest.mark.parametrize("spec,mode", [(None, "norm"), ("mtp", "norm"), (None, "router"), (None, "pairs"),
-                                       ("mtp", "pairs"), (None, "gemv"), ("mtp", "gemv")])
+                                       ("mtp", "pairs"), (None, "gemv"), ("mtp", "gemv"), (None, "router-norm"),
+                                       ("mtp", "all")])
 def test_fused_decode_forms_change_no_token(gpu_ckpt, spec, mode):
     """The fused forms of the batch-1 step against the separate launches: HYLO_FUSED_ROUTER, the residual-add norm
     before each MoE (=1; =route: not the norm), its router GEMV and its routing as one launch;
     HYLO_ROUTE_IN_PAIRS, the routing inside the gate/up kernel (both for batches of at most 4 tokens: batch-1
     decode and verify here, captured into the graphs); HYLO_NORM_IN_GEMV, the residual step before each mixer in
-    its input projection (one token: decode and the MTP drafts). The same arithmetic in float32, so the same
-    tokens as the separate launches."""
+    its input projection (one token: decode and the MTP drafts); HYLO_NORM_IN_ROUTER, the residual step before each
+    MoE in its router GEMV ("all": the last three together). The same arithmetic in float32, so the same tokens as
+    the separate launches."""
     from hylo import SamplingParams
     from hylo.ops import moe as moe_ops
     from hylo.ops import norm as norm_ops
@@ -289,17 +291,18 @@ def test_fused_decode_forms_change_no_token(gpu_ckpt, spec, mode):
             out.append(eng.pop_finished(rid).token_ids)
         return out
 
-    previous = moe_ops.FUSED_ROUTER, moe_ops.FUSED_NORM_ROUTER, moe_ops.ROUTE_IN_PAIRS, norm_ops.NORM_IN_GEMV
+    previous = (moe_ops.FUSED_ROUTER, moe_ops.FUSED_NORM_ROUTER, moe_ops.ROUTE_IN_PAIRS, norm_ops.NORM_IN_GEMV,
+                moe_ops.NORM_IN_ROUTER)
     try:
         moe_ops.FUSED_ROUTER = moe_ops.FUSED_NORM_ROUTER = moe_ops.ROUTE_IN_PAIRS = norm_ops.NORM_IN_GEMV = False
+        moe_ops.NORM_IN_ROUTER = False
         plain = run()
-        if mode == "pairs":
-            moe_ops.ROUTE_IN_PAIRS = True
-        elif mode == "gemv":
-            norm_ops.NORM_IN_GEMV = True
-        else:
+        if mode in ("norm", "router"):
             moe_ops.FUSED_ROUTER, moe_ops.FUSED_NORM_ROUTER = True, mode == "norm"
+        moe_ops.ROUTE_IN_PAIRS = mode in ("pairs", "all")
+        norm_ops.NORM_IN_GEMV = mode in ("gemv", "all")
+        moe_ops.NORM_IN_ROUTER = mode in ("router-norm", "all")
         assert run() == plain
     finally:
-        (moe_ops.FUSED_ROUTER, moe_ops.FUSED_NORM_ROUTER, moe_ops.ROUTE_IN_PAIRS,
-         norm_ops.NORM_IN_GEMV) = previous
+        (moe_ops.FUSED_ROUTER, moe_ops.FUSED_NORM_ROUTER, moe_ops.ROUTE_IN_PAIRS, norm_ops.NORM_IN_GEMV,
+         moe_ops.NORM_IN_ROUTER) = previous

@@ -119,6 +119,37 @@ def test_residual_step_in_the_projection_prologue(dev, n, k, j, fma, bias):
             pending.value()
 
 
+@pytest.mark.parametrize("n,k,j,fma", [(65, 2048, 4, True), (40, 300, 0, True), (65, 256, 2, False)])
+def test_residual_step_in_the_router_prologue_keeps_the_normed_row(dev, n, k, j, fma):
+    """``narrow`` of a ``PendingAddNorm`` (one row, ``HYLO_NORM_IN_ROUTER``): the split router GEMV runs the residual
+    step in its prologue and its first block of programs stores the normed row, against ``add_rms_norm`` then the
+    plain split GEMV: the new residual and the normed row equal bit for bit, the partial logits close."""
+    from hylo.ops import linear_triton
+    from hylo.ops.linear import narrow
+    from hylo.ops.norm import PendingAddNorm
+
+    g = torch.Generator().manual_seed(23)
+    dt = _dtype(dev)
+    x = torch.randn(1, k, generator=g).to(dev, dt)
+    delta = (torch.randn(1, j, k, generator=g) if j else torch.randn(1, k, generator=g).to(dt)).to(dev)
+    nw = (0.1 * torch.randn(k, generator=g)).to(dev, dt)
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(dev, dt)
+    ref_res, ref_h = add_rms_norm(x, delta, nw, 1e-6)
+    previous = linear_triton.GEMV_FMA
+    try:
+        linear_triton.GEMV_FMA = fma
+        ref = narrow(ref_h, w)
+        pending = PendingAddNorm(x, delta, nw, 1e-6)
+        y = narrow(pending, w)
+    finally:
+        linear_triton.GEMV_FMA = previous
+    assert y.shape == ref.shape and y.dim() == 3 and y.shape[1] > 1  # split K: the partial rows
+    assert torch.equal(pending.new_residual().cpu(), ref_res.cpu())
+    assert torch.equal(pending.value().cpu(), ref_h.cpu())
+    ref, y = ref.sum(1).double().cpu(), y.sum(1).double().cpu()
+    assert (y - ref).norm() / ref.norm() < (1e-2 if dt == torch.bfloat16 else 1e-5)
+
+
 @pytest.mark.parametrize("rows,j,dim", [(1, 11, 2048), (5, 4, 48), (3, 1, 20)])
 def test_add_rms_norm_sums_unreduced_rows(dev, rows, j, dim):
     from hylo.ops.norm_triton import add_rms_norm as add_rms_norm_triton
