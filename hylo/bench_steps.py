@@ -54,19 +54,33 @@ def time_steps(engine: Engine, steps: int, warmup: int = 3, blocks: int = 3) -> 
     """Wall milliseconds per engine step (scheduling, launch, the step's one device read) in the steady state: the
     best of ``blocks`` back-to-back blocks of ``steps / blocks`` steps each, so that a one-off stall of the host
     (a garbage collection, another process) does not stand for the engine's speed (session 8 saw one batch-64 run
-    at 13.4 ms per step between runs of 5.8-6.1 ms, its graph alone timed at 5.9 ms in the same run)."""
+    at 13.4 ms per step between runs of 5.8-6.1 ms, its graph alone timed at 5.9 ms in the same run).
+
+    Each block opens on an idle device (synchronised after the one before). Its first step is the loop's ramp: the
+    host schedules and launches it with nothing queued, then returns. In the steady state that follows, ``step()``
+    launches step N + 1 and returns once it has read step N's results, so the time between two returns is one
+    step of the loop as a server runs it; the block's time is taken from the return of its second step to the
+    return of its last. (Up to session 17 a block of 10 steps was timed from before its ramp to a synchronise
+    after its last step: each block then counted its ramp's launch latency and its last step's drain, about
+    0.03 ms per step at batch 1 on the H200.) Blocks of fewer than 3 steps are timed that way still."""
     for _ in range(warmup):
         engine.step()
     _sync()
-    blocks = max(1, min(blocks, steps))
+    blocks = max(1, min(blocks, steps // 5 or 1))
     per_block = steps // blocks
     best = math.inf
     for _ in range(blocks):
         t0 = time.perf_counter()
-        for _ in range(per_block):
+        if per_block >= 3:
+            engine.step()  # the ramp
+            engine.step()  # returns when the ramp's results are read: the steady state from here
+            t0 = time.perf_counter()
+        for _ in range(per_block - 2 if per_block >= 3 else per_block):
             engine.step()
+        if per_block < 3:
+            _sync()
+        best = min(best, (time.perf_counter() - t0) * 1e3 / (per_block - 2 if per_block >= 3 else per_block))
         _sync()
-        best = min(best, (time.perf_counter() - t0) * 1e3 / per_block)
     engine.drain()
     return best
 
