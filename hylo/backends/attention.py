@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ..cache.kv_pool import KVPool
@@ -10,6 +12,11 @@ from ..core import ForwardBatch
 from ..ops import attention as ops
 from ..ops.triton_utils import use_triton
 from .base import Backend
+
+
+# HYLO_KV_IN_ROPE=0: the new keys and values stored by their own launch (``ops.store_kv``) instead of by the q/k
+# norm-and-rotary kernel that produces the keys (``kv_store``): one launch per attention layer more.
+KV_IN_ROPE = os.environ.get("HYLO_KV_IN_ROPE", "1") == "1"
 
 
 class AttentionBackend(Backend):
@@ -31,13 +38,25 @@ class AttentionBackend(Backend):
             batch.seq_lens[raw:] = batch.tokens_per_row
             batch.out_cache_loc[raw * batch.tokens_per_row:] = 0
 
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,
-                scaling: float, gate: torch.Tensor | None = None) -> torch.Tensor:
-        """q: [T, H, D]; k, v: [T, KVH, D] for the new tokens. ``layer`` indexes the attention layers only. With
-        ``gate`` ([T, H * D], rows may be strided) the output comes back multiplied by ``sigmoid(gate)``: inside
-        the split attention's merge on the decode path, after the attention elsewhere."""
+    def kv_store(self, layer: int, batch: ForwardBatch, dtype: torch.dtype) -> tuple | None:
+        """Where a producer of the new tokens' keys and values (of ``dtype``) may write them itself, instead of
+        handing them to ``forward``: (key cache, value cache, locations [T]) of the layer, or None where the
+        caches' layout or dtype asks for ``ops.store_kv`` (and off the fast path)."""
         k_cache, v_cache = self.kv_pool.k[layer], self.kv_pool.v[layer]
-        ops.store_kv(k_cache, v_cache, batch.out_cache_loc, k, v)
+        if not (KV_IN_ROPE and self.fast and k_cache.dtype == dtype and k_cache.is_contiguous() and v_cache.is_contiguous()
+                and batch.out_cache_loc.is_contiguous()):
+            return None
+        return k_cache, v_cache, batch.out_cache_loc
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+                batch: ForwardBatch, scaling: float, gate: torch.Tensor | None = None) -> torch.Tensor:
+        """q: [T, H, D]; k, v: [T, KVH, D] for the new tokens, or None when they were written at ``kv_store``'s
+        locations already. ``layer`` indexes the attention layers only. With ``gate`` ([T, H * D], rows may be
+        strided) the output comes back multiplied by ``sigmoid(gate)``: inside the split attention's merge on the
+        decode path, after the attention elsewhere."""
+        k_cache, v_cache = self.kv_pool.k[layer], self.kv_pool.v[layer]
+        if k is not None:
+            ops.store_kv(k_cache, v_cache, batch.out_cache_loc, k, v)
         r2t = self.req_slots.req_to_token
         if batch.extend_lens_cpu is not None:  # variable-length rows (prefill chunks)
             extend = ops.extend_attention_sdpa if self.fast else ops.extend_attention_ref

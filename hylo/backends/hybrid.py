@@ -29,6 +29,9 @@ class HybridBackend(Backend):
     def attention(self, layer_id: int, *args, **kwargs):
         return self.attn.forward(self.local_index[layer_id], *args, **kwargs)
 
+    def kv_store(self, layer_id: int, *args, **kwargs):
+        return self.attn.kv_store(self.local_index[layer_id], *args, **kwargs)
+
     def linear_attention(self, layer_id: int, *args, **kwargs):
         return self.linear.forward(self.local_index[layer_id], *args, **kwargs)
 

@@ -47,9 +47,12 @@ class GatedAttention(nn.Module):
         if use_triton(proj):  # norms and rotary in one kernel, straight from the projection
             from ..ops.norm_triton import qk_norm_rope
 
+            # the new keys and values straight into the pool where the backend allows it (k then comes back None)
             q, k = qk_norm_rope(proj, batch.positions, self.q_norm, self.k_norm, self.num_heads, self.num_kv_heads,
                                 self.head_dim, self.rotary.rotary_dim, self.rotary.inv_freq, self.eps,
-                                2 * self.q_size)
+                                2 * self.q_size, kv_store=backend.kv_store(self.layer_id, batch, proj.dtype))
+            if k is None:
+                v = None
         else:
             q = rms_norm(q.reshape(num_tokens, self.num_heads, self.head_dim), self.q_norm, self.eps)
             k = rms_norm(k.reshape(num_tokens, self.num_kv_heads, self.head_dim), self.k_norm, self.eps)

@@ -114,9 +114,13 @@ def gated_rms_norm_triton(x: torch.Tensor, gate: torch.Tensor, weight: torch.Ten
 @triton.jit
 def _qk_norm_rope_kernel(proj_ptr, pos_ptr, qw_ptr, kw_ptr, inv_freq_ptr, q_ptr, k_ptr, stride_p, eps,
                          H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BD: tl.constexpr,
-                         K_OFF: tl.constexpr, PDL: tl.constexpr = False):
+                         K_OFF: tl.constexpr, vc_ptr=None, loc_ptr=None, STORE_KV: tl.constexpr = False,
+                         PDL: tl.constexpr = False):
     """Per (token, head): zero-centred RMSNorm of the head (q_norm or k_norm), then rotary on its first R channels
-    (rotate-half layout), reading q and k straight out of the fused projection."""
+    (rotate-half layout), reading q and k straight out of the fused projection. With STORE_KV, ``k_ptr`` is the
+    layer's key cache [N, KVH, D]: a key head goes to the token's pool location (``loc_ptr``), and its program
+    also copies the value head of the same index (after the keys in the projection) to the value cache
+    ``vc_ptr``."""
     pdl_enter(PDL)
     tok = tl.program_id(0)
     head = tl.program_id(1)
@@ -144,20 +148,31 @@ def _qk_norm_rope_kernel(proj_ptr, pos_ptr, qw_ptr, kw_ptr, inv_freq_ptr, q_ptr,
     out = tl.where(offs < R, rot, y)
     if is_q:
         tl.store(q_ptr + (tok * H + head) * D + offs, out.to(q_ptr.dtype.element_ty), mask=md)
+    elif STORE_KV:
+        dst = tl.load(loc_ptr + tok).to(tl.int64) * (KVH * D) + (head - H) * D
+        tl.store(k_ptr + dst + offs, out.to(k_ptr.dtype.element_ty), mask=md)
+        val = tl.load(proj_ptr + tok * stride_p + K_OFF + KVH * D + (head - H) * D + offs, mask=md)
+        tl.store(vc_ptr + dst + offs, val.to(vc_ptr.dtype.element_ty), mask=md)
     else:
         tl.store(k_ptr + (tok * KVH + head - H) * D + offs, out.to(k_ptr.dtype.element_ty), mask=md)
 
 
 def qk_norm_rope(proj: torch.Tensor, positions: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor,
                  heads: int, kv_heads: int, dim: int, rotary_dim: int, inv_freq: torch.Tensor, eps: float,
-                 k_offset: int):
-    """proj: [T, W] fused projection with q at column 0 and k at ``k_offset``; inv_freq: [rotary_dim / 2] float32.
-    Returns q [T, H, D], k [T, KVH, D]."""
+                 k_offset: int, kv_store: tuple | None = None):
+    """proj: [T, W] fused projection with q at column 0, k at ``k_offset`` and v right after k; inv_freq:
+    [rotary_dim / 2] float32. Returns q [T, H, D], k [T, KVH, D]; with ``kv_store`` = (key cache, value cache,
+    locations [T]) (caches [N, KVH, D], contiguous, of proj's dtype) the keys and values go straight to the
+    tokens' pool locations instead, and k comes back None."""
     tokens = proj.shape[0]
     q = torch.empty(tokens, heads, dim, dtype=proj.dtype, device=proj.device)
-    k = torch.empty(tokens, kv_heads, dim, dtype=proj.dtype, device=proj.device)
+    if kv_store is not None:
+        k, v_cache, loc = kv_store
+        extra = dict(vc_ptr=v_cache, loc_ptr=loc, STORE_KV=True)
+    else:
+        k, extra = torch.empty(tokens, kv_heads, dim, dtype=proj.dtype, device=proj.device), {}
     if tokens:
         _qk_norm_rope_kernel[(tokens, heads + kv_heads)](
             proj, positions, q_norm, k_norm, inv_freq, q, k, proj.stride(0), eps, H=heads, KVH=kv_heads,
-            D=dim, R=rotary_dim, BD=next_pow2(dim), K_OFF=k_offset, num_warps=2, **pdl_launch(proj))
-    return q, k
+            D=dim, R=rotary_dim, BD=next_pow2(dim), K_OFF=k_offset, **extra, num_warps=2, **pdl_launch(proj))
+    return q, None if kv_store is not None else k

@@ -174,6 +174,18 @@ def test_qk_norm_rope_matches_reference(dev, heads, kv_heads, dim, rot):
     q, k = qk_norm_rope(proj.to(dev), pos.to(dev), qw.to(dev), kw.to(dev), heads, kv_heads, dim, rot,
                         rope.inv_freq.to(dev), 1e-6, k_off)
     assert torch.allclose(q.cpu(), q_ref, atol=1e-4) and torch.allclose(k.cpu(), k_ref, atol=1e-4)
+    # the keys and values straight into a pool (at locations out of order, the dummy 0 among them) instead
+    kc = torch.full((40, kv_heads, dim), 7.0, device=dev)
+    vc = torch.full((40, kv_heads, dim), 7.0, device=dev)
+    loc = torch.tensor([9, 0, 31, 2, 17], device=dev)
+    q2, k2 = qk_norm_rope(proj.to(dev), pos.to(dev), qw.to(dev), kw.to(dev), heads, kv_heads, dim, rot,
+                          rope.inv_freq.to(dev), 1e-6, k_off, kv_store=(kc, vc, loc))
+    assert k2 is None and torch.equal(q2.cpu(), q.cpu())
+    kc_ref = torch.full((40, kv_heads, dim), 7.0)
+    vc_ref = torch.full((40, kv_heads, dim), 7.0)
+    kc_ref[loc.cpu()] = k.cpu()
+    vc_ref[loc.cpu()] = proj[:, k_off + kv_heads * dim:].reshape(tokens, kv_heads, dim)
+    assert torch.equal(kc.cpu(), kc_ref) and torch.equal(vc.cpu(), vc_ref)
 
 
 @pytest.mark.parametrize("tokens", [3, 301])  # 12 rows: one per program; 1204 rows: packed tiles (prefill)
