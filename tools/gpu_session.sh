@@ -10,7 +10,7 @@
 # phases that add profiles to it may reach the device's 600 s limit; what they wrote under OUT still comes back.
 # Everything is written under OUT (the device tool's $OUT); the summary lines go to stdout.
 set -u
-phase=${1:?tests, tests-host, tests-bench, check, tune-bench, bench, bench-first, bench-short, fma, fused or built17}
+phase=${1:?tests, tests-host, tests-bench, check, tune-bench, bench, bench-first, bench-short, fma, fused, built17 or s18}
 out=${2:?output folder}
 mkdir -p "$out"
 
@@ -100,6 +100,19 @@ case "$phase" in
     timeout 330 python3 tools/ab_decode.py --variant base: --variant pairs:HYLO_ROUTE_IN_PAIRS=1 \
       --variant gemv:HYLO_NORM_IN_GEMV=1 --variant both:HYLO_ROUTE_IN_PAIRS=1,HYLO_NORM_IN_GEMV=1 \
       --rounds 2 --bs 1 8 --out "$out" 2>&1 | tail -6
+    ;;
+  s18)  # session 18 in one call (device machines were scarce): the GPU tests of the new fusions, their decode A/B at
+        # batch 1 against the defaults, then the bench (hylo's rows) with the fastest variant's settings
+    timeout 170 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_kernels_linear.py \
+      tests/gpu/test_kernels_moe_norm.py tests/gpu/test_engine_gpu.py -k "prologue or inside_the_gate or \
+      fused_decode or routing_kernel or router_gemv or qk_norm_rope or padding" > "$out/tests18.txt" 2>&1
+    echo "pytest rc=$?"; grep -E "passed|failed|FAILED|Error" "$out/tests18.txt" | tail -12
+    timeout 210 python3 tools/ab_decode.py --variant base: --variant kvsep:HYLO_KV_IN_ROPE=0 \
+      --variant pairs:HYLO_ROUTE_IN_PAIRS=1 --variant norms:HYLO_NORM_IN_GEMV=1,HYLO_NORM_IN_ROUTER=1 \
+      --variant all:HYLO_ROUTE_IN_PAIRS=1,HYLO_NORM_IN_GEMV=1,HYLO_NORM_IN_ROUTER=1 \
+      --rounds 2 --bs 1 --out "$out" 2>&1 | tail -7
+    python3 tools/ab_pick.py "$out"/ab-decode-*.json > "$out/picked.env" && cat "$out/picked.env" && . "$out/picked.env"
+    python3 -m hylo bench --out "$out" > "$out/bench.txt" 2>&1; echo "bench rc=$?"; grep "^\[bench\]" "$out/bench.txt"
     ;;
   *) echo "unknown phase $phase" >&2; exit 2 ;;
 esac
