@@ -80,6 +80,16 @@ def test_gemv_refuses_a_gate_without_the_norm(dev):
         gemv(x, torch.randn(8, 32).to(dev, _dtype(dev)), gate=x)
 
 
+def _residual_step_case(dev, g, n: int, k: int, j: int):
+    """One residual row x [1, K], its delta ([1, J, K] float32 rows, or with J = 0 one [1, K] row in x's dtype), a
+    norm weight [K] and a projection [N, K]."""
+    dt = _dtype(dev)
+    x = torch.randn(1, k, generator=g).to(dev, dt)
+    delta = (torch.randn(1, j, k, generator=g) if j else torch.randn(1, k, generator=g).to(dt)).to(dev)
+    nw = (0.1 * torch.randn(k, generator=g)).to(dev, dt)
+    return x, delta, nw, (torch.randn(n, k, generator=g) / k ** 0.5).to(dev, dt)
+
+
 @pytest.mark.parametrize("n,k,j,fma,bias", [(100, 2048, 1, True, False), (65, 300, 3, True, True),
                                              (48, 96, 0, False, False)])
 def test_residual_step_in_the_projection_prologue(dev, n, k, j, fma, bias):
@@ -94,10 +104,7 @@ def test_residual_step_in_the_projection_prologue(dev, n, k, j, fma, bias):
 
     g = torch.Generator().manual_seed(17)
     dt = _dtype(dev)
-    x = torch.randn(1, k, generator=g).to(dev, dt)
-    delta = (torch.randn(1, j, k, generator=g) if j else torch.randn(1, k, generator=g).to(dt)).to(dev)
-    nw = (0.1 * torch.randn(k, generator=g)).to(dev, dt)
-    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(dev, dt)
+    x, delta, nw, w = _residual_step_case(dev, g, n, k, j)
     b = torch.randn(n, generator=g).to(dev, dt) if bias else None
     ref_res, ref_h = add_rms_norm(x, delta, nw, 1e-6)
     ref = gemv(ref_h, w, b, fma=fma)
@@ -130,10 +137,7 @@ def test_residual_step_in_the_router_prologue_keeps_the_normed_row(dev, n, k, j,
 
     g = torch.Generator().manual_seed(23)
     dt = _dtype(dev)
-    x = torch.randn(1, k, generator=g).to(dev, dt)
-    delta = (torch.randn(1, j, k, generator=g) if j else torch.randn(1, k, generator=g).to(dt)).to(dev)
-    nw = (0.1 * torch.randn(k, generator=g)).to(dev, dt)
-    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(dev, dt)
+    x, delta, nw, w = _residual_step_case(dev, g, n, k, j)
     ref_res, ref_h = add_rms_norm(x, delta, nw, 1e-6)
     previous = linear_triton.GEMV_FMA
     try:
