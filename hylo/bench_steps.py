@@ -68,18 +68,19 @@ def time_steps(engine: Engine, steps: int, warmup: int = 3, blocks: int = 3) -> 
     _sync()
     blocks = max(1, min(blocks, steps // 5 or 1))
     per_block = steps // blocks
+    steady = per_block >= 3  # a ramp step and one more before the clock starts
+    timed = per_block - 2 if steady else per_block
     best = math.inf
     for _ in range(blocks):
-        t0 = time.perf_counter()
-        if per_block >= 3:
+        if steady:
             engine.step()  # the ramp
             engine.step()  # returns when the ramp's results are read: the steady state from here
-            t0 = time.perf_counter()
-        for _ in range(per_block - 2 if per_block >= 3 else per_block):
+        t0 = time.perf_counter()
+        for _ in range(timed):
             engine.step()
-        if per_block < 3:
+        if not steady:
             _sync()
-        best = min(best, (time.perf_counter() - t0) * 1e3 / (per_block - 2 if per_block >= 3 else per_block))
+        best = min(best, (time.perf_counter() - t0) * 1e3 / timed)
         _sync()
     engine.drain()
     return best

@@ -43,8 +43,8 @@ class AttentionBackend(Backend):
         handing them to ``forward``: (key cache, value cache, locations [T]) of the layer, or None where the
         caches' layout or dtype asks for ``ops.store_kv`` (and off the fast path)."""
         k_cache, v_cache = self.kv_pool.k[layer], self.kv_pool.v[layer]
-        if not (KV_IN_ROPE and self.fast and k_cache.dtype == dtype and k_cache.is_contiguous() and v_cache.is_contiguous()
-                and batch.out_cache_loc.is_contiguous()):
+        if not (KV_IN_ROPE and self.fast and k_cache.dtype == dtype and k_cache.is_contiguous()
+                and v_cache.is_contiguous() and batch.out_cache_loc.is_contiguous()):
             return None
         return k_cache, v_cache, batch.out_cache_loc
 
