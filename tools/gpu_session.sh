@@ -103,11 +103,12 @@ case "$phase" in
     ;;
   s18)  # session 18 in one call (device machines were scarce): the GPU tests of the new fusions, their decode A/B at
         # batch 1 against the defaults, then the bench (hylo's rows) with the fastest variant's settings
-    timeout 170 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_kernels_linear.py \
+    timeout 190 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_kernels_linear.py \
       tests/gpu/test_kernels_moe_norm.py tests/gpu/test_engine_gpu.py -k "prologue or inside_the_gate or \
-      fused_decode or routing_kernel or router_gemv or qk_norm_rope or padding" > "$out/tests18.txt" 2>&1
+      fused_decode or routing_kernel or router_gemv or qk_norm_rope or padding or verify_graph or lossless" \
+      > "$out/tests18.txt" 2>&1
     echo "pytest rc=$?"; grep -E "passed|failed|FAILED|Error" "$out/tests18.txt" | tail -12
-    timeout 210 python3 tools/ab_decode.py --variant base: --variant kvsep:HYLO_KV_IN_ROPE=0 \
+    timeout 200 python3 tools/ab_decode.py --variant base: --variant kvsep:HYLO_KV_IN_ROPE=0 \
       --variant pairs:HYLO_ROUTE_IN_PAIRS=1 --variant norms:HYLO_NORM_IN_GEMV=1,HYLO_NORM_IN_ROUTER=1 \
       --variant all:HYLO_ROUTE_IN_PAIRS=1,HYLO_NORM_IN_GEMV=1,HYLO_NORM_IN_ROUTER=1 \
       --rounds 2 --bs 1 --out "$out" 2>&1 | tail -7
