@@ -115,5 +115,16 @@ case "$phase" in
     python3 tools/ab_pick.py "$out"/ab-decode-*.json > "$out/picked.env" && cat "$out/picked.env" && . "$out/picked.env"
     python3 -m hylo bench --out "$out" > "$out/bench.txt" 2>&1; echo "bench rc=$?"; grep "^\[bench\]" "$out/bench.txt"
     ;;
+  s18-short)  # s18 for a short device budget: fewer tests and variants
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_kernels_linear.py \
+      tests/gpu/test_kernels_moe_norm.py tests/gpu/test_engine_gpu.py -k "prologue or inside_the_gate or \
+      fused_decode or qk_norm_rope or padding" > "$out/tests18.txt" 2>&1
+    echo "pytest rc=$?"; grep -E "passed|failed|FAILED|Error" "$out/tests18.txt" | tail -12
+    timeout 150 python3 tools/ab_decode.py --variant base: --variant kvsep:HYLO_KV_IN_ROPE=0 \
+      --variant all:HYLO_ROUTE_IN_PAIRS=1,HYLO_NORM_IN_GEMV=1,HYLO_NORM_IN_ROUTER=1 \
+      --rounds 2 --bs 1 --out "$out" 2>&1 | tail -5
+    python3 tools/ab_pick.py "$out"/ab-decode-*.json > "$out/picked.env" && cat "$out/picked.env" && . "$out/picked.env"
+    python3 -m hylo bench --out "$out" > "$out/bench.txt" 2>&1; echo "bench rc=$?"; grep "^\[bench\]" "$out/bench.txt"
+    ;;
   *) echo "unknown phase $phase" >&2; exit 2 ;;
 esac
