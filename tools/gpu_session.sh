@@ -126,5 +126,15 @@ case "$phase" in
     python3 tools/ab_pick.py "$out"/ab-decode-*.json > "$out/picked.env" && cat "$out/picked.env" && . "$out/picked.env"
     python3 -m hylo bench --out "$out" > "$out/bench.txt" 2>&1; echo "bench rc=$?"; grep "^\[bench\]" "$out/bench.txt"
     ;;
+  s18-min)  # s18 in the least device time: the engine's token checks of the fusions, one A/B round, a quick bench
+    timeout 120 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_kernels_moe_norm.py \
+      tests/gpu/test_engine_gpu.py -k "fused_decode or qk_norm_rope" > "$out/tests18.txt" 2>&1
+    echo "pytest rc=$?"; grep -E "passed|failed|FAILED|Error" "$out/tests18.txt" | tail -12
+    timeout 100 python3 tools/ab_decode.py --variant base: --variant kvsep:HYLO_KV_IN_ROPE=0 \
+      --variant all:HYLO_ROUTE_IN_PAIRS=1,HYLO_NORM_IN_GEMV=1,HYLO_NORM_IN_ROUTER=1 --bs 1 --out "$out" 2>&1 | tail -5
+    python3 tools/ab_pick.py "$out"/ab-decode-*.json > "$out/picked.env" && cat "$out/picked.env" && . "$out/picked.env"
+    python3 -m hylo bench --quick --out "$out" > "$out/bench.txt" 2>&1; echo "bench rc=$?"
+    grep "^\[bench\]" "$out/bench.txt"
+    ;;
   *) echo "unknown phase $phase" >&2; exit 2 ;;
 esac
