@@ -136,5 +136,13 @@ case "$phase" in
     python3 -m hylo bench --quick --out "$out" > "$out/bench.txt" 2>&1; echo "bench rc=$?"
     grep "^\[bench\]" "$out/bench.txt"
     ;;
+  s18-check)  # the least that says whether session 18's fusions are right and faster: the engine's token checks, one
+              # A/B round of all of them against the defaults
+    timeout 100 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_kernels_moe_norm.py \
+      tests/gpu/test_engine_gpu.py -k "fused_decode or qk_norm_rope" > "$out/tests18.txt" 2>&1
+    echo "pytest rc=$?"; grep -E "passed|failed|FAILED|Error" "$out/tests18.txt" | tail -12
+    timeout 90 python3 tools/ab_decode.py --variant base: --variant all:HYLO_ROUTE_IN_PAIRS=1,HYLO_NORM_IN_GEMV=1,\
+HYLO_NORM_IN_ROUTER=1 --bs 1 --out "$out" 2>&1 | tail -4
+    ;;
   *) echo "unknown phase $phase" >&2; exit 2 ;;
 esac
