@@ -99,12 +99,17 @@ def main() -> None:
         # a comma starts the next assignment only before NAME=, so that a value may hold commas ("4,256,4,1")
         env = dict(kv.split("=", 1) for kv in re.split(r",(?=[A-Za-z_]\w*=)", assigns) if kv)
         variants.append((name, env))
+    # a child runs this file as a script (its folder first on sys.path): the repository's root goes on its path,
+    # so that hylo imports without being installed (session 18's first A/B on the H200 lost its children to that)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    child_path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
     best: dict[str, list[dict]] = {}
     every: list[dict] = []
     for rnd in range(args.rounds):
         for name, env in variants:
             cmd = [sys.executable, __file__, "--child", "--bs", *map(str, args.bs), "--prefill", str(args.prefill)]
-            proc = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True)
+            proc = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": child_path, **env}, capture_output=True,
+                                  text=True)
             line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("AB_ROWS ")), None)
             if line is None:
                 print(f"{name}: failed (rc {proc.returncode})\n{proc.stderr[-3000:]}", flush=True)

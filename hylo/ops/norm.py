@@ -36,8 +36,9 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
 # HYLO_NORM_IN_GEMV=1: at one token (batch-1 decode) the residual step before each mixer runs in the prologue of the
 # mixer's input projection (``PendingAddNorm``, ``ops.linear.dense``): one launch per layer fewer. Leaving all 49
 # residual-add norms out of the batch-1 step took 0.090 ms off its 1.504 ms graph on the H200 (session 17,
-# ab-decode-20261204-211702); these are 24 of them. Off by default until measured: built after the session's last
-# device call, tested in Triton's interpreter and compiled for sm_90.
+# ab-decode-20261204-211702); these are 24 of them. Off by default: with HYLO_ROUTE_IN_PAIRS and HYLO_NORM_IN_ROUTER
+# the batch-1 graph took 1.648 against 1.482 ms on the H200 (session 18, one round, ab-decode-20261205-133809);
+# every program's pass over the row costs more than the launch it saves. Alone it has not been measured.
 NORM_IN_GEMV = os.environ.get("HYLO_NORM_IN_GEMV", "0") == "1"
 
 
