@@ -10,7 +10,7 @@
 # phases that add profiles to it may reach the device's 600 s limit; what they wrote under OUT still comes back.
 # Everything is written under OUT (the device tool's $OUT); the summary lines go to stdout.
 set -u
-phase=${1:?tests, tests-host, tests-bench, check, tune-bench, bench, bench-first, bench-short, fma, fused, built17 or s18}
+phase=${1:?tests, tests-host, tests-bench, check, tune-bench, bench, bench-first, bench-short, fma, fused, built17, s18 or s18-check}
 out=${2:?output folder}
 mkdir -p "$out"
 
@@ -101,40 +101,18 @@ case "$phase" in
       --variant gemv:HYLO_NORM_IN_GEMV=1 --variant both:HYLO_ROUTE_IN_PAIRS=1,HYLO_NORM_IN_GEMV=1 \
       --rounds 2 --bs 1 8 --out "$out" 2>&1 | tail -6
     ;;
-  s18)  # session 18 in one call (device machines were scarce): the GPU tests of the new fusions, their decode A/B at
-        # batch 1 against the defaults, then the bench (hylo's rows) with the fastest variant's settings
+  s18)  # the GPU tests of sessions 17-18's fusions, the decode A/B of each alone at batch 1 against the defaults
+        # (session 18 measured the three together: slower), then the bench with the fastest variant's settings
     timeout 190 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_kernels_linear.py \
       tests/gpu/test_kernels_moe_norm.py tests/gpu/test_engine_gpu.py -k "prologue or inside_the_gate or \
       fused_decode or routing_kernel or router_gemv or qk_norm_rope or padding or verify_graph or lossless" \
       > "$out/tests18.txt" 2>&1
     echo "pytest rc=$?"; grep -E "passed|failed|FAILED|Error" "$out/tests18.txt" | tail -12
     timeout 200 python3 tools/ab_decode.py --variant base: --variant kvsep:HYLO_KV_IN_ROPE=0 \
-      --variant pairs:HYLO_ROUTE_IN_PAIRS=1 --variant norms:HYLO_NORM_IN_GEMV=1,HYLO_NORM_IN_ROUTER=1 \
-      --variant all:HYLO_ROUTE_IN_PAIRS=1,HYLO_NORM_IN_GEMV=1,HYLO_NORM_IN_ROUTER=1 \
+      --variant pairs:HYLO_ROUTE_IN_PAIRS=1 --variant gemv:HYLO_NORM_IN_GEMV=1 --variant rnorm:HYLO_NORM_IN_ROUTER=1 \
       --rounds 2 --bs 1 --out "$out" 2>&1 | tail -7
     python3 tools/ab_pick.py "$out"/ab-decode-*.json > "$out/picked.env" && cat "$out/picked.env" && . "$out/picked.env"
     python3 -m hylo bench --out "$out" > "$out/bench.txt" 2>&1; echo "bench rc=$?"; grep "^\[bench\]" "$out/bench.txt"
-    ;;
-  s18-short)  # s18 for a short device budget: fewer tests and variants
-    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_kernels_linear.py \
-      tests/gpu/test_kernels_moe_norm.py tests/gpu/test_engine_gpu.py -k "prologue or inside_the_gate or \
-      fused_decode or qk_norm_rope or padding" > "$out/tests18.txt" 2>&1
-    echo "pytest rc=$?"; grep -E "passed|failed|FAILED|Error" "$out/tests18.txt" | tail -12
-    timeout 150 python3 tools/ab_decode.py --variant base: --variant kvsep:HYLO_KV_IN_ROPE=0 \
-      --variant all:HYLO_ROUTE_IN_PAIRS=1,HYLO_NORM_IN_GEMV=1,HYLO_NORM_IN_ROUTER=1 \
-      --rounds 2 --bs 1 --out "$out" 2>&1 | tail -5
-    python3 tools/ab_pick.py "$out"/ab-decode-*.json > "$out/picked.env" && cat "$out/picked.env" && . "$out/picked.env"
-    python3 -m hylo bench --out "$out" > "$out/bench.txt" 2>&1; echo "bench rc=$?"; grep "^\[bench\]" "$out/bench.txt"
-    ;;
-  s18-min)  # s18 in the least device time: the engine's token checks of the fusions, one A/B round, a quick bench
-    timeout 120 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_kernels_moe_norm.py \
-      tests/gpu/test_engine_gpu.py -k "fused_decode or qk_norm_rope" > "$out/tests18.txt" 2>&1
-    echo "pytest rc=$?"; grep -E "passed|failed|FAILED|Error" "$out/tests18.txt" | tail -12
-    timeout 100 python3 tools/ab_decode.py --variant base: --variant kvsep:HYLO_KV_IN_ROPE=0 \
-      --variant all:HYLO_ROUTE_IN_PAIRS=1,HYLO_NORM_IN_GEMV=1,HYLO_NORM_IN_ROUTER=1 --bs 1 --out "$out" 2>&1 | tail -5
-    python3 tools/ab_pick.py "$out"/ab-decode-*.json > "$out/picked.env" && cat "$out/picked.env" && . "$out/picked.env"
-    python3 -m hylo bench --quick --out "$out" > "$out/bench.txt" 2>&1; echo "bench rc=$?"
-    grep "^\[bench\]" "$out/bench.txt"
     ;;
   s18-check)  # the least that says whether session 18's fusions are right and faster: the engine's token checks, one
               # A/B round of all of them against the defaults
