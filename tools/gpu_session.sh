@@ -9,6 +9,10 @@
 # The GPU suite alone takes 350-400 s on a fresh machine since session 9 (Triton compiles every kernel first): the
 # phases that add profiles to it may reach the device's 600 s limit; what they wrote under OUT still comes back.
 # Everything is written under OUT (the device tool's $OUT); the summary lines go to stdout.
+# On the device machine (no registry there): carry fla-core 0.6.0 and einops as wheels in .whl (the device tool's
+# README says how to download them), then start the command with
+#   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
+# ($PWD too: the tools run as scripts import hylo from the checkout).
 set -u
 phase=${1:?tests, tests-host, tests-bench, check, tune-bench, bench, bench-first, bench-short, fma, fused, built17, s18 or s18-check}
 out=${2:?output folder}
