@@ -1,12 +1,16 @@
 """Triton routing for the MoE: softmax over the experts, top-k, optional renormalisation, and the folded shared
 expert as one more pair, from the router's logits or from the float32 split-K partials of the router GEMV.
 
-One program per token, the K choices as K max-reductions. (Routing inside the decode gate/up kernel instead, each
+One program per token. The K choices come either as K max-reductions in turn (one warp), or, with
+``HYLO_ROUTE_RANKED=1``, from each expert's rank among all of them ([E, E] comparisons at once, as
+:func:`pair_choice` ranks): one reduction on the critical path instead of K. (Routing inside the decode gate/up kernel instead, each
 program ranking its token's experts itself, was measured in session 7 and made batch-1 decode 1.73 -> 2.62 ms and
 batch 8 3.73 -> 9.91 ms: every one of a pair's 128 column-block programs redid the ranking.)
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -15,6 +19,10 @@ import triton.language as tl
 from .norm_triton import residual_sum
 from .triton_pdl import pdl_enter
 from .triton_utils import next_pow2, pdl_launch
+
+# HYLO_ROUTE_RANKED=1: the routing kernel ranks the experts with [E, E] comparisons at once (4 warps) instead of K
+# max-reductions in turn (one warp). Off by default until measured on the GPU.
+ROUTE_RANKED = os.environ.get("HYLO_ROUTE_RANKED", "0") == "1"
 
 
 @triton.jit
@@ -64,17 +72,52 @@ def _select_topk(x, offs, t, w_ptr, ids_ptr, E: tl.constexpr, K: tl.constexpr, K
 
 
 @triton.jit
+def _expert_ranks(p, offs):
+    """Each expert's rank by probability p (0: the most likely): how many others beat it, a higher probability or
+    the same with a lower id. Padding (p = -1) ranks below every expert."""
+    pi, pj = p[:, None], p[None, :]
+    beats = (pj > pi) | ((pj == pi) & (offs[None, :] < offs[:, None]))
+    return tl.sum(beats.to(tl.int32), 1)
+
+
+@triton.jit
+def _store_ranked(x, offs, t, w_ptr, ids_ptr, E: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
+                  NORM: tl.constexpr):
+    """``_select_topk``'s routed pairs (not the shared one) from x [BR] float32 logits of token t's E experts: each
+    expert of rank below K stores its id and weight at its rank."""
+    m = offs < E
+    p = _expert_probs(x, m)
+    rank = _expert_ranks(p, offs)
+    top = m & (rank < K)
+    scale = 1.0 / tl.sum(tl.where(top, p, 0.0), 0) if NORM else 1.0
+    tl.store(ids_ptr + t * KP + rank, offs.to(tl.int64), mask=top)
+    tl.store(w_ptr + t * KP + rank, (p * scale).to(w_ptr.dtype.element_ty), mask=top)
+
+
+@triton.jit
 def _route_kernel(logits_ptr, w_ptr, ids_ptr, stride_l, stride_s, E: tl.constexpr, K: tl.constexpr,
                   KP: tl.constexpr, BE: tl.constexpr, NORM: tl.constexpr, SHARED: tl.constexpr, SPLIT: tl.constexpr,
-                  PDL: tl.constexpr = False):
+                  RANKED: tl.constexpr = False, PDL: tl.constexpr = False):
     """Routing from precomputed logits [T, E (+1)], or from the float32 split-K partials [T, SPLIT, E (+1)] of the
     router GEMV (summed here, then rounded to the model's dtype as a plain matmul's logits are): one program per
-    token."""
+    token. RANKED: BE >= E covers the experts alone, ranked at once (``_store_ranked``); the shared expert's gate
+    is read as a block of its own."""
     pdl_enter(PDL)
     t = tl.program_id(0)
+    row = logits_ptr + t * stride_l
+    DT: tl.constexpr = w_ptr.dtype.element_ty
     offs = tl.arange(0, BE)
-    x = _summed_logits(logits_ptr + t * stride_l, stride_s, offs, offs < E + SHARED, SPLIT, w_ptr.dtype.element_ty)
-    _select_topk(x, offs, t, w_ptr, ids_ptr, E, K, KP, NORM, SHARED)
+    if RANKED:
+        _store_ranked(_summed_logits(row, stride_s, offs, offs < E, SPLIT, DT), offs, t, w_ptr, ids_ptr, E, K, KP,
+                      NORM)
+        if SHARED:
+            gate = E + tl.arange(0, 1)
+            g = _summed_logits(row, stride_s, gate, gate >= 0, SPLIT, DT)
+            tl.store(ids_ptr + t * KP + K + tl.arange(0, 1), gate.to(tl.int64))
+            tl.store(w_ptr + t * KP + K + tl.arange(0, 1), (1.0 / (1.0 + tl.exp(-g))).to(DT))
+    else:
+        x = _summed_logits(row, stride_s, offs, offs < E + SHARED, SPLIT, DT)
+        _select_topk(x, offs, t, w_ptr, ids_ptr, E, K, KP, NORM, SHARED)
 
 
 @triton.jit
@@ -88,9 +131,7 @@ def pair_choice(lrow, stride_s, r, SPLIT: tl.constexpr, E: tl.constexpr, K: tl.c
     offs = tl.arange(0, BE)
     m = offs < E
     p = _expert_probs(_summed_logits(lrow, stride_s, offs, m, SPLIT, DT), m)
-    pi, pj = p[:, None], p[None, :]
-    beats = (pj > pi) | ((pj == pi) & (offs[None, :] < offs[:, None]))
-    rank = tl.sum(beats.to(tl.int32), 1)
+    rank = _expert_ranks(p, offs)
     mine = m & (rank == r)
     e = tl.sum(tl.where(mine, offs, 0), 0).to(tl.int64)
     w = tl.sum(tl.where(mine, p, 0.0), 0)
@@ -124,9 +165,11 @@ def route(logits: torch.Tensor, num_experts: int, top_k: int, normalize: bool, s
         logits = logits.contiguous()
     kp, w, ids = _route_out(tokens, top_k, shared, dtype or logits.dtype, logits.device)
     if tokens:
+        ranked = ROUTE_RANKED and num_experts <= 128  # [E, E] comparisons: 16K at most
+        be = max(16, next_pow2(num_experts)) if ranked else _experts_block(num_experts, shared)
         _route_kernel[(tokens,)](logits, w, ids, logits.stride(0), logits.stride(1) if split > 1 else 0,
-                                 E=num_experts, K=top_k, KP=kp, BE=_experts_block(num_experts, shared),
-                                 NORM=normalize, SHARED=shared, SPLIT=split, num_warps=1, **pdl_launch(logits))
+                                 E=num_experts, K=top_k, KP=kp, BE=be, NORM=normalize, SHARED=shared, SPLIT=split,
+                                 RANKED=ranked, num_warps=4 if ranked else 1, **pdl_launch(logits))
     return w, ids
 
 

@@ -138,14 +138,18 @@ def test_norm_kernels_match_reference(dev, rows, dim):
     assert torch.allclose(y.cpu(), rms_norm(x + d.sum(1), wv, 1e-6), atol=1e-4)
 
 
+@pytest.mark.parametrize("ranked", [False, True])
 @pytest.mark.parametrize("tokens,experts,top_k,normalize,shared", [(1, 64, 10, True, True), (7, 8, 2, False, False),
-                                                                   (33, 16, 3, True, False)])
-def test_routing_kernel_matches_reference(dev, tokens, experts, top_k, normalize, shared):
+                                                                   (33, 16, 3, True, False), (5, 40, 6, True, True)])
+def test_routing_kernel_matches_reference(dev, tokens, experts, top_k, normalize, shared, ranked, monkeypatch):
+    from hylo.ops import moe_route_triton
     from hylo.ops.moe import route_topk
     from hylo.ops.moe_route_triton import route
 
+    monkeypatch.setattr(moe_route_triton, "ROUTE_RANKED", ranked)
     g = torch.Generator().manual_seed(6)
     logits = torch.randn(tokens, experts + int(shared), generator=g)
+    logits[0, 1:4] = logits[0, 0]  # ties go to the lower id, as torch.topk breaks them
     w, ids = route(logits.to(dev), experts, top_k, normalize, shared)
     rw, rids = route_topk(logits[:, :experts], top_k, normalize)
     assert torch.equal(ids[:, :top_k].cpu(), rids)
