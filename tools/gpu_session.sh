@@ -99,7 +99,7 @@ case "$phase" in
   built17)  # session 17's fusions, built without a GPU and off by default: their GPU tests (kernels and the engine's
             # token check), then the decode A/B of each and both against the defaults
     timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_kernels_linear.py \
-      tests/gpu/test_kernels_moe_norm.py tests/gpu/test_engine_gpu.py -k "prologue or inside_the_gate or fused_decode" \
+      tests/gpu/test_kernels_moe_norm.py tests/gpu/test_kernels_route.py tests/gpu/test_engine_gpu.py -k "prologue or inside_the_gate or fused_decode" \
       > "$out/tests17.txt" 2>&1; echo "pytest rc=$?"; tail -3 "$out/tests17.txt"
     timeout 330 python3 tools/ab_decode.py --variant base: --variant pairs:HYLO_ROUTE_IN_PAIRS=1 \
       --variant gemv:HYLO_NORM_IN_GEMV=1 --variant both:HYLO_ROUTE_IN_PAIRS=1,HYLO_NORM_IN_GEMV=1 \
@@ -108,7 +108,7 @@ case "$phase" in
   s18)  # the GPU tests of sessions 17-18's fusions, the decode A/B of each alone at batch 1 against the defaults
         # (session 18 measured the three together: slower), then the bench with the fastest variant's settings
     timeout 190 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_kernels_linear.py \
-      tests/gpu/test_kernels_moe_norm.py tests/gpu/test_engine_gpu.py -k "prologue or inside_the_gate or \
+      tests/gpu/test_kernels_moe_norm.py tests/gpu/test_kernels_route.py tests/gpu/test_engine_gpu.py -k "prologue or inside_the_gate or \
       fused_decode or routing_kernel or router_gemv or qk_norm_rope or padding or verify_graph or lossless" \
       > "$out/tests18.txt" 2>&1
     echo "pytest rc=$?"; grep -E "passed|failed|FAILED|Error" "$out/tests18.txt" | tail -12
@@ -121,7 +121,7 @@ case "$phase" in
   s18-check)  # the least that says whether session 18's fusions are right and faster: the engine's token checks, one
               # A/B round of all of them against the defaults
     timeout 100 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_kernels_moe_norm.py \
-      tests/gpu/test_engine_gpu.py -k "fused_decode or qk_norm_rope" > "$out/tests18.txt" 2>&1
+      tests/gpu/test_kernels_route.py tests/gpu/test_engine_gpu.py -k "fused_decode or qk_norm_rope" > "$out/tests18.txt" 2>&1
     echo "pytest rc=$?"; grep -E "passed|failed|FAILED|Error" "$out/tests18.txt" | tail -12
     timeout 90 python3 tools/ab_decode.py --variant base: --variant all:HYLO_ROUTE_IN_PAIRS=1,HYLO_NORM_IN_GEMV=1,\
 HYLO_NORM_IN_ROUTER=1 --bs 1 --out "$out" 2>&1 | tail -4
