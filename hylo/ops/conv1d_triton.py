@@ -14,18 +14,22 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_pdl import pdl_enter
-from .triton_utils import env_cfg, pdl_launch
+from .triton_pdl import EARLY_LOADS, pdl_enter
+from .triton_utils import env_cfg, next_pow2, pdl_launch
 
 
 @triton.jit
 def _conv_steps_kernel(
     x_ptr, w_ptr, pool_ptr, slots_ptr, out_ptr, verify_ptr,
     stride_x, stride_out, stride_pool, stride_vrow, stride_vstep, C,
-    S: tl.constexpr, K: tl.constexpr, BC: tl.constexpr, VERIFY: tl.constexpr,
-    PDL: tl.constexpr = False,
+    S: tl.constexpr, K: tl.constexpr, BC: tl.constexpr, VERIFY: tl.constexpr, EARLY: tl.constexpr = False,
+    KP: tl.constexpr = 4, PDL: tl.constexpr = False,
 ):
-    pdl_enter(PDL)
+    """EARLY (one decode step, S = 1, no VERIFY): the window and the weights (KP >= K columns) are loaded before
+    ``pdl_enter`` (the kernel before this one writes neither: ``triton_pdl.EARLY_LOADS``), then only the new input
+    column after it."""
+    if not EARLY:
+        pdl_enter(PDL)
     row = tl.program_id(0)
     offs = tl.program_id(1) * BC + tl.arange(0, BC)
     mc = offs < C
@@ -33,6 +37,10 @@ def _conv_steps_kernel(
     valid = slot >= 0
     safe_slot = tl.where(valid, slot, 0)
     state_base = pool_ptr + safe_slot * stride_pool + offs * (K - 1)  # state[c, j] at state_base + j
+    if EARLY:
+        _conv_decode_early(x_ptr + row * stride_x, w_ptr, state_base, out_ptr + row * stride_out, offs, mc, valid,
+                           K, KP, PDL)
+        return
     for s in tl.static_range(S):
         acc = tl.zeros([BC], dtype=tl.float32)
         for j in tl.static_range(K):
@@ -66,6 +74,29 @@ def _conv_steps_kernel(
             tl.store(state_base + j, sv.to(pool_ptr.dtype.element_ty), mask=mc & valid)
 
 
+@triton.jit
+def _conv_decode_early(x_row, w_ptr, state_base, out_row, offs, mc, valid, K: tl.constexpr, KP: tl.constexpr,
+                       PDL: tl.constexpr):
+    """One decode step of ``_conv_steps_kernel`` with the window [BC, K - 1] and the weights [BC, K] loaded as
+    blocks before ``pdl_enter``; after it, the new input column: the output silu(window . w[:, :K-1] + x w[:, K-1])
+    and the window shifted by one in place."""
+    offs_j = tl.arange(0, KP)
+    mw = mc[:, None] & (offs_j < K - 1)[None, :]
+    win = tl.load(state_base[:, None] + offs_j[None, :], mask=mw & valid, other=0.0).to(tl.float32)
+    # the window's last K - 2 columns, which become its first ones
+    rest = tl.load(state_base[:, None] + offs_j[None, :] + 1, mask=mw & (offs_j < K - 2)[None, :] & valid,
+                   other=0.0)
+    w = tl.load(w_ptr + offs[:, None] * K + offs_j[None, :], mask=mc[:, None] & (offs_j < K)[None, :],
+                other=0.0).to(tl.float32)
+    w_new = tl.sum(tl.where((offs_j == K - 1)[None, :], w, 0.0), 1)
+    pdl_enter(PDL)
+    x = tl.load(x_row + offs, mask=mc, other=0.0)
+    acc = tl.sum(win * w, 1) + x.to(tl.float32) * w_new
+    tl.store(out_row + offs, (acc / (1.0 + tl.exp(-acc))).to(out_row.dtype.element_ty), mask=mc)
+    shifted = tl.where((offs_j == K - 2)[None, :], x[:, None].to(rest.dtype), rest)
+    tl.store(state_base[:, None] + offs_j[None, :], shifted.to(state_base.dtype.element_ty), mask=mw & valid)
+
+
 # (channels per program, warps); tools/tune_kernels.py --only steps sweeps them, HYLO_CONV_STEPS_CFG overrides them
 CONV_STEPS_CFG = env_cfg("HYLO_CONV_STEPS_CFG", (256, 4))
 
@@ -90,7 +121,8 @@ def conv_steps(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor, slots:
         x, weight, pool, slots, out, vbuf,
         x.stride(0), out.stride(0), pool.stride(0),
         vbuf.stride(0) if verify is not None else 0, vbuf.stride(1) if verify is not None else 0, channels,
-        S=steps, K=k, BC=bc, VERIFY=verify is not None, num_warps=warps, **pdl_launch(x),
+        S=steps, K=k, BC=bc, VERIFY=verify is not None, EARLY=EARLY_LOADS and steps == 1 and verify is None,
+        KP=next_pow2(k), num_warps=warps, **pdl_launch(x),
     )
     return out
 

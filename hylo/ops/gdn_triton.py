@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_pdl import pdl_enter
+from .triton_pdl import EARLY_LOADS, pdl_enter
 from .triton_utils import env_cfg, next_pow2, pdl_launch
 
 DECODE, VERIFY_STATES, VERIFY_INPUTS, REPLAY = 0, 1, 2, 3
@@ -60,10 +60,13 @@ def _gdn_steps_kernel(
     x_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, pool_ptr, slots_ptr, out_ptr, verify_ptr, acc_ptr,
     stride_x, stride_ab, stride_pool, stride_vrow, stride_vstep, layer_x, layer_ab, layer_pool, scale,
     S: tl.constexpr, HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, MODE: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, MODE: tl.constexpr, EARLY: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
-    pdl_enter(PDL)
+    """EARLY: the slot, the state and the gates' parameters are loaded before ``pdl_enter`` (none of them is
+    written by the kernel before this one: ``triton_pdl.EARLY_LOADS``)."""
+    if not EARLY:
+        pdl_enter(PDL)
     row = tl.program_id(0)
     layer = (tl.program_id(1) // HV).to(tl.int64)  # REPLAY: every layer in one launch; otherwise 0
     h = tl.program_id(1) % HV
@@ -85,6 +88,8 @@ def _gdn_steps_kernel(
     state = tl.load(pool_ptr + safe_slot * stride_pool + state_off, mask=m2 & valid, other=0.0).to(tl.float32)
     A = -tl.exp(tl.load(A_log_ptr + layer * HV + h).to(tl.float32))
     dt_bias = tl.load(dt_bias_ptr + layer * HV + h).to(tl.float32)
+    if EARLY:
+        pdl_enter(PDL)
     last = S - 1
     if MODE == 3:
         last = tl.load(acc_ptr + row)  # the replay runs steps 0..accepted only
@@ -292,7 +297,7 @@ def _launch(x, a, b, A_log, dt_bias, pool, slots, out, vbuf, acc, layers, num_k_
         x, a, b, A_log, dt_bias, pool, slots, out if out is not None else x, vbuf, acc,
         x.stride(0), a.stride(0), pool.stride(0), *verify_strides, *layer_strides, head_k_dim ** -0.5,
         S=steps, HK=num_k_heads, HV=hv, DK=head_k_dim, DV=head_v_dim, BK=bk, BV=bv, MODE=mode,
-        num_warps=warps, **pdl_launch(x),
+        EARLY=EARLY_LOADS and mode != REPLAY, num_warps=warps, **pdl_launch(x),
     )
 
 

@@ -3,9 +3,9 @@ expert as one more pair, from the router's logits or from the float32 split-K pa
 
 One program per token. The K choices come either as K max-reductions in turn (one warp), or, with
 ``HYLO_ROUTE_RANKED=1``, from each expert's rank among all of them ([E, E] comparisons at once, as
-:func:`pair_choice` ranks): one reduction on the critical path instead of K. (Routing inside the decode gate/up kernel instead, each
-program ranking its token's experts itself, was measured in session 7 and made batch-1 decode 1.73 -> 2.62 ms and
-batch 8 3.73 -> 9.91 ms: every one of a pair's 128 column-block programs redid the ranking.)
+:func:`pair_choice` ranks): one reduction on the critical path instead of K. (Routing inside the decode gate/up
+kernel instead, each program ranking its token's experts itself, was measured in session 7 and made batch-1 decode
+1.73 -> 2.62 ms and batch 8 3.73 -> 9.91 ms: every one of a pair's 128 column-block programs redid the ranking.)
 """
 
 from __future__ import annotations

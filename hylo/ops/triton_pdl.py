@@ -1,7 +1,17 @@
 """Programmatic dependent launch (Hopper and later) for the decode-path kernels; see ``triton_utils.pdl_launch``."""
 
+import os
+
 import triton
 import triton.language as tl
+
+# HYLO_EARLY_LOADS=1: the latency-bound recurrent kernels of a decode step (the GDN step, the conv step) load what
+# does not depend on the kernel before them (the recurrent state, the conv window and weights) before their
+# ``pdl_enter``, while that kernel still runs, so that only the loads of its outputs stay on the critical path.
+# Safe because a kernel launched with PDL starts only once every program of the kernel before it has passed its
+# own wait, i.e. once the kernel two back has finished: only the previous kernel's writes are not yet visible, and
+# neither kernel reads anything the previous one writes besides its input rows. Off by default until measured.
+EARLY_LOADS = os.environ.get("HYLO_EARLY_LOADS", "0") == "1"
 
 
 @triton.jit

@@ -126,7 +126,10 @@ def test_verify_graph_equals_eager(gpu_ckpt, n):
     snap = _snapshot(eng)
     with torch.inference_mode():
         eager = w.model.compute_logits(w.forward_hidden(batch))
-    kept = lambda: (pool.verify_conv[:, :n], pool.verify_x[:, :n * (k + 1)], pool.verify_ab[:, :n * (k + 1)])  # noqa: E731
+
+    def kept():
+        return pool.verify_conv[:, :n], pool.verify_x[:, :n * (k + 1)], pool.verify_ab[:, :n * (k + 1)]
+
     kept_eager = [t.clone() for t in kept()]
     _restore(eng, snap)
     graph = w.graphs.run("verify", batch)["logits"]
@@ -266,16 +269,18 @@ def test_programmatic_dependent_launch_changes_no_result(gpu_ckpt, spec):
 
 @pytest.mark.parametrize("spec,mode", [(None, "norm"), ("mtp", "norm"), (None, "router"), (None, "pairs"),
                                        ("mtp", "pairs"), (None, "gemv"), ("mtp", "gemv"), (None, "router-norm"),
-                                       ("mtp", "all")])
+                                       ("mtp", "all"), (None, "ranked"), (None, "early"), ("mtp", "early")])
 def test_fused_decode_forms_change_no_token(gpu_ckpt, spec, mode):
     """The fused forms of the batch-1 step against the separate launches: HYLO_FUSED_ROUTER, the residual-add norm
     before each MoE (=1; =route: not the norm), its router GEMV and its routing as one launch;
     HYLO_ROUTE_IN_PAIRS, the routing inside the gate/up kernel (both for batches of at most 4 tokens: batch-1
     decode and verify here, captured into the graphs); HYLO_NORM_IN_GEMV, the residual step before each mixer in
     its input projection (one token: decode and the MTP drafts); HYLO_NORM_IN_ROUTER, the residual step before each
-    MoE in its router GEMV ("all": the last three together). The same arithmetic in float32, so the same tokens as
-    the separate launches."""
+    MoE in its router GEMV ("all": the last three together); and two forms of single kernels, HYLO_ROUTE_RANKED
+    (the routing kernel ranks all experts at once) and HYLO_EARLY_LOADS (the GDN and conv steps load their states
+    before the PDL wait). The same arithmetic in float32, so the same tokens as the separate launches."""
     from hylo import SamplingParams
+    from hylo.ops import conv1d_triton, gdn_triton, moe_route_triton
     from hylo.ops import moe as moe_ops
     from hylo.ops import norm as norm_ops
 
@@ -291,18 +296,19 @@ def test_fused_decode_forms_change_no_token(gpu_ckpt, spec, mode):
             out.append(eng.pop_finished(rid).token_ids)
         return out
 
-    previous = (moe_ops.FUSED_ROUTER, moe_ops.FUSED_NORM_ROUTER, moe_ops.ROUTE_IN_PAIRS, norm_ops.NORM_IN_GEMV,
-                moe_ops.NORM_IN_ROUTER)
+    flags = {(moe_ops, "FUSED_ROUTER"): mode in ("norm", "router"), (moe_ops, "FUSED_NORM_ROUTER"): mode == "norm",
+             (moe_ops, "ROUTE_IN_PAIRS"): mode in ("pairs", "all"), (norm_ops, "NORM_IN_GEMV"): mode in ("gemv", "all"),
+             (moe_ops, "NORM_IN_ROUTER"): mode in ("router-norm", "all"),
+             (moe_route_triton, "ROUTE_RANKED"): mode == "ranked", (gdn_triton, "EARLY_LOADS"): mode == "early",
+             (conv1d_triton, "EARLY_LOADS"): mode == "early"}
+    previous = {key: getattr(*key) for key in flags}
     try:
-        moe_ops.FUSED_ROUTER = moe_ops.FUSED_NORM_ROUTER = moe_ops.ROUTE_IN_PAIRS = norm_ops.NORM_IN_GEMV = False
-        moe_ops.NORM_IN_ROUTER = False
+        for module, name in flags:
+            setattr(module, name, False)
         plain = run()
-        if mode in ("norm", "router"):
-            moe_ops.FUSED_ROUTER, moe_ops.FUSED_NORM_ROUTER = True, mode == "norm"
-        moe_ops.ROUTE_IN_PAIRS = mode in ("pairs", "all")
-        norm_ops.NORM_IN_GEMV = mode in ("gemv", "all")
-        moe_ops.NORM_IN_ROUTER = mode in ("router-norm", "all")
+        for (module, name), on in flags.items():
+            setattr(module, name, on)
         assert run() == plain
     finally:
-        (moe_ops.FUSED_ROUTER, moe_ops.FUSED_NORM_ROUTER, moe_ops.ROUTE_IN_PAIRS, norm_ops.NORM_IN_GEMV,
-         moe_ops.NORM_IN_ROUTER) = previous
+        for (module, name), value in previous.items():
+            setattr(module, name, value)

@@ -9,8 +9,12 @@ from hylo.ops import gdn as gdn_ref
 
 @pytest.mark.parametrize("hk,hv,dk,dv,batch", [(2, 4, 16, 20, 3), (1, 3, 12, 10, 5), (16, 32, 128, 128, 2)])
 @pytest.mark.parametrize("steps", [1, 4])
-def test_gdn_steps_matches_reference(dev, hk, hv, dk, dv, batch, steps):
+@pytest.mark.parametrize("early", [False, True])
+def test_gdn_steps_matches_reference(dev, hk, hv, dk, dv, batch, steps, early, monkeypatch):
+    from hylo.ops import gdn_triton
     from hylo.ops.gdn_triton import gdn_steps
+
+    monkeypatch.setattr(gdn_triton, "EARLY_LOADS", early)  # the state loaded before the PDL wait
 
     g = torch.Generator().manual_seed(0)
     conv_dim = 2 * hk * dk + hv * dv
@@ -125,11 +129,15 @@ def test_verify_keeping_inputs_then_replay_commit_matches_reference(dev, hk, hv,
     assert torch.allclose(dpool.cpu(), pool, atol=1e-4)
 
 
-@pytest.mark.parametrize("channels,kernel,batch", [(7, 4, 3), (300, 4, 2), (33, 3, 4)])
+@pytest.mark.parametrize("channels,kernel,batch", [(7, 4, 3), (300, 4, 2), (33, 3, 4), (5, 2, 2)])
 @pytest.mark.parametrize("steps", [1, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_conv_steps_matches_reference(dev, channels, kernel, batch, steps, dtype):
+@pytest.mark.parametrize("early", [False, True])
+def test_conv_steps_matches_reference(dev, channels, kernel, batch, steps, dtype, early, monkeypatch):
+    from hylo.ops import conv1d_triton
     from hylo.ops.conv1d_triton import conv_steps
+
+    monkeypatch.setattr(conv1d_triton, "EARLY_LOADS", early)  # the window and weights loaded before the PDL wait
 
     if dtype == torch.bfloat16 and dev.type != "cuda":
         pytest.skip("bfloat16 kernels are checked on the GPU")
