@@ -105,6 +105,14 @@ def main() -> None:
     child_path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
     best: dict[str, list[dict]] = {}
     every: list[dict] = []
+    os.makedirs(args.out, exist_ok=True)
+    kind = "prefill" if args.prefill else "decode"
+    path = os.path.join(args.out, f"ab-{kind}-{time.strftime('%Y%m%d-%H%M%S')}.json")
+
+    def save():  # after every variant, so that a call cut short by its time limit keeps what it measured
+        with open(path, "w") as f:
+            json.dump({"variants": {n: e for n, e in variants}, "best": best, "rounds": every}, f, indent=1)
+
     for rnd in range(args.rounds):
         for name, env in variants:
             cmd = [sys.executable, __file__, "--child", "--bs", *map(str, args.bs), "--prefill", str(args.prefill)]
@@ -125,6 +133,7 @@ def main() -> None:
                       f"({r['ms_per_step'] / r['floor_ms']:.2f}x floor), graph {r['graph_ms']:.3f} ms", flush=True)
             old = best.get(name)
             best[name] = rows if old is None else [min(a, b, key=lambda r: r["graph_ms"]) for a, b in zip(old, rows)]
+            save()
     print("best of rounds (by graph time):" if not args.prefill else "best of rounds:")
     for name, rows in best.items():
         if args.prefill:
@@ -132,11 +141,7 @@ def main() -> None:
             continue
         print(f"  {name:>12}: " + ", ".join(f"bs{r['batch_size']} {r['ms_per_step']:.3f} / graph {r['graph_ms']:.3f} "
                                             f"({r['graph_ms'] / r['floor_ms']:.2f}x)" for r in rows))
-    os.makedirs(args.out, exist_ok=True)
-    kind = "prefill" if args.prefill else "decode"
-    path = os.path.join(args.out, f"ab-{kind}-{time.strftime('%Y%m%d-%H%M%S')}.json")
-    with open(path, "w") as f:
-        json.dump({"variants": {n: e for n, e in variants}, "best": best, "rounds": every}, f, indent=1)
+    save()
     print(f"wrote {path}")
 
 
