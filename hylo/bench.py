@@ -8,6 +8,7 @@ states zero): the decode step's work does not depend on what the cache holds.
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import os
@@ -105,15 +106,18 @@ def run_bench(model_name: str = "bench-6b", vs_hf: bool = False, quick: bool = F
     if vs_hf:
         hf_steps = time_hf(hf_model, mc, [1, 8], quick)
         meta["hf_ms_per_step"] = hf_steps
+        # the HF reader holds the HF model's state dict (the whole model again): only its fallback, which has the
+        # MTP head that HF drops, is needed from here on
+        lm.reader = lm.reader.fallback
         del hf_model
-        torch.cuda.empty_cache()
+        release_gpu_memory()
 
     batches = [1, 8] if quick else [1, 8, 64, 256]
     contexts = [1024] if quick else [1024, 32768]
     kv_tokens = max(max(b * 1024 for b in batches), 64 * 32768 if not quick else 0) + 300 * 256
     ec = EngineConfig(max_num_seqs=max(batches), kv_cache_tokens=kv_tokens, chunk_size=8192, verbose=True,
                       cuda_graph_sizes=tuple(batches), max_model_len=40000)
-    eng = Engine(lm, device="cuda", dtype="bfloat16", engine_config=ec)
+    eng = _engine(lm, ec)
     fp = Footprint.of(lm.model, None, eng.caches)
     steps = 10 if quick else 30
 
@@ -165,7 +169,7 @@ def run_bench(model_name: str = "bench-6b", vs_hf: bool = False, quick: bool = F
                 if r["phase"] == "decode" and r["cuda_graph"] and r["context"] == 1024 and r["spec"] is None
                 and not r.get("gpu_only") and not r.get("sampling")}
     del eng
-    torch.cuda.empty_cache()
+    release_gpu_memory()
 
     # speculative decoding, MTP k = 3, simulated acceptance
     k = 3
@@ -195,10 +199,10 @@ def run_bench(model_name: str = "bench-6b", vs_hf: bool = False, quick: bool = F
                   flush=True)
 
     del eng
-    torch.cuda.empty_cache()
+    release_gpu_memory()
     if not quick:  # the other commit of the accepted GDN state, for comparison in the same run
         _spec_records(lm, spec_batches, (3.0,), "checkpoints", k, copy_rate, steps, plain_ms, records, save)
-        torch.cuda.empty_cache()  # the engine it returned is gone already
+        release_gpu_memory()  # the engine it returned is garbage now
     if pdl:
         _pdl_records(lm, [1] if quick else [1, 8, 64], copy_rate, steps, records, save)
     save()
@@ -215,7 +219,7 @@ def _spec_records(lm: LoadedModel, batches: list[int], accepts: tuple[float, ...
                       chunk_size=8192, speculative="mtp", num_speculative_tokens=k, simulate_accept_length=accepts[0],
                       cuda_graph_sizes=tuple(batches), max_model_len=SPEC_MODEL_LEN, spec_commit=commit)
     setup = SpecSetup("mtp")
-    eng = Engine(lm, device="cuda", dtype="bfloat16", engine_config=ec, spec_setup=setup)
+    eng = _engine(lm, ec, spec_setup=setup)
     fp = Footprint.of(lm.model, setup.mtp, eng.caches)
     for bs in batches:
         for accept in accepts:
@@ -260,7 +264,7 @@ def _pdl_records(lm: LoadedModel, batches: list[int], copy_rate: float, steps: i
             ec = EngineConfig(max_num_seqs=max(batches), kv_cache_tokens=max(batches) * SPEC_KV_TOKENS,
                               chunk_size=8192, cuda_graph_sizes=tuple(batches), max_model_len=SPEC_MODEL_LEN,
                               verbose=False)
-            eng = Engine(lm, device="cuda", dtype="bfloat16", engine_config=ec)
+            eng = _engine(lm, ec)
             fp = Footprint.of(lm.model, None, eng.caches)
             for bs in batches:
                 rids = fake_prefill(eng, bs, 1024)
@@ -316,6 +320,20 @@ def _fused_router_records(lm: LoadedModel, copy_rate: float, steps: int, records
         moe_ops.FUSED_ROUTER, moe_ops.FUSED_NORM_ROUTER = previous
 
 
+def release_gpu_memory() -> None:
+    """Give the memory of dropped engines back: an engine's objects refer to each other (worker, graphs, caches),
+    so they are freed by the cycle collector, not when the last name goes; until then the caching allocator cannot
+    reuse their blocks (the 80 GB H100 ran out of memory at the bench's last engines, session 19)."""
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def _engine(lm: LoadedModel, ec: EngineConfig, spec_setup: SpecSetup | None = None) -> Engine:
+    """A bench engine on the GPU in bfloat16, built after the memory of the ones before it is given back."""
+    release_gpu_memory()
+    return Engine(lm, device="cuda", dtype="bfloat16", engine_config=ec, spec_setup=spec_setup)
+
+
 def _batch1_engine(lm: LoadedModel, spec: bool) -> Engine:
     """A batch-1 engine at context 1k with its graphs, plain or MTP (k = 3, simulated accept length 3.0): the
     comparison runs' engine."""
@@ -323,8 +341,8 @@ def _batch1_engine(lm: LoadedModel, spec: bool) -> Engine:
                       max_model_len=SPEC_MODEL_LEN,
                       verbose=False, **(dict(speculative="mtp", num_speculative_tokens=3, simulate_accept_length=3.0)
                                          if spec else {}))
-    return Engine(lm, device="cuda", dtype="bfloat16", engine_config=ec,
-                  spec_setup=SpecSetup("mtp") if spec else None)
+    return _engine(lm, ec,
+                   spec_setup=SpecSetup("mtp") if spec else None)
 
 
 def _decode_record(bs: int, ctx: int, graphs: bool, ms: float, floor: float) -> dict:
