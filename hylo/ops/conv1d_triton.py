@@ -14,8 +14,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_pdl import EARLY_LOADS, pdl_enter
+from . import triton_pdl
+from .triton_pdl import pdl_enter
 from .triton_utils import env_cfg, next_pow2, pdl_launch
+
+EARLY_LOADS = "conv" in triton_pdl.EARLY_LOADS  # HYLO_EARLY_LOADS (``triton_pdl``)
 
 
 @triton.jit

@@ -30,11 +30,13 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_pdl import EARLY_LOADS, pdl_enter
+from . import triton_pdl
+from .triton_pdl import pdl_enter
 from .triton_utils import env_cfg, next_pow2, pdl_launch
 
 DECODE, VERIFY_STATES, VERIFY_INPUTS, REPLAY = 0, 1, 2, 3
 FUSED_CONV = os.environ.get("HYLO_GDN_FUSED_CONV", "0") == "1"
+EARLY_LOADS = "gdn" in triton_pdl.EARLY_LOADS  # HYLO_EARLY_LOADS (``triton_pdl``)
 
 
 @triton.jit

@@ -19,10 +19,12 @@ import triton
 import triton.language as tl
 
 from .norm_triton import residual_sum
+from . import triton_pdl
 from .triton_pdl import l2_prefetch, pdl_enter
 from .triton_utils import env_cfg, next_pow2, pdl_launch, prefetch_args, sm_count
 
 GEMV_MAX_ROWS = 16
+EARLY_LOADS = "gemv" in triton_pdl.EARLY_LOADS  # HYLO_EARLY_LOADS (``triton_pdl``): the first block of W early
 
 
 @triton.jit
@@ -32,22 +34,28 @@ def _gemv_kernel(x_ptr, g_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, M, N, K: tl.constexp
                  FMA: tl.constexpr = False, PF_LINES: tl.constexpr = 0, PF_STRIDE: tl.constexpr = 64,
                  D: tl.constexpr = 1, d_ptr=None, res_ptr=None, ADD_NORM: tl.constexpr = False,
                  J: tl.constexpr = 1, KP: tl.constexpr = 1, xn_ptr=None, KEEP_NORMED: tl.constexpr = False,
-                 PDL: tl.constexpr = False):
+                 EARLY: tl.constexpr = False, PDL: tl.constexpr = False):
     """Program (block of BN outputs, K split): BM rows (padded to 16 for the tensor cores), or with FMA one row
     (BM = 1) multiplied on the CUDA cores, a [BK] slice of x against the [BN, BK] tile of W. With NORM, each K
     block holds BK / D whole heads of D channels. With ADD_NORM (one row) the input is the residual step before
     the projection, ``add_rms_norm``'s normed row of x + the J delta rows at ``d_ptr``: every program sums the
     whole row (KP >= K channels) for its sum of squares, program (0, 0) stores the sum to ``res_ptr``, and each K
     block is summed and normalised again as it is loaded (from L2); with KEEP_NORMED the programs of the first
-    block of outputs also store their K slices of the normed row to ``xn_ptr`` (for the next kernel to read)."""
+    block of outputs also store their K slices of the normed row to ``xn_ptr`` (for the next kernel to read).
+    EARLY (not with ADD_NORM): the program's first [BN, BK] block of W is loaded before ``pdl_enter``, while the
+    kernel before this one still runs (``triton_pdl.EARLY_LOADS``), and multiplied ahead of the loop."""
     split = tl.program_id(1)
     offs_m = tl.arange(0, BM)
     offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
     if PDL and PF_LINES > 0:  # this program's slice of W does not depend on the previous kernel: start fetching it now
         offs_l = tl.minimum(split * K_SPLIT + tl.arange(0, PF_LINES) * PF_STRIDE, K - 1)
         l2_prefetch(w_ptr + tl.minimum(offs_n, N - 1)[:, None] * K + offs_l[None, :])
-    pdl_enter(PDL)
     mm, mn = offs_m < M, offs_n < N
+    if EARLY:
+        offs_k0 = split * K_SPLIT + tl.arange(0, BK)
+        w_first = tl.load(w_ptr + offs_n[:, None] * K + offs_k0[None, :], mask=mn[:, None] & (offs_k0 < K)[None, :],
+                          other=0.0)
+    pdl_enter(PDL)
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     if ADD_NORM:
         first = tl.zeros([1], dtype=tl.int64)
@@ -56,9 +64,11 @@ def _gemv_kernel(x_ptr, g_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, M, N, K: tl.constexp
         if (tl.program_id(0) == 0) & (split == 0):
             tl.store(res_ptr + offs_r[None, :], row.to(res_ptr.dtype.element_ty), mask=(offs_r < K)[None, :])
         inv_row = tl.rsqrt(tl.sum(tl.sum(row * row, 1), 0) / K + eps)
-    if NORM:
-        nw = tl.load(nw_ptr + tl.arange(0, BK) % D).to(tl.float32)
-    for k0 in range(0, K_SPLIT, BK):
+    nw = tl.load(nw_ptr + tl.arange(0, BK) % D).to(tl.float32) if NORM else None
+    if EARLY:
+        x = _input_block(x_ptr, g_ptr, nw, offs_m, offs_k0, mm, offs_k0 < K, stride_x, stride_g, eps, BM, BK, D, NORM)
+        acc = _multiply(acc, w_first, x, FMA, PREC)
+    for k0 in range(BK * EARLY, K_SPLIT, BK):
         offs_k = split * K_SPLIT + k0 + tl.arange(0, BK)
         mk = offs_k < K
         m2 = mm[:, None] & mk[None, :]
@@ -70,26 +80,40 @@ def _gemv_kernel(x_ptr, g_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, M, N, K: tl.constexp
                 if tl.program_id(0) == 0:
                     tl.store(xn_ptr + offs_m[:, None] * K + offs_k[None, :], x, mask=m2)
         else:
-            x = tl.load(x_ptr + offs_m[:, None] * stride_x + offs_k[None, :], mask=m2, other=0.0)
-        if NORM:
-            # the GDN output norm of each of the block's BK / D heads: normalise in float32, round, scale by the
-            # weight, round, gate by silu(z) in float32, in the order of ``ops.norm.gated_rms_norm``
-            g = tl.load(g_ptr + offs_m[:, None] * stride_g + offs_k[None, :], mask=m2, other=0.0).to(tl.float32)
-            xf = tl.reshape(x.to(tl.float32), (BM, BK // D, D))
-            inv = tl.rsqrt(tl.sum(xf * xf, 2) / D + eps)
-            xn = tl.reshape(xf * inv[:, :, None], (BM, BK))
-            y = xn.to(x.dtype).to(tl.float32) * nw[None, :]
-            y = y.to(x.dtype).to(tl.float32) * (g * tl.sigmoid(g))
-            x = y.to(x.dtype)
+            x = _input_block(x_ptr, g_ptr, nw, offs_m, offs_k, mm, mk, stride_x, stride_g, eps, BM, BK, D, NORM)
         w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
-        if FMA:
-            acc += tl.sum(w.to(tl.float32) * x.to(tl.float32), 1)[None, :]
-        else:
-            acc += tl.dot(x, tl.trans(w), input_precision=PREC)
+        acc = _multiply(acc, w, x, FMA, PREC)
     if HAS_BIAS:
         acc += tl.where(split == 0, tl.load(b_ptr + offs_n, mask=mn, other=0.0).to(tl.float32), 0.0)[None, :]
     tl.store(y_ptr + (offs_m[:, None] * SPLIT + split) * N + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=mm[:, None] & mn[None, :])
+
+
+@triton.jit
+def _input_block(x_ptr, g_ptr, nw, offs_m, offs_k, mm, mk, stride_x, stride_g, eps, BM: tl.constexpr,
+                 BK: tl.constexpr, D: tl.constexpr, NORM: tl.constexpr):
+    """The [BM, BK] block of the GEMV's input at columns ``offs_k``: x, or with NORM the GDN output norm of each
+    of the block's BK / D heads (normalise in float32, round, scale by the weight ``nw``, round, gate by silu(z)
+    in float32, in the order of ``ops.norm.gated_rms_norm``)."""
+    m2 = mm[:, None] & mk[None, :]
+    x = tl.load(x_ptr + offs_m[:, None] * stride_x + offs_k[None, :], mask=m2, other=0.0)
+    if NORM:
+        g = tl.load(g_ptr + offs_m[:, None] * stride_g + offs_k[None, :], mask=m2, other=0.0).to(tl.float32)
+        xf = tl.reshape(x.to(tl.float32), (BM, BK // D, D))
+        inv = tl.rsqrt(tl.sum(xf * xf, 2) / D + eps)
+        xn = tl.reshape(xf * inv[:, :, None], (BM, BK))
+        y = xn.to(x.dtype).to(tl.float32) * nw[None, :]
+        y = y.to(x.dtype).to(tl.float32) * (g * tl.sigmoid(g))
+        x = y.to(x.dtype)
+    return x
+
+
+@triton.jit
+def _multiply(acc, w, x, FMA: tl.constexpr, PREC: tl.constexpr):
+    """acc [BM, BN] += x [BM, BK] W [BN, BK]^T: on the CUDA cores for one row (FMA), else on the tensor cores."""
+    if FMA:
+        return acc + tl.sum(w.to(tl.float32) * x.to(tl.float32), 1)[None, :]
+    return acc + tl.dot(x, tl.trans(w), input_precision=PREC)
 
 
 # (BN, BK, warps, stages) measured on the H200 (tools/tune_kernels.py, bench/results/tune-decode*-20261202.json):
@@ -174,7 +198,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, gat
         **({} if delta is None else dict(d_ptr=delta, res_ptr=residual_out, ADD_NORM=True, KP=next_pow2(k),
                                           J=delta.shape[1] if delta.dim() == 3 else 1, xn_ptr=normed_out,
                                           KEEP_NORMED=normed_out is not None)),
-        **prefetch_args(k_split, w),
+        **prefetch_args(k_split, w), EARLY=EARLY_LOADS and delta is None,
         PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages, **pdl_launch(x))
     return y
 

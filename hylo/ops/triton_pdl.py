@@ -5,13 +5,28 @@ import os
 import triton
 import triton.language as tl
 
-# HYLO_EARLY_LOADS=1: the latency-bound recurrent kernels of a decode step (the GDN step, the conv step) load what
-# does not depend on the kernel before them (the recurrent state, the conv window and weights) before their
-# ``pdl_enter``, while that kernel still runs, so that only the loads of its outputs stay on the critical path.
-# Safe because a kernel launched with PDL starts only once every program of the kernel before it has passed its
-# own wait, i.e. once the kernel two back has finished: only the previous kernel's writes are not yet visible, and
-# neither kernel reads anything the previous one writes besides its input rows. Off by default until measured.
-EARLY_LOADS = os.environ.get("HYLO_EARLY_LOADS", "0") == "1"
+# HYLO_EARLY_LOADS: decode-path kernels load what does not depend on the kernel before them before their
+# ``pdl_enter``, while that kernel still runs, so that only the loads of its outputs stay on the critical path:
+# "gdn" the GDN step's recurrent state, "conv" the decode conv's window and weights, "gemv" the few-row GEMV's
+# first block of weights (every projection but the MoE's). A comma list of them, or 1 for all. Safe because a
+# kernel launched with PDL starts only once every program of the kernel before it has passed its own wait, i.e.
+# once the kernel two back has finished: only the previous kernel's writes may not be visible yet, and none of
+# these reads them early. Off by default until measured.
+EARLY_KINDS = ("gdn", "conv", "gemv")
+
+
+def _early_loads(text: str) -> frozenset:
+    if text in ("", "0"):
+        return frozenset()
+    kinds = frozenset(EARLY_KINDS) if text == "1" else frozenset(k.strip() for k in text.split(","))
+    unknown = kinds - set(EARLY_KINDS)
+    if unknown:
+        raise ValueError(f"HYLO_EARLY_LOADS={text!r}: unknown {sorted(unknown)} "
+                         f"(known: {', '.join(EARLY_KINDS)}, or 1)")
+    return kinds
+
+
+EARLY_LOADS = _early_loads(os.environ.get("HYLO_EARLY_LOADS", "0"))
 
 
 @triton.jit

@@ -277,10 +277,10 @@ def test_fused_decode_forms_change_no_token(gpu_ckpt, spec, mode):
     decode and verify here, captured into the graphs); HYLO_NORM_IN_GEMV, the residual step before each mixer in
     its input projection (one token: decode and the MTP drafts); HYLO_NORM_IN_ROUTER, the residual step before each
     MoE in its router GEMV ("all": the last three together); and two forms of single kernels, HYLO_ROUTE_RANKED
-    (the routing kernel ranks all experts at once) and HYLO_EARLY_LOADS (the GDN and conv steps load their states
-    before the PDL wait). The same arithmetic in float32, so the same tokens as the separate launches."""
+    (the routing kernel ranks all experts at once) and HYLO_EARLY_LOADS (the GDN and conv steps load their states,
+    the GEMVs their first block of weights, before the PDL wait). The same arithmetic in float32, so the same tokens as the separate launches."""
     from hylo import SamplingParams
-    from hylo.ops import conv1d_triton, gdn_triton, moe_route_triton
+    from hylo.ops import conv1d_triton, gdn_triton, linear_triton, moe_route_triton
     from hylo.ops import moe as moe_ops
     from hylo.ops import norm as norm_ops
 
@@ -300,7 +300,7 @@ def test_fused_decode_forms_change_no_token(gpu_ckpt, spec, mode):
              (moe_ops, "ROUTE_IN_PAIRS"): mode in ("pairs", "all"), (norm_ops, "NORM_IN_GEMV"): mode in ("gemv", "all"),
              (moe_ops, "NORM_IN_ROUTER"): mode in ("router-norm", "all"),
              (moe_route_triton, "ROUTE_RANKED"): mode == "ranked", (gdn_triton, "EARLY_LOADS"): mode == "early",
-             (conv1d_triton, "EARLY_LOADS"): mode == "early"}
+             (conv1d_triton, "EARLY_LOADS"): mode == "early", (linear_triton, "EARLY_LOADS"): mode == "early"}
     previous = {key: getattr(*key) for key in flags}
     try:
         for module, name in flags:

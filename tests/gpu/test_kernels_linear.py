@@ -14,8 +14,12 @@ def _dtype(dev):
 @pytest.mark.parametrize("rows,n,k,split,bias", [(1, 65, 2048, 1, False), (3, 100, 256, 2, True),
                                                  (16, 40, 64, 4, True), (5, 48, 200, 3, False),
                                                  (1, 2048, 4096, 4, False), (7, 30, 96, 1, True)])
-def test_gemv_matches_linear(dev, rows, n, k, split, bias):
+@pytest.mark.parametrize("early", [False, True])
+def test_gemv_matches_linear(dev, rows, n, k, split, bias, early, monkeypatch):
+    from hylo.ops import linear_triton
     from hylo.ops.linear_triton import gemv
+
+    monkeypatch.setattr(linear_triton, "EARLY_LOADS", early)  # the first block of W before the PDL wait
 
     g = torch.Generator().manual_seed(11)
     x = torch.randn(rows, k, generator=g)
@@ -36,11 +40,15 @@ def test_gemv_matches_linear(dev, rows, n, k, split, bias):
                                                   (2048, 4096, 4, False, False), (40, 96, 1, True, False),
                                                   (48, 4 * 64, 4, False, True), (24, 2 * 32, 1, False, True),
                                                   (100, 32 * 32, 2, True, True)])
-def test_one_row_gemv_on_the_cuda_cores(dev, n, k, split, bias, norm):
+@pytest.mark.parametrize("early", [False, True])
+def test_one_row_gemv_on_the_cuda_cores(dev, n, k, split, bias, norm, early, monkeypatch):
     """The batch-1 variant (``fma=True``: one row, no tensor-core padding) against the reference, with a K split,
     a bias, sizes that are not multiples of the tile, and the GDN gated norm (heads of 64 and 32; one head, two and
-    sixteen per K block)."""
+    sixteen per K block); with and without the first block of W loaded before the PDL wait."""
+    from hylo.ops import linear_triton
     from hylo.ops.linear_triton import gemv
+
+    monkeypatch.setattr(linear_triton, "EARLY_LOADS", early)
     from hylo.ops.norm import gated_rms_norm
 
     g = torch.Generator().manual_seed(16)
@@ -245,3 +253,13 @@ def test_sigmoid_gate_matches_torch_on_a_strided_gate(dev, rows, n):
         assert torch.allclose(out, ref, atol=1e-6, rtol=1e-6)
     else:  # torch computes the bf16 sigmoid through float32 too: the same rounding points
         assert (out.float() - ref.float()).abs().max() <= 2 ** -7 * ref.float().abs().max()
+
+
+def test_early_loads_setting_parses_and_names_bad_entries():
+    from hylo.ops.triton_pdl import EARLY_KINDS, _early_loads
+
+    assert _early_loads("0") == _early_loads("") == frozenset()
+    assert _early_loads("1") == frozenset(EARLY_KINDS)
+    assert _early_loads("gdn, gemv") == {"gdn", "gemv"}
+    with pytest.raises(ValueError, match="unknown.*'down'"):
+        _early_loads("gdn,down")
