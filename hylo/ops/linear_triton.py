@@ -18,8 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .norm_triton import residual_sum
 from . import triton_pdl
+from .norm_triton import residual_sum
 from .triton_pdl import l2_prefetch, pdl_enter
 from .triton_utils import env_cfg, next_pow2, pdl_launch, prefetch_args, sm_count
 
