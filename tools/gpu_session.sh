@@ -14,7 +14,7 @@
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
 # ($PWD too: the tools run as scripts import hylo from the checkout).
 set -u
-phase=${1:?tests, tests-host, tests-bench, check, tune-bench, bench, bench-first, bench-short, fma, fused, built17, s18 or s18-check}
+phase=${1:?tests, tests-host, tests-bench, check, tune-bench, bench, bench-first, bench-short, fma, fused, built17, s18 or s19}
 out=${2:?output folder}
 mkdir -p "$out"
 
@@ -118,13 +118,14 @@ case "$phase" in
     python3 tools/ab_pick.py "$out"/ab-decode-*.json > "$out/picked.env" && cat "$out/picked.env" && . "$out/picked.env"
     python3 -m hylo bench --out "$out" > "$out/bench.txt" 2>&1; echo "bench rc=$?"; grep "^\[bench\]" "$out/bench.txt"
     ;;
-  s18-check)  # the least that says whether session 18's fusions are right and faster: the engine's token checks, one
-              # A/B round of all of them against the defaults
-    timeout 100 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_kernels_moe_norm.py \
-      tests/gpu/test_kernels_route.py tests/gpu/test_engine_gpu.py -k "fused_decode or qk_norm_rope" > "$out/tests18.txt" 2>&1
-    echo "pytest rc=$?"; grep -E "passed|failed|FAILED|Error" "$out/tests18.txt" | tail -12
-    timeout 90 python3 tools/ab_decode.py --variant base: --variant all:HYLO_ROUTE_IN_PAIRS=1,HYLO_NORM_IN_GEMV=1,\
-HYLO_NORM_IN_ROUTER=1 --bs 1 --out "$out" 2>&1 | tail -4
+  s19)  # session 19's early loads on the H200 (measured on the H100 only): the default (gdn,conv) against none and
+         # against all three, batch 1 and 8, two rounds; then the GPU tests of the kernels that load early
+    timeout 330 python3 tools/ab_decode.py --variant base: --variant none:HYLO_EARLY_LOADS=0 \
+      --variant all:HYLO_EARLY_LOADS=1 --rounds 2 --bs 1 8 --out "$out" 2>&1 | tail -5
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_kernels_linear.py \
+      tests/gpu/test_kernels_gdn_conv.py tests/gpu/test_engine_gpu.py -k "early or gdn_steps or conv_steps or gemv" \
+      > "$out/tests19.txt" 2>&1
+    echo "pytest rc=$?"; grep -E "passed|failed|FAILED|Error" "$out/tests19.txt" | tail -12
     ;;
   *) echo "unknown phase $phase" >&2; exit 2 ;;
 esac
