@@ -24,7 +24,10 @@ from .triton_pdl import l2_prefetch, pdl_enter
 from .triton_utils import env_cfg, next_pow2, pdl_launch, prefetch_args, sm_count
 
 GEMV_MAX_ROWS = 16
-EARLY_LOADS = "gemv" in triton_pdl.EARLY_LOADS  # HYLO_EARLY_LOADS (``triton_pdl``): the first block of W early
+# HYLO_EARLY_LOADS (``triton_pdl``): "gemv", every program's first block of W before the PDL wait; "gemv1", only
+# where that block is the program's whole slice of W (no loop left to peel: the router's split-K GEMV)
+EARLY_LOADS = "gemv" in triton_pdl.EARLY_LOADS
+EARLY_ONE_BLOCK = "gemv1" in triton_pdl.EARLY_LOADS
 
 
 @triton.jit
@@ -198,7 +201,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, gat
         **({} if delta is None else dict(d_ptr=delta, res_ptr=residual_out, ADD_NORM=True, KP=next_pow2(k),
                                           J=delta.shape[1] if delta.dim() == 3 else 1, xn_ptr=normed_out,
                                           KEEP_NORMED=normed_out is not None)),
-        **prefetch_args(k_split, w), EARLY=EARLY_LOADS and delta is None,
+        **prefetch_args(k_split, w), EARLY=delta is None and (EARLY_LOADS or (EARLY_ONE_BLOCK and k_split == bk)),
         PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages, **pdl_launch(x))
     return y
 

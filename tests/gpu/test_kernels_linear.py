@@ -40,7 +40,7 @@ def test_gemv_matches_linear(dev, rows, n, k, split, bias, early, monkeypatch):
                                                   (2048, 4096, 4, False, False), (40, 96, 1, True, False),
                                                   (48, 4 * 64, 4, False, True), (24, 2 * 32, 1, False, True),
                                                   (100, 32 * 32, 2, True, True)])
-@pytest.mark.parametrize("early", [False, True])
+@pytest.mark.parametrize("early", [False, True, "one-block"])
 def test_one_row_gemv_on_the_cuda_cores(dev, n, k, split, bias, norm, early, monkeypatch):
     """The batch-1 variant (``fma=True``: one row, no tensor-core padding) against the reference, with a K split,
     a bias, sizes that are not multiples of the tile, and the GDN gated norm (heads of 64 and 32; one head, two and
@@ -48,7 +48,8 @@ def test_one_row_gemv_on_the_cuda_cores(dev, n, k, split, bias, norm, early, mon
     from hylo.ops import linear_triton
     from hylo.ops.linear_triton import gemv
 
-    monkeypatch.setattr(linear_triton, "EARLY_LOADS", early)
+    monkeypatch.setattr(linear_triton, "EARLY_LOADS", early is True)
+    monkeypatch.setattr(linear_triton, "EARLY_ONE_BLOCK", early == "one-block")
     from hylo.ops.norm import gated_rms_norm
 
     g = torch.Generator().manual_seed(16)
