@@ -341,8 +341,7 @@ def _batch1_engine(lm: LoadedModel, spec: bool) -> Engine:
                       max_model_len=SPEC_MODEL_LEN,
                       verbose=False, **(dict(speculative="mtp", num_speculative_tokens=3, simulate_accept_length=3.0)
                                          if spec else {}))
-    return _engine(lm, ec,
-                   spec_setup=SpecSetup("mtp") if spec else None)
+    return _engine(lm, ec, spec_setup=SpecSetup("mtp") if spec else None)
 
 
 def _decode_record(bs: int, ctx: int, graphs: bool, ms: float, floor: float) -> dict:
