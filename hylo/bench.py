@@ -106,9 +106,7 @@ def run_bench(model_name: str = "bench-6b", vs_hf: bool = False, quick: bool = F
     if vs_hf:
         hf_steps = time_hf(hf_model, mc, [1, 8], quick)
         meta["hf_ms_per_step"] = hf_steps
-        # the HF reader holds the HF model's state dict (the whole model again): only its fallback, which has the
-        # MTP head that HF drops, is needed from here on
-        lm.reader = lm.reader.fallback
+        forget_hf_model(lm)
         del hf_model
         release_gpu_memory()
 
@@ -318,6 +316,12 @@ def _fused_router_records(lm: LoadedModel, copy_rate: float, steps: int, records
               f"{rec['gpu_busy_fraction_steady']:.3f})", flush=True)
     finally:
         moe_ops.FUSED_ROUTER, moe_ops.FUSED_NORM_ROUTER = previous
+
+
+def forget_hf_model(lm: LoadedModel) -> None:
+    """After the HF rows: ``lm``'s reader (``bench_hf.HFReader``) holds the HF model's state dict, the whole model
+    a second time; only its fallback, which has the MTP head that HF drops, is needed from here on."""
+    lm.reader = lm.reader.fallback
 
 
 def release_gpu_memory() -> None:

@@ -112,6 +112,31 @@ def test_hf_comparison_uses_the_same_weights():
     assert torch.allclose(eng.prompt_logits(prompt), ref, atol=1e-4)
 
 
+def test_the_bench_lets_the_hf_model_go_after_its_rows():
+    """Once its rows are measured, the bench's model no longer reads through the HF model's state dict (on an 80 GB
+    GPU that second copy of the weights ran the bench out of memory), and the MTP head, which HF drops, still loads
+    from the reader that is left."""
+    from hylo import SamplingParams
+    from hylo.bench import build_model, forget_hf_model
+    from hylo.bench_hf import HFReader, build_hf
+    from hylo.models.default import default_model_config
+
+    mc = default_model_config()
+    hf = build_hf(mc, torch.device("cpu")).float()
+    lm = build_model(mc, torch.device("cpu"), hf_model=hf)
+    hf_reader = lm.reader
+    assert isinstance(hf_reader, HFReader)
+    forget_hf_model(lm)
+    assert lm.reader is hf_reader.fallback and not isinstance(lm.reader, HFReader)
+    lm.model.float()  # build_model makes bfloat16 weights; the CPU engine here runs in float32
+    eng = Engine(lm, device="cpu", dtype="float32", spec_setup=SpecSetup("mtp"),
+                 engine_config=EngineConfig(verbose=False, speculative="mtp", num_speculative_tokens=2))
+    rid = eng.add_request([5, 77, 200], SamplingParams(max_tokens=3, temperature=0))
+    while eng.has_unfinished():
+        eng.step()
+    assert len(eng.pop_finished(rid).token_ids) == 3
+
+
 def test_simulated_target_changes_after_the_engine_is_built():
     """The target is read from a device tensor at every step (a captured step would otherwise keep the value it
     was captured with: run -081134 measured 3.0 for targets 2.0 and 4.0); switching simulation off is refused."""
