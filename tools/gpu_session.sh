@@ -119,13 +119,14 @@ case "$phase" in
     python3 -m hylo bench --out "$out" > "$out/bench.txt" 2>&1; echo "bench rc=$?"; grep "^\[bench\]" "$out/bench.txt"
     ;;
   s19)  # session 19's early loads on the H200 (measured on the H100 only): the default (gdn,conv) against none,
-         # with the router's weights early too (gemv1) and with all, batch 1 and 8, two rounds; then the GPU tests of
-         # the kernels that load early
-    timeout 330 python3 tools/ab_decode.py --variant base: --variant none:HYLO_EARLY_LOADS=0 \
-      --variant router:HYLO_EARLY_LOADS=gdn,conv,gemv1 --variant all:HYLO_EARLY_LOADS=1 --rounds 2 --bs 1 8 \
-      --out "$out" 2>&1 | tail -6
+         # with the router's weights early too (gemv1), and each kernel scheduling the next before its wait
+         # (HYLO_PDL_TRIGGER_FIRST), batch 1 and 8, two rounds; then the GPU tests of what these change
+    timeout 380 python3 tools/ab_decode.py --variant base: --variant none:HYLO_EARLY_LOADS=0 \
+      --variant router:HYLO_EARLY_LOADS=gdn,conv,gemv1 --variant trig:HYLO_PDL_TRIGGER_FIRST=1 --rounds 2 \
+      --bs 1 8 --out "$out" 2>&1 | tail -6
     timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_kernels_linear.py \
-      tests/gpu/test_kernels_gdn_conv.py tests/gpu/test_engine_gpu.py -k "early or gdn_steps or conv_steps or gemv" \
+      tests/gpu/test_kernels_gdn_conv.py tests/gpu/test_engine_gpu.py \
+      -k "early or gdn_steps or conv_steps or gemv or programmatic" \
       > "$out/tests19.txt" 2>&1
     echo "pytest rc=$?"; grep -E "passed|failed|FAILED|Error" "$out/tests19.txt" | tail -12
     ;;

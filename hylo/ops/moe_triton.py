@@ -87,7 +87,7 @@ def _pair_down_kernel(act_ptr, w2_ptr, ids_ptr, wts_ptr, out_ptr, H: tl.constexp
     pair = tl.program_id(0)
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
     mn = offs_n < H
-    if PDL and PF_LINES > 0:
+    if PDL == 1 and PF_LINES > 0:  # not with the trigger first (PDL = 2): the ids may not be written yet
         e = tl.load(ids_ptr + pair, cache_modifier=".cg").to(tl.int64)
         offs_l = tl.minimum(tl.arange(0, PF_LINES) * PF_STRIDE, I - 1)
         l2_prefetch(w2_ptr + e * (H * I) + tl.minimum(offs_n, H - 1)[:, None] * I + offs_l[None, :])

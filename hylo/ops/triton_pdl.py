@@ -31,13 +31,17 @@ def _early_loads(text: str) -> frozenset:
 
 EARLY_LOADS = _early_loads(os.environ.get("HYLO_EARLY_LOADS", "gdn,conv"))
 
-
 @triton.jit
 def pdl_enter(PDL: tl.constexpr):
-    """First thing in a kernel that takes ``PDL``: with it set (the kernel was launched with ``launch_pdl``), wait
-    until the previous kernel in the stream has finished and its writes are visible, then allow the next kernel to
-    be scheduled onto free SMs while this one runs (it will wait here in turn). A no-op when PDL is off."""
-    if PDL:
+    """First thing in a kernel that takes ``PDL`` (after only what ``EARLY_LOADS`` allows): with it set (the kernel
+    was launched with ``launch_pdl``), wait until the previous kernel in the stream has finished and its writes are
+    visible, and allow the next kernel to be scheduled onto free SMs while this one runs (it will wait here in
+    turn): after the wait, or before it with PDL = 2 (``triton_utils.pdl_launch``, ``HYLO_PDL_TRIGGER_FIRST``).
+    A no-op when PDL is off."""
+    if PDL == 2:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    elif PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
 

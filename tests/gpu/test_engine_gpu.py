@@ -243,7 +243,8 @@ def test_gpu_speculative_is_lossless(gpu_ckpt, spec):
 @pytest.mark.parametrize("spec", [None, "mtp"])
 def test_programmatic_dependent_launch_changes_no_result(gpu_ckpt, spec):
     """HYLO_PDL=1 launches the decode-path kernels with programmatic dependent launch (captured into the graphs):
-    scheduling only, so the tokens must be exactly those of plain launches, speculative decoding included."""
+    scheduling only, so the tokens must be exactly those of plain launches, speculative decoding included; and so
+    with each kernel letting the next one be scheduled before it waits (HYLO_PDL_TRIGGER_FIRST)."""
     from hylo import SamplingParams
 
     prompts = _prompts(5, seed=3)
@@ -256,15 +257,20 @@ def test_programmatic_dependent_launch_changes_no_result(gpu_ckpt, spec):
             eng.step()
         return [eng.pop_finished(r).token_ids for r in rids]
 
+    from hylo.ops import triton_utils
     from hylo.ops.triton_utils import set_pdl
 
-    previous = set_pdl(False)
+    previous = set_pdl(False), triton_utils._TRIGGER_FIRST
     try:
         plain = run()
         set_pdl(True)
+        triton_utils._TRIGGER_FIRST = False
+        assert run() == plain
+        triton_utils._TRIGGER_FIRST = True
         assert run() == plain
     finally:
-        set_pdl(*previous)
+        set_pdl(*previous[0])
+        triton_utils._TRIGGER_FIRST = previous[1]
 
 
 @pytest.mark.parametrize("spec,mode", [(None, "norm"), ("mtp", "norm"), (None, "router"), (None, "pairs"),
