@@ -24,14 +24,14 @@ FUSED_NORM_ROUTER = os.environ.get("HYLO_FUSED_ROUTER") == "1"
 # kernel's launch goes (leaving the routing kernel out altogether took 74 us off the 1.504 ms batch-1 graph on the
 # H200, ab-decode-20261204-211702: the most this can save). Off by default: with HYLO_NORM_IN_GEMV and
 # HYLO_NORM_IN_ROUTER the batch-1 graph took 1.648 against 1.482 ms on the H200 (one round,
-# ab-decode-20261205-133809); alone it has not been measured.
+# ab-decode-20261205-133809), and alone on the H100 1.928 against 1.852 (session 19, ab-decode-20261205-141404).
 ROUTE_IN_PAIRS = os.environ.get("HYLO_ROUTE_IN_PAIRS", "0") == "1"
 # HYLO_NORM_IN_ROUTER=1: at one token the residual step before each MoE runs in the prologue of the router's GEMV
 # (``ops.linear.narrow`` of a ``PendingAddNorm``), whose first block of programs also stores the normed row for the
 # experts: one launch per layer fewer (the other 25 of the batch-1 step's 49 residual-add norms; the mixers' 24 are
 # HYLO_NORM_IN_GEMV's). Each of the router's 144 programs sums the whole row and its delta rows from L2 for the sum
 # of squares. Off by default: with the other two fusions the batch-1 graph took 1.648 against 1.482 ms on the H200
-# (session 18, one round); alone it has not been measured.
+# (session 18, one round); alone it has not been measured yet.
 NORM_IN_ROUTER = os.environ.get("HYLO_NORM_IN_ROUTER", "0") == "1"
 
 

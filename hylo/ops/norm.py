@@ -38,7 +38,8 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
 # residual-add norms out of the batch-1 step took 0.090 ms off its 1.504 ms graph on the H200 (session 17,
 # ab-decode-20261204-211702); these are 24 of them. Off by default: with HYLO_ROUTE_IN_PAIRS and HYLO_NORM_IN_ROUTER
 # the batch-1 graph took 1.648 against 1.482 ms on the H200 (session 18, one round, ab-decode-20261205-133809);
-# every program's pass over the row costs more than the launch it saves. Alone it has not been measured.
+# every program's pass over the row costs more than the launch it saves. Alone on the H100: 1.915 against 1.852 ms
+# (session 19, ab-decode-20261205-141404).
 NORM_IN_GEMV = os.environ.get("HYLO_NORM_IN_GEMV", "0") == "1"
 
 

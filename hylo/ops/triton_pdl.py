@@ -9,12 +9,13 @@ import triton.language as tl
 # ``pdl_enter``, while that kernel still runs, so that only the loads of its outputs stay on the critical path:
 # "gdn" the GDN step's recurrent state, "conv" the decode conv's window and weights, "gemv" the few-row GEMV's
 # first block of weights (every projection but the MoE's), "gemv1" the same only where that block is all of a
-# program's weights (the router). A comma list of them, or 1 for all. Safe because a
-# kernel launched with PDL starts only once every program of the kernel before it has passed its own wait, i.e.
-# once the kernel two back has finished: only the previous kernel's writes may not be visible yet, and none of
-# these reads them early. Default "gdn,conv": in two rounds on the H100 (session 19) they took 0.015 and 0.021 ms
-# off the batch-1 step's graph (1.852 -> 1.837, 1.857 -> 1.836 ms); "gemv" made it 0.075 ms slower (1.932 ms: the
-# peeled first block costs each program more than its early start gains), so it stays off.
+# program's weights (the router). A comma list of them, or 1 for all. Safe because a kernel launched with PDL
+# starts only once every program of the kernel before it has passed its own wait, i.e. once the kernel two back
+# has finished: only the previous kernel's writes may not be visible yet, and none of these reads them early
+# (with HYLO_PDL_TRIGGER_FIRST the argument is a wider one: ``triton_utils``). Default "gdn,conv": in two rounds on
+# the H100 (session 19) they took 0.015 and 0.021 ms off the batch-1 step's graph (1.852 -> 1.837, 1.857 -> 1.836
+# ms); "gemv" made it 0.075 ms slower (1.932 ms: the peeled first block costs each program more than its early
+# start gains), so it stays off.
 EARLY_KINDS = ("gdn", "conv", "gemv", "gemv1")
 
 
@@ -30,6 +31,7 @@ def _early_loads(text: str) -> frozenset:
 
 
 EARLY_LOADS = _early_loads(os.environ.get("HYLO_EARLY_LOADS", "gdn,conv"))
+
 
 @triton.jit
 def pdl_enter(PDL: tl.constexpr):

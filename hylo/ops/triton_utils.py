@@ -114,8 +114,9 @@ def prefetch_args(row_elems: int, w: torch.Tensor) -> dict:
 def pdl_launch(t: torch.Tensor) -> dict:
     """Launch options of the decode-path kernels for programmatic dependent launch (Hopper and later): such a
     kernel may be scheduled while the previous kernel in the stream drains, and waits for it
-    (``griddepcontrol.wait``, first thing in the kernel) before it reads or writes any memory. Empty (a plain
-    launch) when switched off or elsewhere."""
+    (``griddepcontrol.wait``, in ``triton_pdl.pdl_enter``) before it writes anything or reads what that kernel
+    wrote (``triton_pdl.EARLY_LOADS``: what it may read before). ``PDL`` is 2 with HYLO_PDL_TRIGGER_FIRST, else 1.
+    Empty (a plain launch) when switched off or elsewhere."""
     if _PDL and t.is_cuda and _pdl_supported():
         return {"PDL": 2 if _TRIGGER_FIRST else 1, "launch_pdl": True}
     return {}
