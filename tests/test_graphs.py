@@ -141,3 +141,29 @@ def test_a_padded_staged_step_equals_the_eager_step_and_touches_only_dummies(ckp
         else:  # states: the real rows' slots equal eager's, every other slot unchanged
             assert torch.allclose(a[:, used], e[:, used], atol=1e-5)
             assert torch.equal(a[:, free].isnan(), b[:, free].isnan())
+
+
+def test_capture_keeps_the_garbage_collector_off_and_restores_it():
+    """A collection during a CUDA capture may destroy an older engine's graphs, which invalidates the capture
+    (seen on the H100 when one test's engine was collected while the next captured): the runner collects before
+    capturing, keeps the collector off while it captures every size, and turns it back on afterwards."""
+    import gc
+
+    from hylo.engine.graphs import GraphRunner
+
+    class Backend:
+        def init_forward_metadata_capture(self, bs, mode):
+            pass
+
+    seen = []
+    runner = GraphRunner(Backend(), torch.device("cpu"), [1, 2, 4], max_context=16, verbose=False)
+    assert gc.isenabled()
+    runner.capture("probe", ForwardMode.DECODE, 1, lambda batch, extras: seen.append(gc.isenabled()) or {})
+    assert seen == [False, False, False]  # one run per size on the CPU, none with the collector on
+    assert gc.isenabled()
+
+    def failing(batch, extras):
+        raise RuntimeError("capture failed")
+    with pytest.raises(RuntimeError, match="capture failed"):
+        runner.capture("broken", ForwardMode.DECODE, 1, failing)
+    assert gc.isenabled()  # a failed capture does not leave it off either

@@ -22,6 +22,7 @@ buffers, so the staging and padding logic is tested without a GPU.
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -151,10 +152,21 @@ class GraphRunner:
         cuda = self.device.type == "cuda"
         t0 = time.perf_counter()
         free0 = torch.cuda.mem_get_info(self.device)[0] if cuda else 0
-        for bs in tqdm(list(reversed(self.sizes)), desc=f"capturing {name}", disable=not self.verbose, leave=False):
-            st.replays[bs] = _Replay(make_run(bs), self.device, self.pool)
-            if cuda and self.pool is None:
-                self.pool = st.replays[bs].graph.pool()
+        # No garbage collection inside a capture: a collected cycle that holds an older engine's graphs destroys
+        # them mid-capture, a call CUDA forbids while a stream captures, and the capture fails. Collect once
+        # before, then keep the collector off until every size is captured.
+        gc.collect()
+        gc_was_on = gc.isenabled()
+        gc.disable()
+        try:
+            for bs in tqdm(list(reversed(self.sizes)), desc=f"capturing {name}", disable=not self.verbose,
+                           leave=False):
+                st.replays[bs] = _Replay(make_run(bs), self.device, self.pool)
+                if cuda and self.pool is None:
+                    self.pool = st.replays[bs].graph.pool()
+        finally:
+            if gc_was_on:
+                gc.enable()
         if cuda:
             torch.cuda.synchronize(self.device)
         if self.verbose:
