@@ -252,7 +252,7 @@ def _pdl_records(lm: LoadedModel, batches: list[int], copy_rate: float, steps: i
     """The decode (graphs, context 1k) measurements again with the kernel launches the main run did not use:
     programmatic dependent launch off, and on with the L2 weight prefetch; plus the batch-1 speculative overlap
     profile with PDL off. Appended to ``records`` (tagged ``pdl``, ``pdl_prefetch``): a comparison inside one
-    run. Then the fused router's batch-1 rows (``_fused_router_records``)."""
+    run."""
     from .ops.triton_utils import set_pdl
 
     previous = set_pdl(*pdl_settings())
@@ -284,38 +284,6 @@ def _pdl_records(lm: LoadedModel, batches: list[int], copy_rate: float, steps: i
               f"{records[-1]['gpu_busy_fraction']:.3f}", flush=True)
     finally:
         set_pdl(*previous)
-    _fused_router_records(lm, copy_rate, steps, records, save_records)
-
-
-def _fused_router_records(lm: LoadedModel, copy_rate: float, steps: int, records: list[dict], save_records) -> None:
-    """Batch-1 decode and the batch-1 speculative step with the residual-add norm before each MoE, the router GEMV
-    and the routing in one launch (``HYLO_FUSED_ROUTER``, off by default: measured slower), tagged
-    ``fused_router``: against the main rows."""
-    from .ops import moe as moe_ops
-
-    previous = moe_ops.FUSED_ROUTER, moe_ops.FUSED_NORM_ROUTER
-    moe_ops.FUSED_ROUTER = moe_ops.FUSED_NORM_ROUTER = True
-    try:
-        eng = _batch1_engine(lm, spec=False)
-        floor = Footprint.of(lm.model, None, eng.caches).decode_bytes(1, 1024) / copy_rate * 1e3
-        rids = fake_prefill(eng, 1, 1024)
-        ms = time_steps(eng, steps)
-        records += [dict(_decode_record(1, 1024, True, ms, floor), fused_router=True),
-                    dict(_device_decode_record(eng, 1, 1024, floor), fused_router=True)]
-        save_records()
-        print(f"[bench] fused router decode bs=1: {ms:.2f} ms/step ({ms / floor:.2f}x floor), graph alone "
-              f"{records[-1]['ms_per_step']:.2f} ms", flush=True)
-        clear(eng, rids)
-        del eng
-        eng = _batch1_engine(lm, spec=True)
-        records.append(dict(_overlap_record(eng, 1, 3, steps), fused_router=True))
-        save_records()
-        rec = records[-1]
-        print(f"[bench] fused router overlap spec mtp bs=1: {rec['ms_per_step']:.2f} ms/step, "
-              f"{rec['ms_per_token']:.3f} ms/token, GPU busy {rec['gpu_busy_fraction']:.3f} (steady window "
-              f"{rec['gpu_busy_fraction_steady']:.3f})", flush=True)
-    finally:
-        moe_ops.FUSED_ROUTER, moe_ops.FUSED_NORM_ROUTER = previous
 
 
 def forget_hf_model(lm: LoadedModel) -> None:

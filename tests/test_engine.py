@@ -180,36 +180,3 @@ def test_extend_pack_expands_to_the_rows_tokens_positions_and_locations(runs):
     assert v["reg_slots"].tolist() == [3] and v["reg_ints"].tolist() == [500, 100, 40]  # top_k 0: the vocabulary
     assert v["reg_floats"].view(torch.float32).tolist() == [0.0, pytest.approx(0.9)]
     assert v["req"].tolist() == [3, 5, 1, 7] and v["state"].tolist() == [2, -1, 0, 4]
-
-
-@pytest.mark.parametrize("ckpt,where", [("ckpt_a", "mixer"), ("ckpt_b", "mixer"), ("ckpt_a", "router")])
-def test_deferred_residual_step_changes_no_token(ckpt, where, request, monkeypatch):
-    """``HYLO_NORM_IN_GEMV``: batch-1 layers hand the mixer a ``PendingAddNorm`` (``HYLO_NORM_IN_ROUTER``: the MoE
-    router's GEMV gets one); off the Triton path it runs as the plain residual step, so every token (greedy and
-    sampled) stays the same; the new residual reaches the next block."""
-    from hylo.ops import moe as moe_ops
-    from hylo.ops import norm as norm_ops
-
-    path = request.getfixturevalue(ckpt)
-    prompt = random_prompts(vocab_of(path), [9], seed=3)
-    sampled = SamplingParams(max_tokens=8, temperature=0.8, seed=5)
-    plain = [_run_all(Engine(path, engine_config=EngineConfig(verbose=False)), prompt, p)[0].token_ids
-             for p in (GREEDY, sampled)]
-    if where == "mixer":
-        monkeypatch.setattr(norm_ops, "NORM_IN_GEMV", True)
-    else:
-        monkeypatch.setattr(moe_ops, "NORM_IN_ROUTER", True)
-    made = []
-    real = norm_ops.PendingAddNorm
-
-    class Counted(real):
-        def __init__(self, *args):
-            super().__init__(*args)
-            made.append(self)
-
-    monkeypatch.setattr("hylo.models.qwen3_next.PendingAddNorm" if where == "mixer" else "hylo.ops.moe.PendingAddNorm",
-                        Counted)
-    deferred = [_run_all(Engine(path, engine_config=EngineConfig(verbose=False)), prompt, p)[0].token_ids
-                for p in (GREEDY, sampled)]
-    assert deferred == plain
-    assert made and all(p.residual is not None for p in made)

@@ -9,8 +9,7 @@ that would make that piece free. Names:
 
 - ``addnorm``: every residual-add RMSNorm (two per layer and the final one): the residual stays, h = x.
 - ``route``: the router GEMV and the routing: fixed experts 0..k-1 (and the shared one) with weight 1/k.
-- ``routek``: the routing kernel alone (the router GEMV still runs): the same fixed experts (with
-  ``HYLO_ROUTE_IN_PAIRS=0``: otherwise batch 1 has no routing kernel to leave out).
+- ``routek``: the routing kernel alone (the router GEMV still runs): the same fixed experts.
 - ``conv``: the GDN decode conv: its input goes to the recurrent step as it is.
 - ``gdn``: the GDN recurrent step: an uninitialised output (with ``route`` too: garbage logits would route every
   pair to the same expert, and the MoE would read one expert's weights instead of eleven).
@@ -42,6 +41,7 @@ def apply(names: list[str] | None = None) -> list[str]:
     if names is None:
         names = [n for n in os.environ.get("HYLO_ABLATE", "").split(",") if n]
     from hylo.models import qwen3_next
+    from hylo.layers import moe as moe_layer
     from hylo.ops import conv1d_triton, gdn_triton, linear, moe
 
     for name in names:
@@ -49,11 +49,10 @@ def apply(names: list[str] | None = None) -> list[str]:
             def no_norm(x, delta, weight, eps):
                 return x, x
             qwen3_next.add_rms_norm = no_norm
-            moe.add_rms_norm = no_norm
         elif name == "route":
-            def fixed_route(x, router, num_experts, top_k, normalize, shared, defer=False):
+            def fixed_route(x, router, num_experts, top_k, normalize, shared):
                 return _fixed_routing(x.shape[0], top_k, shared, num_experts, x.dtype, x.device)
-            moe.route_hidden = fixed_route
+            moe_layer.route_hidden = fixed_route
         elif name == "routek":
             def fixed_topk(logits, num_experts, top_k, normalize, shared, dtype=None):
                 return _fixed_routing(logits.shape[0], top_k, shared, num_experts, dtype or logits.dtype,

@@ -109,8 +109,8 @@ def compile_all(path: str, arch: int) -> int:
                     consts["USE_WHILE"] = False
                 if bf16 and consts.get("PREC") == "ieee":
                     consts["PREC"] = "tf32"
-                if pdl:  # as triton_utils.pdl_launch passes it: 2 with the trigger before the wait
-                    consts["PDL"] = 2 if os.environ.get("HYLO_PDL_TRIGGER_FIRST") == "1" else 1
+                if pdl:  # as triton_utils.pdl_launch passes it
+                    consts["PDL"] = True
                     if consts.get("PF_LINES") == 0:  # the L2 prefetch that PDL switches on (recorded without PDL)
                         consts["PF_LINES"] = 4
                 opts = {k: v for k, v in entry["options"].items() if k != "launch_pdl"}

@@ -14,7 +14,7 @@
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
 # ($PWD too: the tools run as scripts import hylo from the checkout).
 set -u
-phase=${1:?tests, tests-host, tests-bench, check, tune-bench, bench, bench-first, bench-short, fma, fused, built17, s18 or s19}
+phase=${1:?tests, tests-host, tests-bench, check, tune-bench, bench, bench-first, bench-short, fma or s20}
 out=${2:?output folder}
 mkdir -p "$out"
 
@@ -66,16 +66,6 @@ case "$phase" in
     timeout 300 python3 tools/ab_decode.py --variant tc:HYLO_GEMV_FMA=0 --variant fma: --rounds 2 --bs 1 8 \
       --out "$out" 2>&1 | tail -8
     ;;
-  fused)  # session 15: the decode A/B of the conv inside the GDN step (off by default: measured slower) and the
-          # summing MoE down projection with the pair kernels' new tiles (the defaults) against the tree before
-          # them, then their GPU tests with the engine's (the sweep that chose the tiles: tune_kernels.py --only pairs)
-    timeout 250 python3 tools/ab_decode.py --variant new: --variant conv-on:HYLO_GDN_FUSED_CONV=1 \
-      --variant old:HYLO_PAIR_DOWN_SUM=0,HYLO_PAIR_GATE_UP_CFG=4,256,4,1 \
-      --rounds 2 --bs 1 8 --out "$out" 2>&1 | tail -8
-    timeout 320 python3 -m pytest -q -p no:cacheprovider tests/gpu -k "test_engine_gpu or conv_inside or gdn_steps \
-      or conv_steps or fused_moe_matches or unreduced or norm_kernels" > "$out/gputests.txt" 2>&1
-    echo "pytest rc=$?"; grep -E "passed|failed|FAILED|Error" "$out/gputests.txt" | tail -15
-    ;;
   check) gputests; bench 0 ;;  # the least device time that both checks a tree and measures it
   tests-bench) gputests; bench 0; launches ;;  # a new tree's first call: is it right, how fast, which launches
   tune-bench)  # the step and conv sweeps, the bench with their winners, the prefill profile (where the GPU waits)
@@ -96,39 +86,13 @@ case "$phase" in
     timeout 120 python3 tools/profile_step.py --prefill 8192 --out "$out" > "$out/prof_prefill.txt" 2>&1
     head -16 "$out/prof_prefill.txt" | tail -14; grep -A1 "layer timeline" "$out/prof_prefill.txt"
     ;;
-  built17)  # session 17's fusions, built without a GPU and off by default: their GPU tests (kernels and the engine's
-            # token check), then the decode A/B of each and both against the defaults
-    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_kernels_linear.py \
-      tests/gpu/test_kernels_moe_norm.py tests/gpu/test_kernels_route.py tests/gpu/test_engine_gpu.py -k "prologue or inside_the_gate or fused_decode" \
-      > "$out/tests17.txt" 2>&1; echo "pytest rc=$?"; tail -3 "$out/tests17.txt"
-    timeout 330 python3 tools/ab_decode.py --variant base: --variant pairs:HYLO_ROUTE_IN_PAIRS=1 \
-      --variant gemv:HYLO_NORM_IN_GEMV=1 --variant both:HYLO_ROUTE_IN_PAIRS=1,HYLO_NORM_IN_GEMV=1 \
-      --rounds 2 --bs 1 8 --out "$out" 2>&1 | tail -6
-    ;;
-  s18)  # the GPU tests of sessions 17-18's fusions, the decode A/B of each alone at batch 1 against the defaults
-        # (session 18 measured the three together: slower), then the bench with the fastest variant's settings
-    timeout 190 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_kernels_linear.py \
-      tests/gpu/test_kernels_moe_norm.py tests/gpu/test_kernels_route.py tests/gpu/test_engine_gpu.py -k "prologue or inside_the_gate or \
-      fused_decode or routing_kernel or router_gemv or qk_norm_rope or padding or verify_graph or lossless" \
-      > "$out/tests18.txt" 2>&1
-    echo "pytest rc=$?"; grep -E "passed|failed|FAILED|Error" "$out/tests18.txt" | tail -12
-    timeout 200 python3 tools/ab_decode.py --variant base: --variant kvsep:HYLO_KV_IN_ROPE=0 \
-      --variant pairs:HYLO_ROUTE_IN_PAIRS=1 --variant gemv:HYLO_NORM_IN_GEMV=1 --variant rnorm:HYLO_NORM_IN_ROUTER=1 \
-      --rounds 2 --bs 1 --out "$out" 2>&1 | tail -7
-    python3 tools/ab_pick.py "$out"/ab-decode-*.json > "$out/picked.env" && cat "$out/picked.env" && . "$out/picked.env"
-    python3 -m hylo bench --out "$out" > "$out/bench.txt" 2>&1; echo "bench rc=$?"; grep "^\[bench\]" "$out/bench.txt"
-    ;;
-  s19)  # session 19's early loads on the H200 (measured on the H100 only): the default (gdn,conv) against none,
-         # with the router's weights early too (gemv1), and each kernel scheduling the next before its wait
-         # (HYLO_PDL_TRIGGER_FIRST), batch 1 and 8, two rounds; then the GPU tests of what these change
-    timeout 380 python3 tools/ab_decode.py --variant base: --variant none:HYLO_EARLY_LOADS=0 \
-      --variant router:HYLO_EARLY_LOADS=gdn,conv,gemv1 --variant trig:HYLO_PDL_TRIGGER_FIRST=1 --rounds 2 \
-      --bs 1 8 --out "$out" 2>&1 | tail -6
-    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_kernels_linear.py \
-      tests/gpu/test_kernels_gdn_conv.py tests/gpu/test_engine_gpu.py \
-      -k "early or gdn_steps or conv_steps or gemv or programmatic" \
-      > "$out/tests19.txt" 2>&1
-    echo "pytest rc=$?"; grep -E "passed|failed|FAILED|Error" "$out/tests19.txt" | tail -12
+  s20)  # session 20's removal of the slower alternatives: the GPU tests of the kernels and paths it touched,
+         # then hylo's bench rows (no HF: they are unchanged by it) as far as the call's limit lets them go
+    timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_kernels_linear.py \
+      tests/gpu/test_kernels_route.py tests/gpu/test_kernels_moe_norm.py tests/gpu/test_engine_gpu.py \
+      > "$out/tests20.txt" 2>&1
+    echo "pytest rc=$?"; grep -E "passed|failed|FAILED|Error" "$out/tests20.txt" | tail -12
+    bench 0
     ;;
   *) echo "unknown phase $phase" >&2; exit 2 ;;
 esac

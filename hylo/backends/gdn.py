@@ -199,16 +199,11 @@ class GDNBackend(Backend):
 
     def _steps_triton(self, layer, conv_pool, rec_pool, mixed_qkv, a, b, params, shape, batch):
         """Decode (S = 1, slot in place) or verify (S = k + 1, every step to the verify buffers), fused kernels."""
-        from ..ops import gdn_triton
         from ..ops.conv1d_triton import conv_steps
         from ..ops.gdn_triton import gdn_steps
 
         pool = self.state_pool
         verify = batch.mode is ForwardMode.TARGET_VERIFY
-        if not verify and batch.tokens_per_row == 1 and gdn_triton.FUSED_CONV:  # the conv inside the step
-            return gdn_triton.gdn_decode_conv(mixed_qkv, a, b, params.conv_weight, conv_pool, params.A_log,
-                                              params.dt_bias, rec_pool, batch.state_slots, pool.step_counts,
-                                              shape.num_k_heads, shape.head_k_dim, shape.head_v_dim)
         keep = verify and self._keeps_inputs(layer, params, shape)
         steps, n = batch.tokens_per_row, mixed_qkv.shape[0]
         # keeping inputs, the conv writes its output straight into the verify buffer the replay reads

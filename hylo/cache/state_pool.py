@@ -21,11 +21,6 @@ class StatePool:
         self.conv = torch.zeros(layers, num_slots + 1, conv_dim, conv_kernel - 1, dtype=conv_dtype, device=device)
         self.recurrent = torch.zeros(layers, num_slots + 1, num_v_heads, key_dim, value_dim, dtype=state_dtype,
                                      device=device)
-        # one count per (batch row, key head), zero between launches, for the decode kernel with the conv inside
-        # (ops.gdn_triton.gdn_decode_conv: the last program to read a key head's conv windows shifts them);
-        # conv_dim = 2 Hk Dk + Hv Dv
-        num_k_heads = max(1, (conv_dim - num_v_heads * value_dim) // (2 * key_dim))
-        self.step_counts = torch.zeros(num_slots + 1, num_k_heads, dtype=torch.int32, device=device)
         self._free = list(range(num_slots, 0, -1))
         self.verify_conv: torch.Tensor | None = None
         self.verify_recurrent: torch.Tensor | None = None

@@ -12,7 +12,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from .weights import TensorReader, copy_into
-from ..ops.moe import add_norm_route, moe_experts, route_hidden
+from ..ops.moe import fused_moe, route_hidden
 
 
 def _load_gate_up(r: TensorReader, prefix: str, inter: int, hidden: int) -> torch.Tensor:
@@ -62,23 +62,11 @@ class SparseMoE(nn.Module):
         self.shared_gate = (nn.Parameter(torch.empty(1, self.hidden, **kw), requires_grad=False)
                             if self.shared is not None else None)
 
-    def add_norm_route(self, residual: torch.Tensor, delta: torch.Tensor, norm) -> tuple:
-        """The residual step before this block (``norm``: its RMSNorm) with the block's routing of the normed rows:
-        (new residual, normed rows, routing), the routing for ``forward``. On the decode path of a few tokens the
-        three can be one launch (``ops.moe.add_norm_route``)."""
-        return add_norm_route(residual, delta, norm.weight, norm.eps, self.router, self.num_experts, self.top_k,
-                              self.norm_topk, self.fold_shared)
-
-    def forward(self, x: torch.Tensor, reduce: bool = True, routing: tuple | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         """[T, H]; with ``reduce=False`` possibly the unreduced pair rows [T, k, H] (the fast path's), which the
-        residual add that follows sums (``ops.norm.add_rms_norm``): one pass over them fewer per layer.
-        ``routing``: from ``add_norm_route`` ((weights, ids), or logits the expert kernels route), else routed
-        here."""
-        if routing is None:
-            routing = route_hidden(x, self.router, self.num_experts, self.top_k, self.norm_topk, self.fold_shared,
-                                   defer=True)
-        out = moe_experts(x, self.w13, self.w2, routing, self.num_experts, self.top_k, self.norm_topk,
-                          self.fold_shared, reduce=reduce or self.shared is not None)
+        residual add that follows sums (``ops.norm.add_rms_norm``): one pass over them fewer per layer."""
+        weights, ids = route_hidden(x, self.router, self.num_experts, self.top_k, self.norm_topk, self.fold_shared)
+        out = fused_moe(x, self.w13, self.w2, weights, ids, reduce=reduce or self.shared is not None)
         if self.shared is not None:
             out = out + torch.sigmoid(F.linear(x, self.shared_gate)) * self.shared(x)
         return out

@@ -15,8 +15,7 @@ from ..layers.linear_attn import GatedDeltaNet
 from ..layers.moe import MLP, SparseMoE
 from ..layers.norm import RMSNorm
 from ..layers.weights import TensorReader, copy_into
-from ..ops import norm as norm_ops
-from ..ops.norm import PendingAddNorm, add_rms_norm
+from ..ops.norm import add_rms_norm
 from ..parallel.group import SINGLE, TPGroup
 
 
@@ -38,22 +37,14 @@ class DecoderLayer(nn.Module):
     def forward(self, h: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch, backend):
         """h: the previous layer's output (or the embeddings, with residual None). Returns (output, residual):
         the residual stream is added lazily, fused with the next norm."""
-        pending = None
         if residual is None:
             residual, h = h, self.input_norm(h)
-        elif norm_ops.NORM_IN_GEMV and h.shape[0] == 1:  # the residual step inside the mixer's input projection
-            pending = h = PendingAddNorm(residual, h, self.input_norm.weight, self.input_norm.eps)
         else:
             residual, h = add_rms_norm(residual, h, self.input_norm.weight, self.input_norm.eps)
         # On one rank the mixer's output projection and the MoE may hand back unreduced rows [T, J, hidden] (split-K
         # partials, expert pairs); the add_rms_norm that follows sums them. Across ranks they are reduced first.
         reduce = self.tp.size > 1
         h = self.tp.all_reduce(self.mixer(h, batch, backend, reduce=reduce))
-        if pending is not None:
-            residual = pending.new_residual()
-        if isinstance(self.mlp, SparseMoE):  # the norm and the routing together (one launch on the decode path)
-            residual, h, routing = self.mlp.add_norm_route(residual, h, self.post_norm)
-            return self.tp.all_reduce(self.mlp(h, reduce=reduce, routing=routing)), residual
         residual, h = add_rms_norm(residual, h, self.post_norm.weight, self.post_norm.eps)
         return self.tp.all_reduce(self.mlp(h, reduce=reduce)), residual
 

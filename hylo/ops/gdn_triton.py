@@ -14,12 +14,9 @@ state is read from the pool by slot (-1: zero state, nothing written). The same 
   A float32 state of bench-6b is 2 MB per layer: a verify of k + 1 = 4 steps writing every state moves 4 of them
   per row and layer, and the commit copy 2 more; the replay moves 2 and rereads a few KB of inputs.
 
-Decode can also run as ``gdn_decode_conv`` (``HYLO_GDN_FUSED_CONV=1``): the causal conv of the step inside the
-same program, one launch per GDN layer fewer. Measured slower on the H200 (bench-6b decode graph 1.583 against
-1.504 ms at batch 1, 3.568 against 3.451 at batch 8, ab-decode-20261204-133635): every value head's program
-recomputes its key head's q/k conv and counts itself with an atomic so that the last one shifts the windows,
-which costs more than the launch it saves under programmatic dependent launch. Off by default; kept tested as
-the measured alternative.
+(The conv of a decode step inside this kernel, one launch per GDN layer fewer, was measured slower on the H200,
+session 15: 1.583 against 1.504 ms per batch-1 step, every value head's program recomputing its key head's q/k
+conv; it was taken out in session 20.)
 """
 
 from __future__ import annotations
@@ -35,7 +32,6 @@ from .triton_pdl import pdl_enter
 from .triton_utils import env_cfg, next_pow2, pdl_launch
 
 DECODE, VERIFY_STATES, VERIFY_INPUTS, REPLAY = 0, 1, 2, 3
-FUSED_CONV = os.environ.get("HYLO_GDN_FUSED_CONV", "0") == "1"
 EARLY_LOADS = "gdn" in triton_pdl.EARLY_LOADS  # HYLO_EARLY_LOADS (``triton_pdl``)
 
 
@@ -119,80 +115,6 @@ def _gdn_steps_kernel(
                  mask=m2 & valid)
 
 
-@triton.jit
-def _conv_window(x_row, w_ptr, st_row, ch, m, valid, KW: tl.constexpr, KP: tl.constexpr):
-    """The causal conv of channels ``ch`` for one new input, as [channels, KP >= KW] tiles: the window is the
-    slot's KW - 1 previous inputs (``st_row``: its conv state, channel-major, contiguous; zeros unless ``valid``)
-    then the row's new one. Returns (silu(conv) rounded to the input dtype as the separate conv kernel stores it,
-    the new window: the last KW - 1 of the old window and the input, in columns 0 .. KW - 2)."""
-    j = tl.arange(0, KP)[None, :]
-    at = st_row + ch[:, None] * (KW - 1) + j
-    old = tl.load(at, mask=m[:, None] & (j < KW - 1) & valid, other=0.0)
-    nxt = tl.load(at + 1, mask=m[:, None] & (j < KW - 2) & valid, other=0.0)
-    x = tl.load(x_row + ch, mask=m, other=0.0)
-    w = tl.load(w_ptr + ch[:, None] * KW + j, mask=m[:, None] & (j < KW), other=0.0).to(tl.float32)
-    acc = tl.sum(tl.where(j == KW - 1, x[:, None].to(tl.float32), old.to(tl.float32)) * w, 1)
-    out = (acc / (1.0 + tl.exp(-acc))).to(x.dtype).to(tl.float32)
-    return out, tl.where(j == KW - 2, x[:, None].to(nxt.dtype), nxt)
-
-
-@triton.jit
-def _gdn_decode_conv_kernel(
-    x_ptr, a_ptr, b_ptr, cw_ptr, conv_ptr, A_log_ptr, dt_bias_ptr, pool_ptr, slots_ptr, count_ptr, out_ptr,
-    stride_x, stride_ab, stride_conv, stride_pool, scale,
-    HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, KW: tl.constexpr,
-    KP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PDL: tl.constexpr = False,
-):
-    """A decode step with the causal conv inside: program (row, value head, block of value channels) convolves
-    the q and k channels of its key head and its own v channels from the slot's conv window and the input
-    projection's row, then takes the recurrent step. Its v channels' windows are its own to shift. The q and k
-    windows of a key head are read by the (Hv / Hk) * blocks programs that share it: each counts itself in
-    ``count[row, key head]`` once it has read them (before its recurrent step, so that the count's round trip
-    overlaps the state's load), and the last one writes them at its end and resets the count for the next launch."""
-    pdl_enter(PDL)
-    row = tl.program_id(0)
-    h = tl.program_id(1)
-    vb = tl.program_id(2)
-    hk = h // (HV // HK)
-    slot = tl.load(slots_ptr + row)
-    valid = slot >= 0
-    safe_slot = tl.where(valid, slot, 0).to(tl.int64)
-    offs_k = tl.arange(0, BK)
-    offs_v = vb * BV + tl.arange(0, BV)
-    mk = offs_k < DK
-    mv = offs_v < DV
-    m2 = mk[:, None] & mv[None, :]
-    state_off = h * DK * DV + offs_k[:, None] * DV + offs_v[None, :]
-    state = tl.load(pool_ptr + safe_slot * stride_pool + state_off, mask=m2 & valid, other=0.0)
-    x_row = x_ptr + row * stride_x
-    st_row = conv_ptr + safe_slot * stride_conv
-    ch_q = hk * DK + offs_k
-    ch_k = HK * DK + hk * DK + offs_k
-    ch_v = 2 * HK * DK + h * DV + offs_v
-    q, new_q = _conv_window(x_row, cw_ptr, st_row, ch_q, mk, valid, KW, KP)
-    k, new_k = _conv_window(x_row, cw_ptr, st_row, ch_k, mk, valid, KW, KP)
-    v, new_v = _conv_window(x_row, cw_ptr, st_row, ch_v, mv, valid, KW, KP)
-    last = False
-    if valid:
-        tl.debug_barrier()  # every thread of the program has read its windows before the program counts itself
-        last = tl.atomic_add(count_ptr + row * HK + hk, 1) == (HV // HK) * tl.num_programs(2) - 1  # acq_rel
-    A = -tl.exp(tl.load(A_log_ptr + h).to(tl.float32))
-    dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
-    a_in = tl.load(a_ptr + row * stride_ab + h)
-    b_in = tl.load(b_ptr + row * stride_ab + h)
-    state, o = _delta_step(state.to(tl.float32), q, k, v, a_in, b_in, A, dt_bias, scale)
-    tl.store(out_ptr + row * (HV * DV) + h * DV + offs_v, o.to(out_ptr.dtype.element_ty), mask=mv)
-    tl.store(pool_ptr + safe_slot * stride_pool + state_off, state.to(pool_ptr.dtype.element_ty), mask=m2 & valid)
-    j = tl.arange(0, KP)[None, :]
-    win = st_row + j
-    cdt = conv_ptr.dtype.element_ty
-    tl.store(win + ch_v[:, None] * (KW - 1), new_v.to(cdt), mask=mv[:, None] & (j < KW - 1) & valid)
-    if last:
-        tl.atomic_xchg(count_ptr + row * HK + hk, 0)
-        tl.store(win + ch_q[:, None] * (KW - 1), new_q.to(cdt), mask=mk[:, None] & (j < KW - 1))
-        tl.store(win + ch_k[:, None] * (KW - 1), new_k.to(cdt), mask=mk[:, None] & (j < KW - 1))
-
-
 # (value channels per program, warps) for decode (S = 1), the multi-step verify and the replay, which do up to
 # k + 1 steps of arithmetic per state load, by batch size: (up to this many rows, tile). From
 # ``tools/tune_kernels.py --only steps`` on the H200 (run -1524, bench-6b shapes, microseconds per layer): decode
@@ -238,36 +160,6 @@ def gdn_steps(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Te
     _launch(x, a, b, A_log, dt_bias, pool, slots, out, vbuf, slots, 1, num_k_heads, head_k_dim, head_v_dim, steps,
             mode, cfg or _tile(STEPS_CFG if steps == 1 else MULTI_STEPS_CFG, batch), (0, 0, 0),
             (vbuf.stride(0), vbuf.stride(1)) if mode == VERIFY_STATES else (0, 0))
-    return out
-
-
-def gdn_decode_conv(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, conv_weight: torch.Tensor,
-                    conv_pool: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, pool: torch.Tensor,
-                    slots: torch.Tensor, counts: torch.Tensor, num_k_heads: int, head_k_dim: int, head_v_dim: int,
-                    cfg: tuple[int, int] | None = None) -> torch.Tensor:
-    """A decode step, conv and recurrent step in one launch (``_gdn_decode_conv_kernel``): what ``conv_steps``
-    then ``gdn_steps`` do at one step per row. x: [B, conv_dim] the conv's input (q | k | v, rows may be strided);
-    a, b: [B, Hv]; conv_weight: [conv_dim, K]; conv_pool: [slots, conv_dim, K - 1] and pool: [slots, Hv, Dk, Dv]
-    (one layer), both updated in place for rows with slot >= 0; counts: int32 [>= B, Hk], all zero (and left so).
-    Returns o [B, Hv, Dv] in x's dtype."""
-    batch, conv_dim = x.shape
-    hv, kw = a.shape[-1], conv_weight.shape[-1]
-    out = torch.empty(batch, hv, head_v_dim, dtype=x.dtype, device=x.device)
-    if batch == 0:
-        return out
-    assert x.stride(1) == 1 and conv_weight.is_contiguous() and conv_pool.stride(2) == 1
-    assert conv_pool.shape[1:] == (conv_dim, kw - 1) and conv_pool.stride(1) == kw - 1
-    assert a.stride(0) == b.stride(0) and a.stride(1) == b.stride(1) == 1
-    assert counts.dtype == torch.int32 and counts.shape[0] >= batch and counts.shape[1] == num_k_heads
-    bv, warps = cfg or _tile(STEPS_CFG, batch)
-    bk, bv = next_pow2(head_k_dim), min(next_pow2(head_v_dim), bv)
-    _gdn_decode_conv_kernel[(batch, hv, triton.cdiv(head_v_dim, bv))](
-        x, a, b, conv_weight, conv_pool, A_log, dt_bias, pool, slots, counts, out,
-        x.stride(0), a.stride(0), conv_pool.stride(0), pool.stride(0), head_k_dim ** -0.5,
-        HK=num_k_heads, HV=hv, DK=head_k_dim, DV=head_v_dim, KW=kw, KP=next_pow2(kw), BK=bk, BV=bv,
-        num_warps=warps,
-        **pdl_launch(x),
-    )
     return out
 
 

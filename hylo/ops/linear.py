@@ -9,7 +9,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from .norm import PendingAddNorm, gated_rms_norm
+from .norm import gated_rms_norm
 from .triton_utils import use_triton
 
 
@@ -21,15 +21,8 @@ def _few_rows(x: torch.Tensor) -> bool:
     return x.shape[0] <= GEMV_MAX_ROWS and x.stride(-1) == 1
 
 
-def dense(x, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x W^T + bias for a wide projection (the GDN input projection, the attention qkv projection). x may be a
-    ``PendingAddNorm``: on the one-row fast path its residual step runs in the GEMV's prologue."""
-    if isinstance(x, PendingAddNorm):
-        if _norm_in_gemv_fits(x):
-            from .linear_triton import gemv
-
-            return gemv(x.x, w, bias=bias, **_prologue(x, keep_normed=False))
-        x = x.value()
+def dense(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T + bias for a wide projection (the GDN input projection, the attention qkv projection)."""
     if _few_rows(x):
         from .linear_triton import gemv
 
@@ -37,34 +30,10 @@ def dense(x, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     return F.linear(x, w, bias)
 
 
-def _prologue(p: PendingAddNorm, keep_normed: bool) -> dict:
-    """The GEMV arguments that run ``p``'s residual step in its prologue; ``p`` takes the new residual (and with
-    ``keep_normed`` the normed row), which the GEMV writes."""
-    p.residual = torch.empty_like(p.x)
-    kw = dict(norm_weight=p.weight, eps=p.eps, delta=p.delta.contiguous(), residual_out=p.residual)
-    if keep_normed:
-        p.normed = kw["normed_out"] = torch.empty_like(p.x)
-    return kw
-
-
-def _norm_in_gemv_fits(p: PendingAddNorm) -> bool:
-    """One row on the Triton path, contiguous, its delta one or a few rows of it, the row wide enough to hold in one
-    program's registers (up to 8192 channels)."""
-    x, d = p.x, p.delta
-    return (x.dim() == 2 and x.shape[0] == 1 and _few_rows(x) and x.is_contiguous() and x.shape[1] <= 8192
-            and d.shape[0] == 1 and d.shape[-1] == x.shape[1] and d.dim() in (2, 3) and p.weight.is_contiguous())
-
-
-def narrow(x, w: torch.Tensor) -> torch.Tensor:
+def narrow(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x W^T for a projection with few outputs (the MoE router: 2 blocks of 64 outputs from 2048 inputs). On the
     few-row path K is split so that enough loads are in flight, and the float32 partial rows [M, S, N] come back
-    unreduced for the consumer to sum (the routing kernel does); elsewhere the plain [M, N]. x may be a
-    ``PendingAddNorm``: on the one-row fast path its residual step runs in the GEMV's prologue, which also keeps
-    the normed row (the MoE's experts read it next)."""
-    if isinstance(x, PendingAddNorm):
-        if _norm_in_gemv_fits(x):
-            return _split_gemv(x.x, w, reduce=False, **_prologue(x, keep_normed=True))
-        x = x.value()
+    unreduced for the consumer to sum (the routing kernel does); elsewhere the plain [M, N]."""
     if _few_rows(x):
         return _split_gemv(x, w, reduce=False)
     if x.is_cuda and w.shape[0] % 8:

@@ -18,16 +18,10 @@ import torch
 import triton
 import triton.language as tl
 
-from . import triton_pdl
-from .norm_triton import residual_sum
 from .triton_pdl import l2_prefetch, pdl_enter
 from .triton_utils import env_cfg, next_pow2, pdl_launch, prefetch_args, sm_count
 
 GEMV_MAX_ROWS = 16
-# HYLO_EARLY_LOADS (``triton_pdl``): "gemv", every program's first block of W before the PDL wait; "gemv1", only
-# where that block is the program's whole slice of W (no loop left to peel: the router's split-K GEMV)
-EARLY_LOADS = "gemv" in triton_pdl.EARLY_LOADS
-EARLY_ONE_BLOCK = "gemv1" in triton_pdl.EARLY_LOADS
 
 
 @triton.jit
@@ -35,18 +29,10 @@ def _gemv_kernel(x_ptr, g_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, M, N, K: tl.constexp
                  K_SPLIT: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                  BK: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr, PREC: tl.constexpr,
                  FMA: tl.constexpr = False, PF_LINES: tl.constexpr = 0, PF_STRIDE: tl.constexpr = 64,
-                 D: tl.constexpr = 1, d_ptr=None, res_ptr=None, ADD_NORM: tl.constexpr = False,
-                 J: tl.constexpr = 1, KP: tl.constexpr = 1, xn_ptr=None, KEEP_NORMED: tl.constexpr = False,
-                 EARLY: tl.constexpr = False, PDL: tl.constexpr = False):
+                 D: tl.constexpr = 1, PDL: tl.constexpr = False):
     """Program (block of BN outputs, K split): BM rows (padded to 16 for the tensor cores), or with FMA one row
     (BM = 1) multiplied on the CUDA cores, a [BK] slice of x against the [BN, BK] tile of W. With NORM, each K
-    block holds BK / D whole heads of D channels. With ADD_NORM (one row) the input is the residual step before
-    the projection, ``add_rms_norm``'s normed row of x + the J delta rows at ``d_ptr``: every program sums the
-    whole row (KP >= K channels) for its sum of squares, program (0, 0) stores the sum to ``res_ptr``, and each K
-    block is summed and normalised again as it is loaded (from L2); with KEEP_NORMED the programs of the first
-    block of outputs also store their K slices of the normed row to ``xn_ptr`` (for the next kernel to read).
-    EARLY (not with ADD_NORM): the program's first [BN, BK] block of W is loaded before ``pdl_enter``, while the
-    kernel before this one still runs (``triton_pdl.EARLY_LOADS``), and multiplied ahead of the loop."""
+    block holds BK / D whole heads of D channels."""
     split = tl.program_id(1)
     offs_m = tl.arange(0, BM)
     offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
@@ -54,36 +40,13 @@ def _gemv_kernel(x_ptr, g_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, M, N, K: tl.constexp
         offs_l = tl.minimum(split * K_SPLIT + tl.arange(0, PF_LINES) * PF_STRIDE, K - 1)
         l2_prefetch(w_ptr + tl.minimum(offs_n, N - 1)[:, None] * K + offs_l[None, :])
     mm, mn = offs_m < M, offs_n < N
-    if EARLY:
-        offs_k0 = split * K_SPLIT + tl.arange(0, BK)
-        w_first = tl.load(w_ptr + offs_n[:, None] * K + offs_k0[None, :], mask=mn[:, None] & (offs_k0 < K)[None, :],
-                          other=0.0)
     pdl_enter(PDL)
     acc = tl.zeros([BM, BN], dtype=tl.float32)
-    if ADD_NORM:
-        first = tl.zeros([1], dtype=tl.int64)
-        offs_r = tl.arange(0, KP)
-        row = residual_sum(x_ptr, d_ptr, res_ptr, first, first >= 0, offs_r, K, J)  # [1, KP]
-        if (tl.program_id(0) == 0) & (split == 0):
-            tl.store(res_ptr + offs_r[None, :], row.to(res_ptr.dtype.element_ty), mask=(offs_r < K)[None, :])
-        inv_row = tl.rsqrt(tl.sum(tl.sum(row * row, 1), 0) / K + eps)
     nw = tl.load(nw_ptr + tl.arange(0, BK) % D).to(tl.float32) if NORM else None
-    if EARLY:
-        x = _input_block(x_ptr, g_ptr, nw, offs_m, offs_k0, mm, offs_k0 < K, stride_x, stride_g, eps, BM, BK, D, NORM)
-        acc = _multiply(acc, w_first, x, FMA, PREC)
-    for k0 in range(BK * EARLY, K_SPLIT, BK):
+    for k0 in range(0, K_SPLIT, BK):
         offs_k = split * K_SPLIT + k0 + tl.arange(0, BK)
         mk = offs_k < K
-        m2 = mm[:, None] & mk[None, :]
-        if ADD_NORM:  # rms_norm(x + delta) * (1 + w), as norm_triton's add_rms_norm computes it
-            vk = residual_sum(x_ptr, d_ptr, res_ptr, first, first >= 0, offs_k, K, J)  # [1, BK]
-            nwk = tl.load(nw_ptr + offs_k, mask=mk, other=0.0).to(tl.float32)
-            x = tl.where(m2, vk * inv_row * (1.0 + nwk)[None, :], 0.0).to(x_ptr.dtype.element_ty)
-            if KEEP_NORMED:
-                if tl.program_id(0) == 0:
-                    tl.store(xn_ptr + offs_m[:, None] * K + offs_k[None, :], x, mask=m2)
-        else:
-            x = _input_block(x_ptr, g_ptr, nw, offs_m, offs_k, mm, mk, stride_x, stride_g, eps, BM, BK, D, NORM)
+        x = _input_block(x_ptr, g_ptr, nw, offs_m, offs_k, mm, mk, stride_x, stride_g, eps, BM, BK, D, NORM)
         w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
         acc = _multiply(acc, w, x, FMA, PREC)
     if HAS_BIAS:
@@ -161,21 +124,14 @@ def choose_split(n: int, k: int, bn: int, bk: int, target_programs: int = 256) -
 
 def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, gate: torch.Tensor | None = None,
          split: int = 1, cfg: tuple[int, int, int, int] | None = None, norm_weight: torch.Tensor | None = None,
-         eps: float = 1e-6, fma: bool | None = None, delta: torch.Tensor | None = None,
-         residual_out: torch.Tensor | None = None, normed_out: torch.Tensor | None = None) -> torch.Tensor:
+         eps: float = 1e-6, fma: bool | None = None) -> torch.Tensor:
     """x, gate: [M, K] (M <= 16, unit stride along K); w: [N, K] contiguous. Returns [M, N] in x's dtype when
     ``split`` is 1, else the float32 partial sums of each K split, [M, split, N] (bias in split 0).
 
     The input is x, or with ``gate`` and ``norm_weight`` [D] (D a power of two dividing K) the GDN gated norm of
-    every D-channel head of x, ``gated_rms_norm(x, gate, norm_weight, eps)``; or with ``delta`` (one row x: the
-    residual stream; delta [1, K] or [1, J, K], contiguous) and ``norm_weight`` [K], the residual step's normed
-    row ``add_rms_norm(x, delta, norm_weight, eps)[1]``, the sum x + delta stored to ``residual_out`` and, when
-    given, the normed row to ``normed_out`` ([1, K] contiguous, x's dtype).
+    every D-channel head of x, ``gated_rms_norm(x, gate, norm_weight, eps)``.
     ``fma``: a single row multiplied on the CUDA cores (default ``GEMV_FMA`` for one row; ignored for more)."""
-    if delta is not None:
-        if gate is not None or norm_weight is None or residual_out is None or x.shape[0] != 1:
-            raise ValueError("gemv: the residual step in the loads takes one row, its norm weight and residual_out")
-    elif (gate is None) != (norm_weight is None):
+    if (gate is None) != (norm_weight is None):
         raise ValueError("gemv: the gate and the norm weight go together (the GDN gated norm)")
     m, k = x.shape
     n = w.shape[0]
@@ -197,11 +153,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, gat
     _gemv_kernel[(triton.cdiv(n, bn), split)](
         x, g, norm_weight if norm_weight is not None else w, w, bias if bias is not None else w, y, m, n, k,
         x.stride(0), g.stride(0), eps, K_SPLIT=k_split, SPLIT=split, BM=1 if fma else 16, BN=bn, BK=bk,
-        NORM=gate is not None, HAS_BIAS=bias is not None, FMA=fma, D=d,
-        **({} if delta is None else dict(d_ptr=delta, res_ptr=residual_out, ADD_NORM=True, KP=next_pow2(k),
-                                          J=delta.shape[1] if delta.dim() == 3 else 1, xn_ptr=normed_out,
-                                          KEEP_NORMED=normed_out is not None)),
-        **prefetch_args(k_split, w), EARLY=delta is None and (EARLY_LOADS or (EARLY_ONE_BLOCK and k_split == bk)),
+        NORM=gate is not None, HAS_BIAS=bias is not None, FMA=fma, D=d, **prefetch_args(k_split, w),
         PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages, **pdl_launch(x))
     return y
 

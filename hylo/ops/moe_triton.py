@@ -24,7 +24,6 @@ import triton
 import triton.language as tl
 
 from .moe_grouped_mm import fused_moe_grouped_mm, grouped_mm_usable
-from .moe_route_triton import pair_choice
 from .triton_pdl import l2_prefetch, pdl_enter
 from .triton_utils import env_cfg, next_pow2, pdl_launch, prefetch_args
 
@@ -36,27 +35,14 @@ PAIR_GEMV_MAX_PAIRS = 176
 # ---- few pairs: one GEMV per pair ------------------------------------------------------------------------------
 @triton.jit
 def _pair_gate_up_kernel(x_ptr, w13_ptr, ids_ptr, act_ptr, H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
-                         BN: tl.constexpr, BK: tl.constexpr, logits_ptr=None, wts_ptr=None, stride_lt=0,
-                         stride_ls=0, ROUTE: tl.constexpr = False, SPLIT: tl.constexpr = 1, E: tl.constexpr = 1,
-                         K: tl.constexpr = 1, BE: tl.constexpr = 1, NORM: tl.constexpr = False,
-                         SHARED: tl.constexpr = False, PDL: tl.constexpr = False):
-    """Program (pair, block of BN intermediate columns): silu(x W_gate^T) * (x W_up^T) of that pair's expert.
-    With ROUTE the pair's expert comes from the router's logits (``moe_route_triton.pair_choice``: each program
-    ranks its token's experts itself), and the programs of the first column block store the pair's expert and
-    weight for the down projection."""
+                         BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr = False):
+    """Program (pair, block of BN intermediate columns): silu(x W_gate^T) * (x W_up^T) of that pair's expert."""
     pdl_enter(PDL)
     pair = tl.program_id(0)
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
     mn = offs_n < I
     tok = pair // TOP_K
-    if ROUTE:
-        e, wgt = pair_choice(logits_ptr + tok * stride_lt, stride_ls, pair % TOP_K, SPLIT, E, K, BE, NORM, SHARED,
-                             wts_ptr.dtype.element_ty)
-        if tl.program_id(1) == 0:
-            tl.store(ids_ptr + pair, e)
-            tl.store(wts_ptr + pair, wgt)
-    else:
-        e = tl.load(ids_ptr + pair).to(tl.int64)
+    e = tl.load(ids_ptr + pair).to(tl.int64)
     w_base = w13_ptr + e * (2 * I * H)
     acc_g = tl.zeros([BN], dtype=tl.float32)
     acc_u = tl.zeros([BN], dtype=tl.float32)
@@ -87,7 +73,7 @@ def _pair_down_kernel(act_ptr, w2_ptr, ids_ptr, wts_ptr, out_ptr, H: tl.constexp
     pair = tl.program_id(0)
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
     mn = offs_n < H
-    if PDL == 1 and PF_LINES > 0:  # not with the trigger first (PDL = 2): the ids may not be written yet
+    if PDL and PF_LINES > 0:
         e = tl.load(ids_ptr + pair, cache_modifier=".cg").to(tl.int64)
         offs_l = tl.minimum(tl.arange(0, PF_LINES) * PF_STRIDE, I - 1)
         l2_prefetch(w2_ptr + e * (H * I) + tl.minimum(offs_n, H - 1)[:, None] * I + offs_l[None, :])
@@ -340,16 +326,15 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
 
 
 def _pair_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor,
-              top_k: int, reduce: bool, route: dict | None = None) -> torch.Tensor:
-    """The pair kernels (few pairs): gate/up, then the down projection summed per token (or one row per pair).
-    ``route``: the gate/up kernel's ROUTE arguments, which make it fill ``ids`` and ``wts`` itself."""
+              top_k: int, reduce: bool) -> torch.Tensor:
+    """The pair kernels (few pairs): gate/up, then the down projection summed per token (or one row per pair)."""
     num_tokens, hidden = x.shape
     num_pairs, inter = ids.shape[0], w2.shape[-1]
     act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     bn, bk, warps, stages = PAIR_GATE_UP_CFG
     _pair_gate_up_kernel[(num_pairs, triton.cdiv(inter, bn))](
         x, w13, ids, act, hidden, inter, TOP_K=top_k, BN=bn, BK=min(bk, next_pow2(hidden)), num_warps=warps,
-        num_stages=stages, **(route or {}), **pdl_launch(x))
+        num_stages=stages, **pdl_launch(x))
     if PAIR_DOWN_SUM:  # one float32 row per token, [T, 1, H]
         bn, bk, warps, stages = PAIR_DOWN_SUM_CFG
         out = torch.empty(num_tokens, hidden, dtype=torch.float32, device=x.device)
@@ -365,34 +350,3 @@ def _pair_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.T
     out = out.view(num_tokens, top_k, hidden)
     return out.sum(1, dtype=torch.float32).to(x.dtype) if reduce else out
 
-
-# Routing inside the gate/up kernel (``fused_moe_routed``): for at most this many tokens (every one of a token's
-# pair programs ranks its experts: at batch 1 11 x 128 programs, each reading the router's 16 x 65 partial logits
-# from L2 and comparing 64 x 64 pairs) and experts (the comparison is [E, E] in registers).
-ROUTE_IN_PAIRS_MAX_TOKENS = 4
-ROUTE_IN_PAIRS_MAX_EXPERTS = 64
-
-
-def routed_in_pairs_fits(tokens: int, num_experts: int, top_k: int, shared: bool) -> bool:
-    return (tokens <= ROUTE_IN_PAIRS_MAX_TOKENS and num_experts <= ROUTE_IN_PAIRS_MAX_EXPERTS
-            and tokens * (top_k + int(shared)) <= PAIR_GEMV_MAX_PAIRS)
-
-
-def fused_moe_routed(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, logits: torch.Tensor, num_experts: int,
-                     top_k: int, normalize: bool, shared: bool, reduce: bool = True) -> torch.Tensor:
-    """``fused_moe(x, w13, w2, *route(logits, ...))`` with the routing inside the gate/up kernel: one launch fewer
-    per MoE for a few tokens (``routed_in_pairs_fits``). ``logits``: the router's [T, E (+1)], or its float32
-    split-K partials [T, S, E (+1)], as ``moe_route_triton.route`` takes them."""
-    tokens = x.shape[0]
-    split = logits.shape[1] if logits.dim() == 3 else 1
-    if logits.stride(-1) != 1:
-        logits = logits.contiguous()
-    kp = top_k + int(shared)
-    if tokens == 0:
-        return torch.zeros_like(x) if reduce else x.new_zeros(tokens, kp, x.shape[1])
-    ids = torch.empty(tokens * kp, dtype=torch.int64, device=x.device)
-    wts = torch.empty(tokens * kp, dtype=x.dtype, device=x.device)
-    route = dict(logits_ptr=logits, wts_ptr=wts, stride_lt=logits.stride(0),
-                 stride_ls=logits.stride(1) if split > 1 else 0, ROUTE=True, SPLIT=split, E=num_experts, K=top_k,
-                 BE=max(16, next_pow2(num_experts)), NORM=normalize, SHARED=shared)
-    return _pair_moe(x.contiguous(), w13, w2, ids, wts, kp, reduce, route)

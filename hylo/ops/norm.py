@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
@@ -31,53 +29,6 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
     else:
         res = x + delta
     return res, rms_norm_ref(res, weight, eps)
-
-
-# HYLO_NORM_IN_GEMV=1: at one token (batch-1 decode) the residual step before each mixer runs in the prologue of the
-# mixer's input projection (``PendingAddNorm``, ``ops.linear.dense``): one launch per layer fewer. Leaving all 49
-# residual-add norms out of the batch-1 step took 0.090 ms off its 1.504 ms graph on the H200 (session 17,
-# ab-decode-20261204-211702); these are 24 of them. Off by default: with HYLO_ROUTE_IN_PAIRS and HYLO_NORM_IN_ROUTER
-# the batch-1 graph took 1.648 against 1.482 ms on the H200 (session 18, one round, ab-decode-20261205-133809);
-# every program's pass over the row costs more than the launch it saves. Alone on the H100: 1.915 against 1.852 ms
-# (session 19, ab-decode-20261205-141404).
-NORM_IN_GEMV = os.environ.get("HYLO_NORM_IN_GEMV", "0") == "1"
-
-
-class PendingAddNorm:
-    """``add_rms_norm(x, delta, weight, eps)`` not yet run: the projection that reads its normed rows may run it in
-    its own prologue (``ops.linear.dense``) and set ``residual``; anything else calls ``value()``, which runs it.
-    Carries x's shape, dtype and device, which is all the mixers ask of their input besides projecting it."""
-
-    def __init__(self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float):
-        self.x, self.delta, self.weight, self.eps = x, delta, weight, eps
-        self.residual: torch.Tensor | None = None  # set by whichever runs the step
-        self.normed: torch.Tensor | None = None  # likewise, where it keeps the normed rows
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.x.shape
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.x.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.x.device
-
-    def value(self) -> torch.Tensor:
-        """The normed rows (running the residual step now unless a projection ran it)."""
-        if self.normed is None:
-            if self.residual is not None:
-                raise RuntimeError("the residual step ran inside a projection: its normed rows are not kept")
-            self.residual, self.normed = add_rms_norm(self.x, self.delta, self.weight, self.eps)
-        return self.normed
-
-    def new_residual(self) -> torch.Tensor:
-        """x + delta, from whichever ran the step (running it now if nothing did)."""
-        if self.residual is None:
-            self.value()
-        return self.residual
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -47,17 +47,6 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, res_out_ptr, y_ptr, gate_ptr, ROWS, N:
     tl.store(y_ptr + at, y.to(y_ptr.dtype.element_ty), mask=m)
 
 
-@triton.jit
-def residual_sum(x_ptr, d_ptr, res_ptr, rows, mr, offs, H: tl.constexpr, J: tl.constexpr):
-    """Rows ``rows``, columns ``offs`` (< H) of x + the sum of each row's J delta rows, in float32, rounded to the
-    residual's dtype (as ``add_rms_norm`` stores and normalises it); returned in float32, 0 outside."""
-    m = mr[:, None] & (offs < H)[None, :]
-    v = tl.load(x_ptr + rows[:, None] * H + offs[None, :], mask=m, other=0.0).to(tl.float32)
-    for j in tl.static_range(J):
-        v += tl.load(d_ptr + (rows[:, None] * J + j) * H + offs[None, :], mask=m, other=0.0).to(tl.float32)
-    return v.to(res_ptr.dtype.element_ty).to(tl.float32)
-
-
 def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
     n = x.shape[-1]
     return x.reshape(-1, n), n

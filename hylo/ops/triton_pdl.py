@@ -7,16 +7,15 @@ import triton.language as tl
 
 # HYLO_EARLY_LOADS: decode-path kernels load what does not depend on the kernel before them before their
 # ``pdl_enter``, while that kernel still runs, so that only the loads of its outputs stay on the critical path:
-# "gdn" the GDN step's recurrent state, "conv" the decode conv's window and weights, "gemv" the few-row GEMV's
-# first block of weights (every projection but the MoE's), "gemv1" the same only where that block is all of a
-# program's weights (the router). A comma list of them, or 1 for all. Safe because a kernel launched with PDL
-# starts only once every program of the kernel before it has passed its own wait, i.e. once the kernel two back
-# has finished: only the previous kernel's writes may not be visible yet, and none of these reads them early
-# (with HYLO_PDL_TRIGGER_FIRST the argument is a wider one: ``triton_utils``). Default "gdn,conv": in two rounds on
-# the H100 (session 19) they took 0.015 and 0.021 ms off the batch-1 step's graph (1.852 -> 1.837, 1.857 -> 1.836
-# ms); "gemv" made it 0.075 ms slower (1.932 ms: the peeled first block costs each program more than its early
-# start gains), so it stays off.
-EARLY_KINDS = ("gdn", "conv", "gemv", "gemv1")
+# "gdn" the GDN step's recurrent state, "conv" the decode conv's window and weights. A comma list of them, 1 for
+# both, 0 for neither. Safe because a kernel launched with PDL starts only once every program of the kernel before
+# it has passed its own wait, i.e. once the kernel two back has finished: only the previous kernel's writes may not
+# be visible yet, and neither state is written by the kernel before its reader. Default both: in two rounds on the
+# H100 (session 19) they took 0.015 and 0.021 ms off the batch-1 step's graph (1.852 -> 1.837, 1.857 -> 1.836 ms),
+# and in session 20 0.012 at batch 1 and 0.034 at batch 8 (ab-decode-20261205-154512). The GEMVs' first block of
+# weights early was measured too (session 19: 0.075 ms slower at batch 1; for the router alone, no change) and
+# taken out again.
+EARLY_KINDS = ("gdn", "conv")
 
 
 def _early_loads(text: str) -> frozenset:
@@ -38,12 +37,8 @@ def pdl_enter(PDL: tl.constexpr):
     """First thing in a kernel that takes ``PDL`` (after only what ``EARLY_LOADS`` allows): with it set (the kernel
     was launched with ``launch_pdl``), wait until the previous kernel in the stream has finished and its writes are
     visible, and allow the next kernel to be scheduled onto free SMs while this one runs (it will wait here in
-    turn): after the wait, or before it with PDL = 2 (``triton_utils.pdl_launch``, ``HYLO_PDL_TRIGGER_FIRST``).
-    A no-op when PDL is off."""
-    if PDL == 2:
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
-    elif PDL:
+    turn). A no-op when PDL is off."""
+    if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
 

@@ -70,15 +70,6 @@ _PDL = os.environ.get("HYLO_PDL", "1") == "1"
 # (only the projections behind a latency-bound kernel, 16 MiB in all) was no faster either (session 13,
 # ab-decode-20261204-032522: batch 1 1.624 against 1.612 ms of graph time) and was taken out again.
 _PREFETCH = os.environ.get("HYLO_PDL_PREFETCH", "0") == "1"
-# HYLO_PDL_TRIGGER_FIRST=1: the kernels' ``pdl_enter`` lets the next kernel be scheduled before it waits for the
-# previous one, not after (PDL = 2), so that launches may run as many kernels ahead as the SMs have room for instead
-# of one. Every kernel still waits for its predecessor before it reads that one's output or writes anything, and so
-# completes after it: what a kernel reads after its wait is as before. What it reads early
-# (``triton_pdl.EARLY_LOADS``) must then be written by no kernel of the in-flight chain, not only the previous one:
-# the GDN and conv states are written only by the same layer's kernel a step earlier, across the step's non-PDL
-# ``lm_head``, which ends every chain. The MoE down kernel's expert-id prefetch (HYLO_PDL_PREFETCH) is skipped with
-# it. Off by default until measured.
-_TRIGGER_FIRST = os.environ.get("HYLO_PDL_TRIGGER_FIRST", "0") == "1"
 
 
 def set_pdl(enabled: bool, prefetch: bool | None = None) -> tuple[bool, bool]:
@@ -115,8 +106,8 @@ def pdl_launch(t: torch.Tensor) -> dict:
     """Launch options of the decode-path kernels for programmatic dependent launch (Hopper and later): such a
     kernel may be scheduled while the previous kernel in the stream drains, and waits for it
     (``griddepcontrol.wait``, in ``triton_pdl.pdl_enter``) before it writes anything or reads what that kernel
-    wrote (``triton_pdl.EARLY_LOADS``: what it may read before). ``PDL`` is 2 with HYLO_PDL_TRIGGER_FIRST, else 1.
+    wrote (``triton_pdl.EARLY_LOADS``: what it may read before).
     Empty (a plain launch) when switched off or elsewhere."""
     if _PDL and t.is_cuda and _pdl_supported():
-        return {"PDL": 2 if _TRIGGER_FIRST else 1, "launch_pdl": True}
+        return {"PDL": True, "launch_pdl": True}
     return {}

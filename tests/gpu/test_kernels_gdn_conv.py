@@ -50,43 +50,6 @@ def test_gdn_steps_matches_reference(dev, hk, hv, dk, dv, batch, steps, early, m
     assert torch.allclose(out.cpu().view(batch, steps, hv, dv), ro, atol=1e-4)
 
 
-@pytest.mark.parametrize("hk,hv,dk,dv,batch,kernel,bv", [(2, 4, 16, 20, 3, 4, 8), (1, 3, 12, 10, 5, 3, 32),
-                                                           (16, 32, 128, 128, 2, 4, 32)])
-def test_decode_with_the_conv_inside_matches_the_reference(dev, hk, hv, dk, dv, batch, kernel, bv):
-    """``gdn_decode_conv`` (conv and recurrent step in one launch, the q/k windows shifted by the last program of a
-    key head) against the reference conv update then the reference step, two steps in a row (the counts must be
-    back at zero for the second); a slot -1 row writes nothing; slots of no row are untouched."""
-    from hylo.ops.gdn_triton import gdn_decode_conv
-
-    g = torch.Generator().manual_seed(5)
-    conv_dim = 2 * hk * dk + hv * dv
-    slots = torch.tensor([batch + 1 - i if i != 1 else -1 for i in range(batch)])
-    conv = torch.randn(batch + 2, conv_dim, kernel - 1, generator=g)
-    rec = torch.randn(batch + 2, hv, dk, dv, generator=g) * 0.3
-    w = torch.randn(conv_dim, kernel, generator=g)
-    A_log, dt_bias = torch.randn(hv, generator=g) * 0.5, torch.randn(hv, generator=g)
-    t = lambda z: z.to(dev)  # noqa: E731
-    dconv, drec = t(conv).clone(), t(rec).clone()  # (on the CPU `to` would alias them)
-    counts = torch.zeros(batch + 1, hk, dtype=torch.int32, device=dev)
-    for step in range(2):
-        # the input projection's row: q | k | v then other columns (a strided view, as in the model)
-        proj = torch.randn(batch, conv_dim + 7 + 2 * hv, generator=g)
-        x, b, a = proj[:, :conv_dim], proj[:, conv_dim + 7:conv_dim + 7 + hv], proj[:, conv_dim + 7 + hv:]
-        xc = conv_ref.causal_conv1d_update_ref(x, conv, w, slots)
-        q, k, v = xc.split([hk * dk, hk * dk, hv * dv], -1)
-        gg, beta = gdn_ref.gdn_gating(A_log, a, dt_bias, b)
-        ro = gdn_ref.gdn_decode_ref(q.reshape(-1, hk, dk), k.reshape(-1, hk, dk), v.reshape(-1, hv, dv), gg, beta,
-                                    rec, slots)
-        dproj = t(proj)
-        out = gdn_decode_conv(dproj[:, :conv_dim], dproj[:, conv_dim + 7 + hv:],
-                              dproj[:, conv_dim + 7:conv_dim + 7 + hv],
-                              t(w), dconv, t(A_log), t(dt_bias), drec, t(slots), counts, hk, dk, dv, cfg=(bv, 2))
-        assert torch.allclose(out.cpu(), ro, atol=1e-4), step
-        assert torch.allclose(dconv.cpu(), conv, atol=1e-6), step  # slot -1 and slots of no row: untouched
-        assert torch.allclose(drec.cpu(), rec, atol=1e-4), step
-        assert not counts.any()
-
-
 @pytest.mark.parametrize("hk,hv,dk,dv,batch", [(2, 4, 16, 20, 3), (1, 3, 12, 10, 5), (16, 32, 128, 128, 2)])
 def test_verify_keeping_inputs_then_replay_commit_matches_reference(dev, hk, hv, dk, dv, batch):
     """A verify that keeps its inputs (outputs as the reference's, slots untouched, raw a and b kept), then one
