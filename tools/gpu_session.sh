@@ -6,8 +6,9 @@
 #    changed: the GPU tests selected by HYLO_TESTS_K, the bench and the prefill profile;
 #    tests-host: the GPU tests, then the host profile of overlapped decode at batch 1, 64 and 256 and a step's
 #    launches, in place of the prefill profile; tests-bench: the GPU tests, bench-short, then a step's launches)
-# The GPU suite alone takes 350-400 s on a fresh machine since session 9 (Triton compiles every kernel first): the
-# phases that add profiles to it may reach the device's 600 s limit; what they wrote under OUT still comes back.
+# The GPU suite alone took 350-480 s on a fresh machine in one process (Triton compiles every kernel first; 77 s
+# once compiled): the phases that add profiles to it may reach the device's 600 s limit; what they wrote under OUT
+# still comes back. Since session 20 it runs in parallel workers (below); how much that saves is not yet measured.
 # Everything is written under OUT (the device tool's $OUT); the summary lines go to stdout.
 # On the device machine (no registry there): carry fla-core 0.6.0 and einops as wheels in .whl (the device tool's
 # README says how to download them), then start the command with
@@ -17,6 +18,13 @@ set -u
 phase=${1:?tests, tests-host, tests-bench, check, tune-bench, bench, bench-first, bench-short, fma or s20}
 out=${2:?output folder}
 mkdir -p "$out"
+# The GPU tests run in parallel workers where pytest-xdist is installed (the device image has it): on a fresh
+# machine most of the suite's time is Triton compiling each kernel variant on first use, one at a time in a single
+# process (350-480 s); the workers compile their shares side by side. HYLO_TEST_WORKERS=0 runs them in one process.
+par=""
+if [ "${HYLO_TEST_WORKERS:-8}" != 0 ] && python3 -c "import xdist" 2>/dev/null; then
+  par="-n ${HYLO_TEST_WORKERS:-8} --dist load"
+fi
 
 sweeps() {  # the kernel sweeps whose winners a bench right after uses (tuned.env)
   timeout 170 python3 tools/tune_kernels.py --only grouped conv --out "$out" --env "$out/tuned.env" \
@@ -31,7 +39,7 @@ bench() {  # bench TIMEOUT [bench options]: hylo bench --pdl (TIMEOUT 0: no limi
 }
 
 gputests() {
-  timeout 450 python3 -m pytest -q -p no:cacheprovider --durations=12 tests/gpu > "$out/gputests.txt" 2>&1
+  timeout 450 python3 -m pytest -q -p no:cacheprovider $par --durations=12 tests/gpu > "$out/gputests.txt" 2>&1
   echo "pytest rc=$?"; grep -E "passed|failed|FAILED|Error" "$out/gputests.txt" | tail -15
   grep -A13 "slowest" "$out/gputests.txt" | cut -c1-110  # where the suite's time goes
 }
@@ -69,7 +77,7 @@ case "$phase" in
   check) gputests; bench 0 ;;  # the least device time that both checks a tree and measures it
   tests-bench) gputests; bench 0; launches ;;  # a new tree's first call: is it right, how fast, which launches
   tune-bench)  # the step and conv sweeps, the bench with their winners, the prefill profile (where the GPU waits)
-    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/gpu -k "prefill" > "$out/gputests.txt" 2>&1
+    timeout 150 python3 -m pytest -q -p no:cacheprovider $par tests/gpu -k "prefill" > "$out/gputests.txt" 2>&1
     echo "pytest (prefill kernels) rc=$?"; tail -3 "$out/gputests.txt"
     timeout 280 python3 tools/tune_kernels.py --only conv steps sampling --out "$out" --env "$out/tuned.env" > "$out/tune.txt" 2>&1
     grep -v "^    " "$out/tune.txt" | tail -40; cat "$out/tuned.env" 2>/dev/null
@@ -79,7 +87,7 @@ case "$phase" in
     grep -E "^==|idle|gap|prefill 8192" "$out/prof_prefill.txt" | head -24; grep -A1 "layer timeline" "$out/prof_prefill.txt"
     ;;  # the least device time: hylo's own rows only, as far as the device limit lets it go
   changed)  # a tree whose last check passed: the GPU tests of what changed since (-k), the bench, the prefill profile
-    timeout 240 python3 -m pytest -q -p no:cacheprovider tests/gpu -k "${HYLO_TESTS_K:?HYLO_TESTS_K}" \
+    timeout 240 python3 -m pytest -q -p no:cacheprovider $par tests/gpu -k "${HYLO_TESTS_K:?HYLO_TESTS_K}" \
       > "$out/gputests.txt" 2>&1
     echo "pytest -k \"$HYLO_TESTS_K\" rc=$?"; grep -E "passed|failed|FAILED|Error" "$out/gputests.txt" | tail -15
     bench 200
@@ -88,7 +96,7 @@ case "$phase" in
     ;;
   s20)  # session 20's removal of the slower alternatives: the GPU tests of the kernels and paths it touched,
          # then hylo's bench rows (no HF: they are unchanged by it) as far as the call's limit lets them go
-    timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_kernels_linear.py \
+    timeout 300 python3 -m pytest -q -p no:cacheprovider $par tests/gpu/test_kernels_linear.py \
       tests/gpu/test_kernels_route.py tests/gpu/test_kernels_moe_norm.py tests/gpu/test_engine_gpu.py \
       > "$out/tests20.txt" 2>&1
     echo "pytest rc=$?"; grep -E "passed|failed|FAILED|Error" "$out/tests20.txt" | tail -12
