@@ -26,7 +26,7 @@ def _assert_close_to(out, ref):
 
 @pytest.mark.parametrize("tokens,experts,top_k,hidden,inter", [(1, 8, 2, 48, 40), (3, 64, 10, 64, 32),
                                                                 (37, 8, 3, 40, 24), (9, 64, 10, 96, 80),
-                                                                (70, 8, 3, 40, 24)])
+                                                                (70, 8, 3, 40, 24), (2, 513, 11, 64, 32)])
 @pytest.mark.parametrize("summed", [True, False])
 def test_fused_moe_matches_reference(dev, tokens, experts, top_k, hidden, inter, summed, monkeypatch):
     from hylo.ops import moe_triton
@@ -88,7 +88,7 @@ def test_prefill_sized_moe_matches_reference(dev, grouped_mm, monkeypatch):
 
 
 @pytest.mark.parametrize("tokens,top_k,experts,bm", [(50, 3, 8, 16), (32, 11, 65, 16), (256, 11, 65, 64),
-                                                       (7, 2, 5, 16), (1, 1, 3, 32)])
+                                                       (7, 2, 5, 16), (1, 1, 3, 32), (64, 11, 513, 16)])
 def test_align_pairs_blocks_hold_one_expert_each(dev, tokens, top_k, experts, bm):
     from hylo.ops.moe_triton import align_pairs
 

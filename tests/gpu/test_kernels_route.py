@@ -8,7 +8,8 @@ from hylo.ops.moe import route_topk
 
 
 @pytest.mark.parametrize("tokens,experts,top_k,normalize,shared", [(1, 64, 10, True, True), (7, 8, 2, False, False),
-                                                                   (33, 16, 3, True, False), (5, 40, 6, True, True)])
+                                                                   (33, 16, 3, True, False), (5, 40, 6, True, True),
+                                                                   (3, 512, 10, True, True)])  # 512: Qwen3-Next-80B
 def test_routing_kernel_matches_reference(dev, tokens, experts, top_k, normalize, shared):
     from hylo.ops.moe_route_triton import route
 
