@@ -293,6 +293,38 @@ def test_kernel_settings_from_the_environment_name_a_bad_value(monkeypatch):
             env_cfg("HYLO_TEST_CFG", (32, 4))
 
 
+def test_on_off_settings_from_the_environment_name_a_bad_value(monkeypatch):
+    """On/off settings (``HYLO_PDL``, ``HYLO_GEMV_FMA``, ...): "1" or "0", the default when unset; anything else is
+    refused with the variable named instead of quietly meaning off."""
+    from hylo.ops.triton_utils import env_flag
+
+    monkeypatch.delenv("HYLO_TEST_FLAG", raising=False)
+    assert env_flag("HYLO_TEST_FLAG", True) is True and env_flag("HYLO_TEST_FLAG", False) is False
+    monkeypatch.setenv("HYLO_TEST_FLAG", "0")
+    assert env_flag("HYLO_TEST_FLAG", True) is False
+    monkeypatch.setenv("HYLO_TEST_FLAG", "1")
+    assert env_flag("HYLO_TEST_FLAG", False) is True
+    for bad in ("yes", "true", "", "2"):
+        monkeypatch.setenv("HYLO_TEST_FLAG", bad)
+        with pytest.raises(ValueError, match="HYLO_TEST_FLAG"):
+            env_flag("HYLO_TEST_FLAG", True)
+
+
+def test_integer_settings_from_the_environment_name_a_bad_value(monkeypatch):
+    """Integer settings (``HYLO_GEMV_NORM_BK``, ``HYLO_GROUPED_MM_MIN_PAIRS``, ...): the default when unset, the value
+    when it is an integer at or above the minimum, else refused with the variable named."""
+    from hylo.ops.triton_utils import env_int
+
+    monkeypatch.delenv("HYLO_TEST_INT", raising=False)
+    assert env_int("HYLO_TEST_INT", 512) == 512
+    monkeypatch.setenv("HYLO_TEST_INT", "0")
+    assert env_int("HYLO_TEST_INT", 512, minimum=0) == 0
+    for bad, minimum in (("0", 1), ("-3", 0), ("12.5", 1), ("many", 0), ("", 1)):
+        monkeypatch.setenv("HYLO_TEST_INT", bad)
+        with pytest.raises(ValueError, match="HYLO_TEST_INT"):
+            env_int("HYLO_TEST_INT", 512, minimum=minimum)
+
+
 def test_prefill_index_fields():
     """The GDN prefill's index tensors (built on the host, copied to the device in one piece): each token's row,
     the slots to start from and end in (rows without a slot start from zeros and keep nothing), the token offsets

@@ -2,21 +2,19 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from ..cache.kv_pool import KVPool
 from ..cache.req_slots import ReqSlots
 from ..core import ForwardBatch
 from ..ops import attention as ops
-from ..ops.triton_utils import use_triton
+from ..ops.triton_utils import env_flag, use_triton
 from .base import Backend
 
 
 # HYLO_KV_IN_ROPE=0: the new keys and values stored by their own launch (``ops.store_kv``) instead of by the q/k
 # norm-and-rotary kernel that produces the keys (``kv_store``): one launch per attention layer more.
-KV_IN_ROPE = os.environ.get("HYLO_KV_IN_ROPE", "1") == "1"
+KV_IN_ROPE = env_flag("HYLO_KV_IN_ROPE", True)
 
 
 class AttentionBackend(Backend):

@@ -4,13 +4,11 @@ sum. Everywhere else (CPU, prefill) they are ``F.linear``."""
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
 from .norm import gated_rms_norm
-from .triton_utils import use_triton
+from .triton_utils import env_int, use_triton
 
 
 def _few_rows(x: torch.Tensor) -> bool:
@@ -77,7 +75,7 @@ def out_proj(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
 # for several rows (session 13: 7.9 against 8.8 us with 4); for one row 128 (4 splits, each of two 512-channel
 # blocks of whole heads): a batch-1 graph of 1.486 against 1.504 ms with 256 on the H200 (one round of
 # ab-decode-20261204-211702). HYLO_GDN_NORM_PROGRAMS fixes one count for every batch.
-NORM_PROGRAMS = int(os.environ.get("HYLO_GDN_NORM_PROGRAMS", "0"))
+NORM_PROGRAMS = env_int("HYLO_GDN_NORM_PROGRAMS", 0, minimum=0)
 
 
 def norm_out_proj(x: torch.Tensor, z: torch.Tensor, norm_weight: torch.Tensor, eps: float, w: torch.Tensor,

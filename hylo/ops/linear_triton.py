@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from .triton_pdl import l2_prefetch, pdl_enter
-from .triton_utils import env_cfg, next_pow2, pdl_launch, prefetch_args, sm_count
+from .triton_utils import env_cfg, env_flag, env_int, next_pow2, pdl_launch, prefetch_args, sm_count
 
 GEMV_MAX_ROWS = 16
 
@@ -93,7 +93,7 @@ GEMV_CFG = (32, 128, 4, 4)
 # 8.0 (floors 11.8, 8.8, 3.9, 3.9); a decode step at batch 1 1.572 against 1.610 ms. HYLO_GEMV_FMA=0 turns it off.
 # Every best tile had about 8 programs per SM (FMA_PROGRAMS_PER_SM), BK = 512 (128: one head, with the norm),
 # 4 warps, 2 stages; HYLO_GEMV_FMA_CFG fixes (BN, BK, warps, stages) instead.
-GEMV_FMA = os.environ.get("HYLO_GEMV_FMA", "1") == "1"
+GEMV_FMA = env_flag("HYLO_GEMV_FMA", True)
 GEMV_FMA_CFG = env_cfg("HYLO_GEMV_FMA_CFG", (16, 512, 4, 2)) if os.environ.get("HYLO_GEMV_FMA_CFG") else None
 FMA_PROGRAMS_PER_SM = 8
 
@@ -110,7 +110,7 @@ def fma_tile(n: int, split: int, k_split: int, device: torch.device) -> tuple[in
 # x and gate tiles one K block ahead was no faster (7.7, tune-gates-20261204-0407.json) and was taken out again.
 # Up to session 16 a K block with the norm was one head (128 channels, four times narrower loads than the plain
 # one-row GEMV's); GEMV_NORM_BK bounds how many channels (whole heads) a block takes now (HYLO_GEMV_NORM_BK).
-GEMV_NORM_BK = int(os.environ.get("HYLO_GEMV_NORM_BK", "512"))
+GEMV_NORM_BK = env_int("HYLO_GEMV_NORM_BK", 512)
 SPLIT_GEMV_CFG = (64, 128, 4, 4)
 
 

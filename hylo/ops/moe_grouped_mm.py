@@ -13,17 +13,16 @@ The result is one float32 row per token, [T, 1, H], which the residual add takes
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from .triton_utils import env_cfg
+from .triton_utils import env_cfg, env_flag, env_int
 
 # below this many pairs the Triton grouped kernel (tuned for decode batches, graph-captured) is used;
 # HYLO_GROUPED_MM_MIN_PAIRS moves the threshold (a huge value keeps every chunk on the Triton kernel)
-GROUPED_MM_MIN_PAIRS = int(os.environ.get("HYLO_GROUPED_MM_MIN_PAIRS", "4096"))
+GROUPED_MM_MIN_PAIRS = env_int("HYLO_GROUPED_MM_MIN_PAIRS", 4096, minimum=0)
 
 
 @functools.lru_cache(maxsize=None)
@@ -89,8 +88,8 @@ def _scatter_rows_kernel(x_ptr, pos_ptr, out_ptr, T, H: tl.constexpr, TOP_K: tl.
 # tune-fma-20261204-0501.json, with the rows' tokens in ascending order); in the prefill itself, with the rows in
 # expert order, it took 148 us a layer (profile-prefill-20261204-1745). HYLO_GATHER_ROWS=0 goes back to
 # index_select; HYLO_SCATTER_ROWS=0 keeps the gather instead of the scatter by pair (``scatter_rows``)
-GATHER_ROWS = os.environ.get("HYLO_GATHER_ROWS", "1") == "1"
-SCATTER_ROWS = os.environ.get("HYLO_SCATTER_ROWS", "1") == "1"
+GATHER_ROWS = env_flag("HYLO_GATHER_ROWS", True)
+SCATTER_ROWS = env_flag("HYLO_SCATTER_ROWS", True)
 SCATTER_ROWS_CFG = env_cfg("HYLO_SCATTER_ROWS_CFG", (2, 4))  # tokens a program (of a 2048-wide row), warps
 
 

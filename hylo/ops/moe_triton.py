@@ -25,7 +25,7 @@ import triton.language as tl
 
 from .moe_grouped_mm import fused_moe_grouped_mm, grouped_mm_usable
 from .triton_pdl import l2_prefetch, pdl_enter
-from .triton_utils import env_cfg, next_pow2, pdl_launch, prefetch_args
+from .triton_utils import env_cfg, env_flag, next_pow2, pdl_launch, prefetch_args
 
 # up to 16 tokens of 10 experts + the shared one: at 8 and 16 tokens the pair kernels beat the grouped GEMM and
 # its alignment (94.6 vs 127 us and 153 vs 158 us per layer on bench-6b, tools/tune_kernels.py)
@@ -253,7 +253,7 @@ PAIR_DOWN_CFG = ((32, (8, 512, 2, 1)), (PAIR_GEMV_MAX_PAIRS, (16, 512, 2, 1)))
 # batch 1 reading them, against 1.5 for one row). HYLO_PAIR_DOWN_SUM=0 goes back to one row per pair. Its tile
 # from tune_kernels --only pairs: one output column per one-warp program, 7.9 us at 1 token and 33.9 at 8, against
 # the per-pair kernel's 8.3 and 35.1 (the first guess, (4, 512, 4, 1), took 11.8 at 1 token).
-PAIR_DOWN_SUM = os.environ.get("HYLO_PAIR_DOWN_SUM", "1") == "1"
+PAIR_DOWN_SUM = env_flag("HYLO_PAIR_DOWN_SUM", True)
 PAIR_DOWN_SUM_CFG = env_cfg("HYLO_PAIR_DOWN_SUM_CFG", (1, 512, 1, 1))
 # grouped kernels (BM, BN, BK, warps, stages) by number of pairs. BM = 64 by default: each block re-reads its
 # expert's weights, so at decode batches (where the shared expert and popular experts have tens of pairs)

@@ -44,6 +44,32 @@ def env_cfg(var: str, default: tuple[int, ...]) -> tuple[int, ...]:
     return cfg
 
 
+def env_flag(var: str, default: bool) -> bool:
+    """An on/off setting from the environment variable ``var`` ("1" or "0"), else ``default``; anything else is
+    refused with the variable named (a "yes" must not quietly mean off)."""
+    text = os.environ.get(var)
+    if text is None:
+        return default
+    if text not in ("0", "1"):
+        raise ValueError(f"{var}={text!r}: expected 1 (on) or 0 (off)")
+    return text == "1"
+
+
+def env_int(var: str, default: int, minimum: int = 1) -> int:
+    """An integer setting from the environment variable ``var``, else ``default``; refused, with the variable
+    named, unless it is an integer of at least ``minimum``."""
+    text = os.environ.get(var)
+    if text is None:
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        value = minimum - 1
+    if value < minimum:
+        raise ValueError(f"{var}={text!r}: expected an integer of at least {minimum}")
+    return value
+
+
 @functools.lru_cache(maxsize=None)
 def sm_count(device: torch.device) -> int:
     """The device's streaming multiprocessors (132 on an H200; CPU tensors, in Triton's interpreter, count as
@@ -63,13 +89,13 @@ def _pdl_supported() -> bool:
 # programmatic dependent launch of the decode-path kernels, on by default on Hopper and later (bench-6b batch 1:
 # 1.73 against 1.86 ms per step, run -060034); HYLO_PDL=0 at start-up turns it off, set_pdl() switches it (the
 # benchmark's comparison). Read once, not per launch: launches are on the host's hot path.
-_PDL = os.environ.get("HYLO_PDL", "1") == "1"
+_PDL = env_flag("HYLO_PDL", True)
 # with PDL, the weight-streaming kernels may prefetch their weights into L2 before waiting on the previous kernel
 # (``triton_pdl.l2_prefetch``). Off unless HYLO_PDL_PREFETCH=1: measured slower (batch 1 1.87 against 1.73 ms,
 # batch 8 3.98 against 3.74): the prefetches compete with the running kernel's own loads. A selective prefetch
 # (only the projections behind a latency-bound kernel, 16 MiB in all) was no faster either (session 13,
 # ab-decode-20261204-032522: batch 1 1.624 against 1.612 ms of graph time) and was taken out again.
-_PREFETCH = os.environ.get("HYLO_PDL_PREFETCH", "0") == "1"
+_PREFETCH = env_flag("HYLO_PDL_PREFETCH", False)
 
 
 def set_pdl(enabled: bool, prefetch: bool | None = None) -> tuple[bool, bool]:
