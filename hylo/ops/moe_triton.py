@@ -78,9 +78,17 @@ def _pair_down_kernel(act_ptr, w2_ptr, ids_ptr, wts_ptr, out_ptr, H: tl.constexp
         offs_l = tl.minimum(tl.arange(0, PF_LINES) * PF_STRIDE, I - 1)
         l2_prefetch(w2_ptr + e * (H * I) + tl.minimum(offs_n, H - 1)[:, None] * I + offs_l[None, :])
     pdl_enter(PDL)
-    e = tl.load(ids_ptr + pair).to(tl.int64)
-    w_base = w2_ptr + e * (H * I)
-    acc = tl.zeros([BN], dtype=tl.float32)
+    acc = _pair_down_row(act_ptr, w2_ptr, ids_ptr, pair, offs_n, mn, H, I, BK)
+    acc = acc * tl.load(wts_ptr + pair).to(tl.float32)
+    tl.store(out_ptr + pair * H + offs_n, acc, mask=mn)
+
+
+@triton.jit
+def _pair_down_row(act_ptr, w2_ptr, ids_ptr, pair, offs_n, mn, H: tl.constexpr, I: tl.constexpr, BK: tl.constexpr):
+    """Outputs ``offs_n`` of pair ``pair``'s down projection, unweighted, in float32: its activation row against
+    its expert's rows of w2, BK columns at a time."""
+    w_base = w2_ptr + tl.load(ids_ptr + pair).to(tl.int64) * (H * I)
+    acc = tl.zeros(offs_n.shape, dtype=tl.float32)
     for k0 in range(0, I, BK):
         offs_k = k0 + tl.arange(0, BK)
         mk = offs_k < I
@@ -88,8 +96,7 @@ def _pair_down_kernel(act_ptr, w2_ptr, ids_ptr, wts_ptr, out_ptr, H: tl.constexp
         w = tl.load(w_base + offs_n[:, None] * I + offs_k[None, :], mask=mn[:, None] & mk[None, :],
                     other=0.0).to(tl.float32)
         acc += tl.sum(w * a[None, :], 1)
-    acc = acc * tl.load(wts_ptr + pair).to(tl.float32)
-    tl.store(out_ptr + pair * H + offs_n, acc, mask=mn)
+    return acc
 
 
 @triton.jit
@@ -105,15 +112,7 @@ def _pair_down_sum_kernel(act_ptr, w2_ptr, ids_ptr, wts_ptr, out_ptr, H: tl.cons
     acc = tl.zeros([BN], dtype=tl.float32)
     for p in tl.static_range(TOP_K):
         pair = tok * TOP_K + p
-        w_base = w2_ptr + tl.load(ids_ptr + pair).to(tl.int64) * (H * I)
-        part = tl.zeros([BN], dtype=tl.float32)
-        for k0 in range(0, I, BK):
-            offs_k = k0 + tl.arange(0, BK)
-            mk = offs_k < I
-            a = tl.load(act_ptr + pair * I + offs_k, mask=mk, other=0.0).to(tl.float32)
-            w = tl.load(w_base + offs_n[:, None] * I + offs_k[None, :], mask=mn[:, None] & mk[None, :],
-                        other=0.0).to(tl.float32)
-            part += tl.sum(w * a[None, :], 1)
+        part = _pair_down_row(act_ptr, w2_ptr, ids_ptr, pair, offs_n, mn, H, I, BK)
         acc += part * tl.load(wts_ptr + pair).to(tl.float32)
     tl.store(out_ptr + tok * H + offs_n, acc, mask=mn)
 
