@@ -310,6 +310,25 @@ def test_on_off_settings_from_the_environment_name_a_bad_value(monkeypatch):
             env_flag("HYLO_TEST_FLAG", True)
 
 
+def test_kind_lists_from_the_environment_name_a_bad_entry(monkeypatch):
+    """Settings that name kinds (``HYLO_EARLY_LOADS``: gdn, conv): a comma list, 1 for all, 0 or empty for none,
+    the default when unset; an unknown name (``gemv``, taken out in session 20) is refused with the variable
+    named."""
+    from hylo.ops.triton_utils import env_kinds
+
+    kinds = ("gdn", "conv")
+    monkeypatch.delenv("HYLO_TEST_KINDS", raising=False)
+    assert env_kinds("HYLO_TEST_KINDS", kinds, "gdn") == {"gdn"}
+    for text, want in (("0", set()), ("", set()), ("1", {"gdn", "conv"}), ("conv, gdn", {"gdn", "conv"}),
+                       ("conv", {"conv"})):
+        monkeypatch.setenv("HYLO_TEST_KINDS", text)
+        assert env_kinds("HYLO_TEST_KINDS", kinds, "gdn") == want, text
+    for bad in ("gdn,down", "gemv"):
+        monkeypatch.setenv("HYLO_TEST_KINDS", bad)
+        with pytest.raises(ValueError, match="HYLO_TEST_KINDS.*unknown.*'(down|gemv)'"):
+            env_kinds("HYLO_TEST_KINDS", kinds, "gdn")
+
+
 def test_integer_settings_from_the_environment_name_a_bad_value(monkeypatch):
     """Integer settings (``HYLO_GEMV_NORM_BK``, ``HYLO_GROUPED_MM_MIN_PAIRS``, ...): the default when unset, the value
     when it is an integer at or above the minimum, else refused with the variable named."""

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU measurements of a working session, in two calls that each fit the device tool's 600 s limit.
-#   bash tools/gpu_session.sh tests OUT   # pytest tests/gpu (about 240 s), the prefill profile, a step's launches
+#   bash tools/gpu_session.sh tests OUT   # pytest tests/gpu, the prefill profile, a step's launches
 #   bash tools/gpu_session.sh bench OUT   # kernel sweeps whose winners the bench then uses, then the bench
 #   (bench-first: the bench, then the sweeps; bench-short: hylo's bench rows alone, for a short device budget;
 #    changed: the GPU tests selected by HYLO_TESTS_K, the bench and the prefill profile;
@@ -8,7 +8,7 @@
 #    launches, in place of the prefill profile; tests-bench: the GPU tests, bench-short, then a step's launches)
 # The GPU suite alone took 350-480 s on a fresh machine in one process (Triton compiles every kernel first; 77 s
 # once compiled): the phases that add profiles to it may reach the device's 600 s limit; what they wrote under OUT
-# still comes back. Since session 20 it runs in parallel workers (below); how much that saves is not yet measured.
+# still comes back.
 # Everything is written under OUT (the device tool's $OUT); the summary lines go to stdout.
 # On the device machine (no registry there): carry fla-core 0.6.0 and einops as wheels in .whl (the device tool's
 # README says how to download them), then start the command with
@@ -18,9 +18,9 @@ set -u
 phase=${1:?tests, tests-host, tests-bench, check, tune-bench, bench, bench-first, bench-short, fma or s20}
 out=${2:?output folder}
 mkdir -p "$out"
-# The GPU tests run in parallel workers where pytest-xdist is installed (the device image has it): on a fresh
-# machine most of the suite's time is Triton compiling each kernel variant on first use, one at a time in a single
-# process (350-480 s); the workers compile their shares side by side. HYLO_TEST_WORKERS=0 runs them in one process.
+# The GPU tests run in parallel workers where pytest-xdist is installed (the device image has it), so that a fresh
+# machine's Triton compiles run side by side (since session 20; the saving is not yet measured).
+# HYLO_TEST_WORKERS=0 runs them in one process.
 par=""
 if [ "${HYLO_TEST_WORKERS:-8}" != 0 ] && python3 -c "import xdist" 2>/dev/null; then
   par="-n ${HYLO_TEST_WORKERS:-8} --dist load"

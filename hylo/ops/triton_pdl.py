@@ -1,9 +1,9 @@
 """Programmatic dependent launch (Hopper and later) for the decode-path kernels; see ``triton_utils.pdl_launch``."""
 
-import os
-
 import triton
 import triton.language as tl
+
+from .triton_utils import env_kinds
 
 # HYLO_EARLY_LOADS: decode-path kernels load what does not depend on the kernel before them before their
 # ``pdl_enter``, while that kernel still runs, so that only the loads of its outputs stay on the critical path:
@@ -16,20 +16,7 @@ import triton.language as tl
 # weights early was measured too (session 19: 0.075 ms slower at batch 1; for the router alone, no change) and
 # taken out again.
 EARLY_KINDS = ("gdn", "conv")
-
-
-def _early_loads(text: str) -> frozenset:
-    if text in ("", "0"):
-        return frozenset()
-    kinds = frozenset(EARLY_KINDS) if text == "1" else frozenset(k.strip() for k in text.split(","))
-    unknown = kinds - set(EARLY_KINDS)
-    if unknown:
-        raise ValueError(f"HYLO_EARLY_LOADS={text!r}: unknown {sorted(unknown)} "
-                         f"(known: {', '.join(EARLY_KINDS)}, or 1)")
-    return kinds
-
-
-EARLY_LOADS = _early_loads(os.environ.get("HYLO_EARLY_LOADS", "gdn,conv"))
+EARLY_LOADS = env_kinds("HYLO_EARLY_LOADS", EARLY_KINDS, "gdn,conv")
 
 
 @triton.jit

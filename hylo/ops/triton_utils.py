@@ -70,6 +70,19 @@ def env_int(var: str, default: int, minimum: int = 1) -> int:
     return value
 
 
+def env_kinds(var: str, kinds: tuple[str, ...], default: str) -> frozenset:
+    """A set of named kinds from the environment variable ``var`` (else ``default``): a comma list of ``kinds``,
+    1 for all of them, 0 or nothing for none; an unknown name is refused with the variable named."""
+    text = os.environ.get(var, default)
+    if text in ("", "0"):
+        return frozenset()
+    chosen = frozenset(kinds) if text == "1" else frozenset(k.strip() for k in text.split(","))
+    unknown = chosen - set(kinds)
+    if unknown:
+        raise ValueError(f"{var}={text!r}: unknown {sorted(unknown)} (known: {', '.join(kinds)}, or 1 or 0)")
+    return chosen
+
+
 @functools.lru_cache(maxsize=None)
 def sm_count(device: torch.device) -> int:
     """The device's streaming multiprocessors (132 on an H200; CPU tensors, in Triton's interpreter, count as

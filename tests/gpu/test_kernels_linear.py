@@ -171,15 +171,3 @@ def test_sigmoid_gate_matches_torch_on_a_strided_gate(dev, rows, n):
         assert torch.allclose(out, ref, atol=1e-6, rtol=1e-6)
     else:  # torch computes the bf16 sigmoid through float32 too: the same rounding points
         assert (out.float() - ref.float()).abs().max() <= 2 ** -7 * ref.float().abs().max()
-
-
-def test_early_loads_setting_parses_and_names_bad_entries():
-    from hylo.ops.triton_pdl import EARLY_KINDS, _early_loads
-
-    assert _early_loads("0") == _early_loads("") == frozenset()
-    assert _early_loads("1") == frozenset(EARLY_KINDS)
-    assert _early_loads("conv, gdn") == {"gdn", "conv"} == set(EARLY_KINDS)
-    assert _early_loads("conv") == {"conv"}
-    for bad in ("gdn,down", "gemv"):  # gemv: the GEMVs' early weights, measured slower and taken out
-        with pytest.raises(ValueError, match="unknown.*'(down|gemv)'"):
-            _early_loads(bad)
