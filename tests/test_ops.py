@@ -225,6 +225,27 @@ def test_residual_add_sums_unreduced_rows_in_float32():
     assert torch.allclose(y.float(), norm.rms_norm_ref(want, w, 1e-6).float())
 
 
+def test_residual_add_sums_pair_rows_left_in_expert_order():
+    """A MoE output left as its pairs' rows in expert order (``SortedPairRows``, the grouped-GEMM path's): reduced,
+    each token gets the weighted sum of its own k rows; the residual add-norm takes it as it takes the sums."""
+    g = torch.Generator().manual_seed(23)
+    T, k, H = 5, 3, 16
+    ys = torch.randn(T * k, H, generator=g).to(torch.bfloat16)
+    pos = torch.randperm(T * k, generator=g)
+    weights = torch.rand(T * k, generator=g).to(torch.bfloat16)
+    pairs = moe.SortedPairRows(ys, pos, weights, k)
+    want = torch.stack([sum(weights[t * k + j].double() * ys[pos[t * k + j]].double() for j in range(k))
+                        for t in range(T)])
+    summed = pairs.reduce()
+    assert summed.shape == (T, 1, H) and summed.dtype == torch.float32
+    assert torch.allclose(summed[:, 0].double(), want, atol=1e-5)
+    x, w = torch.randn(T, H, generator=g).to(torch.bfloat16), torch.randn(H, generator=g)
+    res, y = norm.add_rms_norm(x, pairs, w, 1e-6)
+    res2, y2 = norm.add_rms_norm(x, summed, w, 1e-6)
+    assert torch.equal(res, res2) and torch.equal(y, y2)
+    assert not torch.equal(res, x)
+
+
 def test_output_projections_on_the_cpu_are_the_unfused_ops():
     """The mixers' projection helpers (ops.linear) and the attention's output gate run plain torch off CUDA."""
     from hylo.ops import linear

@@ -4,8 +4,8 @@ experts' weights.
 Three layouts of the (token, expert) pairs, picked by their number P = tokens * top_k:
 - few pairs (decode): one program row per pair, a GEMV over that pair's expert. No sorting at all, so the whole
   MoE is two launches after the routing kernel; an expert chosen by several pairs is re-read from L2.
-- many pairs (large prefill chunks on Hopper and later): ``torch._grouped_mm`` (``moe_grouped_mm``), which returns
-  each token's sum as one float32 row [T, 1, H].
+- many pairs (large prefill chunks on Hopper and later): ``torch._grouped_mm`` (``moe_grouped_mm``), whose rows
+  stay in expert order until the residual add gathers and sums them (``ops.moe.SortedPairRows``).
 - many pairs elsewhere (decode batches beyond the pair kernels, older GPUs, float32): pairs sorted by expert into
   blocks of BM that each belong to one expert (padding with a sentinel pair), then a grouped GEMM with
   tensor-core dots. The sort runs on the device with fixed-size outputs, so it needs no host sync and can be
@@ -290,7 +290,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
               topk_ids: torch.Tensor, reduce: bool = True) -> torch.Tensor:
     """x: [T, H]; w13: [E, 2I, H]; w2: [E, H, I]; topk_*: [T, k]. Returns [T, H] in x's dtype, or with
     ``reduce=False`` float32 rows [T, J, H] whose sum over J is the result, for the caller to sum (``add_rms_norm``
-    does): the weighted row of every pair (J = k), or rows summed per token already (J = 1)."""
+    does): the weighted row of every pair (J = k), or rows summed per token already (J = 1); through
+    ``torch._grouped_mm``, the pairs' rows in expert order (``ops.moe.SortedPairRows``), which ``add_rms_norm``
+    also sums."""
     num_tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
     num_experts, inter = w13.shape[0], w2.shape[-1]
@@ -302,9 +304,10 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         return torch.zeros_like(x) if reduce else x.new_zeros(num_tokens, top_k, hidden)
     if num_pairs <= PAIR_GEMV_MAX_PAIRS:
         return _pair_moe(x, w13, w2, ids, wts, top_k, reduce)
-    if grouped_mm_usable(x, w13, w2, num_pairs):  # already summed per token: [T, 1, H] float32
-        out = fused_moe_grouped_mm(x, w13, w2, wts.view(num_tokens, top_k), ids.view(num_tokens, top_k))
-        return out.view(num_tokens, hidden).to(x.dtype) if reduce else out
+    if grouped_mm_usable(x, w13, w2, num_pairs):  # the pairs' rows in expert order, summed by the residual add
+        pairs = fused_moe_grouped_mm(x, w13, w2, wts.view(num_tokens, top_k), ids.view(num_tokens, top_k),
+                                     reduce=False)
+        return pairs.reduce().view(num_tokens, hidden).to(x.dtype) if reduce else pairs
     else:
         cfg = next(cfg for limit, cfg in GROUPED_CFG if num_pairs <= limit)
         bm, bn, bk, warps, stages = cfg[:5]

@@ -17,13 +17,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return rms_norm_ref(x, weight, eps)
 
 
-def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float):
+def add_rms_norm(x: torch.Tensor, delta, weight: torch.Tensor, eps: float):
     """The residual stream step: ``(x + delta, rms_norm(x + delta))`` (one kernel on CUDA). A ``delta`` with one
-    more dimension than ``x`` ([..., J, N]: unreduced MoE pair outputs) adds the sum of its J rows, in float32."""
+    more dimension than ``x`` ([..., J, N]: unreduced MoE pair outputs) adds the sum of its J rows, in float32; so
+    does an ``ops.moe.SortedPairRows`` (a large chunk's MoE rows in expert order), gathered by the kernel."""
     if use_triton(x):
         from .norm_triton import add_rms_norm as add_rms_norm_triton
 
         return add_rms_norm_triton(x, delta, weight, eps)
+    if not isinstance(delta, torch.Tensor):  # SortedPairRows
+        delta = delta.reduce().view(*x.shape[:-1], 1, x.shape[-1])
     if delta.dim() == x.dim() + 1:
         res = (x.float() + delta.float().sum(-2)).to(x.dtype)
     else:

@@ -7,6 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .moe import SortedPairRows
 from .triton_pdl import pdl_enter
 from .triton_utils import next_pow2, pdl_launch
 
@@ -14,9 +15,11 @@ from .triton_utils import next_pow2, pdl_launch
 @triton.jit
 def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, res_out_ptr, y_ptr, gate_ptr, ROWS, N: tl.constexpr, eps,
                      ADD: tl.constexpr, GATED: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr = 1,
-                     GATE_ROWS: tl.constexpr = 1, gate_stride=0, J: tl.constexpr = 1, PDL: tl.constexpr = False):
+                     GATE_ROWS: tl.constexpr = 1, gate_stride=0, J: tl.constexpr = 1, PDL: tl.constexpr = False,
+                     pos_ptr=None, wts_ptr=None, GATHER: tl.constexpr = False):
     """BR rows per program (one at decode; more at prefill, where one narrow row per program leaves most of each
-    program's threads idle)."""
+    program's threads idle). GATHER: the J delta rows of row r are rows pos[r * J + j] of r_ptr, weighted by
+    wts[r * J + j] (``ops.moe.SortedPairRows``)."""
     pdl_enter(PDL)
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     mr = rows < ROWS
@@ -27,8 +30,18 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, res_out_ptr, y_ptr, gate_ptr, ROWS, N:
     x = tl.load(x_ptr + at, mask=m, other=0.0).to(tl.float32)
     if ADD:
         # J delta rows per row (unreduced MoE pair outputs), summed in float32 with the residual
-        for j in tl.static_range(J):
-            x += tl.load(r_ptr + (rows64[:, None] * J + j) * N + offs[None, :], mask=m, other=0.0).to(tl.float32)
+        if GATHER:  # the weighted sum first, then the residual: as SortedPairRows.reduce and an add would
+            acc = tl.zeros([BR, BN], dtype=tl.float32)
+            for j in tl.static_range(J):
+                src = tl.load(pos_ptr + rows64 * J + j, mask=mr, other=0).to(tl.int64)
+                wj = tl.load(wts_ptr + rows64 * J + j, mask=mr, other=0.0).to(tl.float32)
+                acc += wj[:, None] * tl.load(r_ptr + src[:, None] * N + offs[None, :], mask=m,
+                                             other=0.0).to(tl.float32)
+            x += acc
+        else:
+            for j in tl.static_range(J):
+                x += tl.load(r_ptr + (rows64[:, None] * J + j) * N + offs[None, :], mask=m,
+                             other=0.0).to(tl.float32)
         x = x.to(res_out_ptr.dtype.element_ty)
         tl.store(res_out_ptr + at, x, mask=m)
         x = x.to(tl.float32)  # normalise the rounded sum, as the reference does
@@ -73,16 +86,24 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
     return y.view(x.shape)
 
 
-def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float):
+def add_rms_norm(x: torch.Tensor, delta, weight: torch.Tensor, eps: float):
     """(x + delta, rms_norm(x + delta)) in one pass; ``delta`` [..., J, N] (one more dimension than ``x``) adds
-    the sum of its J rows."""
+    the sum of its J rows; a :class:`ops.moe.SortedPairRows` adds each row's weighted sum of its pairs' rows,
+    gathered here."""
     x2, n = _rows(x.contiguous())
-    per_row = delta.shape[-2] if delta.dim() == x.dim() + 1 else 1
-    d2, _ = _rows(delta.contiguous())
     res, y = torch.empty_like(x2), torch.empty_like(x2)
+    if isinstance(delta, SortedPairRows):
+        if delta.num_tokens != x2.shape[0] or delta.ys.shape[-1] != n:
+            raise ValueError(f"add_rms_norm: pair rows of {delta.num_tokens} tokens x {delta.ys.shape[-1]} for "
+                             f"a residual of {tuple(x.shape)}")
+        per_row, d2 = delta.top_k, delta.ys
+        gather = dict(pos_ptr=delta.pos, wts_ptr=delta.weights, GATHER=True)
+    else:
+        per_row = delta.shape[-2] if delta.dim() == x.dim() + 1 else 1
+        d2, gather = _rows(delta.contiguous())[0], {}
     if x2.shape[0]:
         _run(x2.shape[0], n, (x2, d2, weight, res, y, x2, x2.shape[0], n, eps), per_row, ADD=True, GATED=False,
-             J=per_row, **pdl_launch(x2))
+             J=per_row, **gather, **pdl_launch(x2))
     return res.view(x.shape), y.view(x.shape)
 
 

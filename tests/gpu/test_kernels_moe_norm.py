@@ -58,6 +58,35 @@ def test_grouped_mm_moe_matches_reference(dev):
         assert (out[:, 0].double().cpu() - ref).norm() / ref.norm() < tol
 
 
+@pytest.mark.parametrize("tokens,hidden", [(1031, 64), (37, 96)])
+def test_residual_add_gathers_the_grouped_mm_rows(dev, tokens, hidden):
+    """The prefill MoE's rows left in expert order (``fused_moe_grouped_mm(reduce=False)``) and summed by the
+    residual add-norm kernel as it gathers them: the same residual and normed rows as adding the reduced sums, and
+    the float64 reference's; 1031 rows take the prefill tiles (several rows a program, the last one partial), 37
+    one row a program, 96 a width that is not a power of two."""
+    from hylo.ops.moe import SortedPairRows
+    from hylo.ops.moe_grouped_mm import fused_moe_grouped_mm
+    from hylo.ops.norm import add_rms_norm, rms_norm_ref
+
+    args, ref = _moe_case(dev, 8, tokens, experts=9, top_k=3, hidden=hidden, inter=32)
+    x, w13, w2, weights, ids = args
+    g = torch.Generator().manual_seed(9)
+    resid = torch.randn(tokens, hidden, generator=g).to(dev, x.dtype)
+    nw = torch.randn(hidden, generator=g).to(dev)
+    pairs = fused_moe_grouped_mm(x, w13, w2, weights, ids, reduce=False)
+    assert isinstance(pairs, SortedPairRows) and pairs.num_tokens == tokens
+    res, y = add_rms_norm(resid, pairs, nw, 1e-6)
+    res_sum, y_sum = add_rms_norm(resid, pairs.reduce(), nw, 1e-6)
+    ulp = 2.0 ** -7 if x.dtype == torch.bfloat16 else 1e-6  # the sum's FMA may round one way or the other
+    assert torch.allclose(res.float(), res_sum.float(), rtol=ulp, atol=ulp)
+    assert torch.allclose(y.float(), y_sum.float(), rtol=2 * ulp, atol=2 * ulp)
+    want = resid.double().cpu() + ref
+    _assert_close_to(res, want)
+    _assert_close_to(y, rms_norm_ref(want.to(x.dtype), nw.cpu(), 1e-6).double())
+    with pytest.raises(ValueError, match="pair rows of"):
+        add_rms_norm(resid[:-1], pairs, nw, 1e-6)
+
+
 @pytest.mark.parametrize("cfg", [(16, 32, 32, 4, 2, 64, 16, 4, 2), (32, 16, 16, 4, 2, 16, 64, 2, 3)])
 def test_grouped_moe_with_its_own_down_tiles(dev, cfg, monkeypatch):
     """A grouped-kernel config with a second tile set for the down kernel (as ``HYLO_GROUPED_CFG`` may give):
@@ -195,12 +224,13 @@ def test_grouped_cfg_setting_parses_and_names_bad_entries():
         parse_grouped_cfg("1024:16,64,128,4,3")
 
 
-@pytest.mark.parametrize("tokens,experts,top_k", [(1000, 65, 11), (2000, 65, 11), (37, 9, 3), (1, 5, 2),
-                                                  (300, 513, 11)])
+@pytest.mark.parametrize("tokens,experts,top_k", [(1000, 65, 11), (12000, 65, 11), (37, 9, 3), (1, 5, 2),
+                                                  (300, 513, 11), (700, 255, 4)])
 def test_prefill_counting_sort_of_pairs_equals_a_stable_argsort(dev, tokens, experts, top_k):
     """The prefill MoE's sort of (token, expert) pairs by expert: the order of a stable argsort, its inverse, and
     the group ends, with experts that get no pair and pair counts that are not multiples of the chunk (513
-    experts: the torch sort that takes over for many experts; 2000 tokens: 172 chunks, two blocks of the scan)."""
+    experts: the torch sort that takes over for many experts; 255, the most the counting sort takes; 12000 tokens:
+    1032 chunks, two blocks of each expert's scan)."""
     from hylo.ops.moe_grouped_mm import sort_pairs_by_expert
 
     g = torch.Generator().manual_seed(tokens)
