@@ -15,7 +15,7 @@
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
 # ($PWD too: the tools run as scripts import hylo from the checkout).
 set -u
-phase=${1:?tests, tests-host, tests-bench, check, tune-bench, bench, bench-first, bench-short, fma, s20 or s21}
+phase=${1:?tests, tests-host, tests-bench, check, tune-bench, bench, bench-first, bench-short, fma, final, s20 or s21}
 out=${2:?output folder}
 mkdir -p "$out"
 # The GPU tests run in parallel workers where pytest-xdist is installed (the device image has it), so that a fresh
@@ -102,6 +102,14 @@ case "$phase" in
     bench 260
     timeout 110 python3 tools/profile_step.py --prefill 8192 --out "$out" > "$out/prof_prefill.txt" 2>&1
     head -16 "$out/prof_prefill.txt" | tail -14; grep -A1 "layer timeline" "$out/prof_prefill.txt"
+    ;;
+  final)  # a tree's last call: the whole GPU suite, the prefill profile, then hylo's bench rows as far as the
+           # call's limit lets them go
+    timeout 330 python3 -m pytest -q -p no:cacheprovider $par --durations=8 tests/gpu > "$out/gputests.txt" 2>&1
+    echo "pytest rc=$?"; grep -E "passed|failed|FAILED|Error" "$out/gputests.txt" | tail -15
+    timeout 80 python3 tools/profile_step.py --prefill 8192 --out "$out" > "$out/prof_prefill.txt" 2>&1
+    head -16 "$out/prof_prefill.txt" | tail -14
+    bench 170
     ;;
   s20)  # session 20's removal of the slower alternatives: the GPU tests of the kernels and paths it touched,
          # then hylo's bench rows (no HF: they are unchanged by it) as far as the call's limit lets them go

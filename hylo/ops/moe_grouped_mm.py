@@ -199,9 +199,13 @@ def _expert_scatter_kernel(ids_ptr, base_ptr, totals_ptr, ends_ptr, pos_ptr, tok
     offs = c * BP + tl.arange(0, BP)
     m = offs < P
     ids = tl.load(ids_ptr + offs, mask=m, other=BE).to(tl.int32)  # past the end: no expert's column
-    hit = (ids[:, None] == offs_e[None, :]).to(tl.int32)
-    # the expert's first row for this chunk, plus the earlier pairs of the chunk with the same expert
-    row = tl.sum(hit * (first[None, :] + tl.cumsum(hit, 0) - 1), 1)
+    # the expert's first row for this chunk, plus the earlier pairs of the chunk with the same expert (counted by
+    # comparing pairs: two reductions along rows, where a running count down the [pairs, experts] one-hot is a
+    # scan across the program's warps)
+    row = tl.sum(tl.where(ids[:, None] == offs_e[None, :], first[None, :], 0), 1)
+    i = tl.arange(0, BP)
+    earlier = (ids[:, None] == ids[None, :]) & (i[None, :] < i[:, None])
+    row += tl.sum(earlier.to(tl.int32), 1)
     tl.store(pos_ptr + offs, row.to(tl.int64), mask=m)
     tl.store(tok_ptr + row, (offs // TOP_K).to(tl.int64), mask=m)
 
