@@ -84,7 +84,7 @@ class SortedPairRows:
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+              topk_ids: torch.Tensor, reduce: bool = True) -> "torch.Tensor | SortedPairRows":
     """[T, H]; the Triton path with ``reduce=False`` returns the unreduced pair rows [T, J, H] instead, or, for
     large prefill chunks, :class:`SortedPairRows` (both for ``add_rms_norm`` to sum)."""
     if use_triton(x):

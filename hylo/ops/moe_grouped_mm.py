@@ -264,7 +264,7 @@ def gather_sum(ys: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor, top_k
 
 
 def fused_moe_grouped_mm(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                         topk_ids: torch.Tensor, reduce: bool = True):
+                         topk_ids: torch.Tensor, reduce: bool = True) -> "torch.Tensor | SortedPairRows":
     """x: [T, H]; w13: [E, 2I, H]; w2: [E, H, I]; topk_*: [T, k]. Returns each token's weighted sum of its experts'
     outputs as one float32 row, [T, 1, H]; with ``reduce=False`` the rows before those sums
     (:class:`ops.moe.SortedPairRows`), which the residual add that follows sums as it reads them."""

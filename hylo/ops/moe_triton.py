@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .moe import SortedPairRows
 from .moe_grouped_mm import fused_moe_grouped_mm, grouped_mm_usable
 from .triton_pdl import l2_prefetch, pdl_enter
 from .triton_utils import env_cfg, env_flag, next_pow2, pdl_launch, prefetch_args
@@ -287,7 +288,7 @@ if os.environ.get("HYLO_GROUPED_CFG"):
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+              topk_ids: torch.Tensor, reduce: bool = True) -> "torch.Tensor | SortedPairRows":
     """x: [T, H]; w13: [E, 2I, H]; w2: [E, H, I]; topk_*: [T, k]. Returns [T, H] in x's dtype, or with
     ``reduce=False`` float32 rows [T, J, H] whose sum over J is the result, for the caller to sum (``add_rms_norm``
     does): the weighted row of every pair (J = k), or rows summed per token already (J = 1); through
