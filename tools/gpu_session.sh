@@ -15,7 +15,7 @@
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
 # ($PWD too: the tools run as scripts import hylo from the checkout).
 set -u
-phase=${1:?tests, tests-host, tests-bench, check, tune-bench, bench, bench-first, bench-short, fma, final, s20 or s21}
+phase=${1:?tests, tests-host, tests-bench, check, tune-bench, bench, bench-first, bench-short, fma, final or s20}
 out=${2:?output folder}
 mkdir -p "$out"
 # The GPU tests run in parallel workers where pytest-xdist is installed (the device image has it), so that a fresh
@@ -93,23 +93,6 @@ case "$phase" in
     bench 200
     timeout 120 python3 tools/profile_step.py --prefill 8192 --out "$out" > "$out/prof_prefill.txt" 2>&1
     head -16 "$out/prof_prefill.txt" | tail -14; grep -A1 "layer timeline" "$out/prof_prefill.txt"
-    ;;
-  s21)  # session 21's prefill MoE (the per-expert scan, the rows summed by the residual add): its kernel tests and
-         # the engine's bf16 prefill through torch._grouped_mm, then hylo's bench rows, then the prefill profile
-    timeout 200 python3 -m pytest -q -p no:cacheprovider $par tests/gpu/test_kernels_moe_norm.py \
-      tests/gpu/test_engine_gpu.py::test_gpu_engine_matches_cpu_reference > "$out/tests21.txt" 2>&1
-    echo "pytest rc=$?"; grep -E "passed|failed|FAILED|Error" "$out/tests21.txt" | tail -12
-    bench 260
-    timeout 110 python3 tools/profile_step.py --prefill 8192 --out "$out" > "$out/prof_prefill.txt" 2>&1
-    head -16 "$out/prof_prefill.txt" | tail -14; grep -A1 "layer timeline" "$out/prof_prefill.txt"
-    ;;
-  final)  # a tree's last call: the whole GPU suite, the prefill profile, then hylo's bench rows as far as the
-           # call's limit lets them go
-    timeout 300 python3 -m pytest -q -p no:cacheprovider $par --durations=8 tests/gpu > "$out/gputests.txt" 2>&1
-    echo "pytest rc=$?"; grep -E "passed|failed|FAILED|Error" "$out/gputests.txt" | tail -15
-    timeout 70 python3 tools/profile_step.py --prefill 8192 --out "$out" > "$out/prof_prefill.txt" 2>&1
-    head -16 "$out/prof_prefill.txt" | tail -14
-    bench 120
     ;;
   s20)  # session 20's removal of the slower alternatives: the GPU tests of the kernels and paths it touched,
          # then hylo's bench rows (no HF: they are unchanged by it) as far as the call's limit lets them go
