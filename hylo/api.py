@@ -83,4 +83,10 @@ class LLM:
             raise
         finally:
             bar.close()
-        return [eng.pop_finished(rid) for rid in rids]
+        if eng.scheduler.num_unfinished == 0:
+            eng.drain()  # a failed request's launched step: read it, so that its slots are free again
+        outputs = [eng.pop_finished(rid) for rid in rids]
+        failed = [f"prompt {i}: {o.error}" for i, o in enumerate(outputs) if o.error]
+        if failed:  # logged with its traceback by the engine
+            raise RuntimeError("generation failed: " + "; ".join(failed))
+        return outputs

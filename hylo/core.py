@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+
 
 # ---------------------------------------------------------------------------------------------------------------
 # Sampling parameters
@@ -60,6 +62,9 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1, 0 (both disable it) or positive, got {self.top_k}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and not INT64_MIN <= self.seed <= INT64_MAX:
+            # the seed is held in an int64 device table: outside that range it cannot be represented
+            raise ValueError(f"seed must be between {INT64_MIN} and {INT64_MAX} (a 64-bit integer), got {self.seed}")
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         if not all(isinstance(s, str) and s for s in stops):
             raise ValueError(f"stop must be a non-empty string or a list of non-empty strings, got {self.stop!r}")
@@ -129,6 +134,9 @@ class Req:
     text: str = ""
     detok_prefix: int = 0
     detok_read: int = 0
+    # set when the engine failed this request (an internal error in a step it was part of); it then finishes with
+    # finish_reason "abort" and the requests beside it go on
+    error: str | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -273,6 +281,7 @@ class RequestOutput:
     stop_reason: int | str | None = None
     spec: SpecStats | None = None
     num_preemptions: int = 0
+    error: str | None = None  # an internal error ended this request (finish_reason "abort"); see Req.error
 
 
 # ---------------------------------------------------------------------------------------------------------------

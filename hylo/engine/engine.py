@@ -11,6 +11,7 @@ import os
 import sys
 import random
 import time
+import traceback
 from dataclasses import dataclass
 
 import torch
@@ -148,6 +149,7 @@ class Engine:
         self._reqs: dict[str, Req] = {}
         self.host_reads = HostReads()
         self._inflight: _Launched | None = None  # the overlap loop's launched, unread step
+        self._failed: list[Req] = []  # requests failed by an internal error, reported by the next step()
         self.eos_ids = set(self.model_config.eos_token_ids)
         self.load_seconds = time.perf_counter() - t0
         if self.ec.verbose:
@@ -191,6 +193,10 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         params.validate()
+        vocab = self.model_config.vocab_size
+        for t in params.stop_token_ids or ():
+            if t >= vocab:
+                raise ValueError(f"stop_token_ids: token id {t} is outside the vocabulary [0, {vocab})")
         ids = self.encode_prompt(prompt)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self._reqs:
@@ -220,7 +226,7 @@ class Engine:
             request_id=req.rid, prompt=req.prompt, prompt_token_ids=req.prompt_ids,
             token_ids=list(req.output_ids), text=req.text if self.tokenizer is not None else None,
             finish_reason=req.finish_reason, finished=req.finished, stop_reason=req.stop_reason,
-            spec=req.spec, num_preemptions=req.num_preemptions)
+            spec=req.spec, num_preemptions=req.num_preemptions, error=req.error)
 
     def pop_finished(self, request_id: str) -> RequestOutput:
         req = self._reqs.pop(request_id)
@@ -234,10 +240,11 @@ class Engine:
         waits for the host between steps; the returned requests are those of step N. Without overlap the step is
         launched and its own results read at once."""
         launched = self._launch()
+        failed, self._failed = self._failed, []
         if not self.ec.overlap:
-            return self._complete(launched) if launched is not None else []
+            return failed + (self._complete(launched) if launched is not None else [])
         previous, self._inflight = self._inflight, launched
-        return self._complete(previous) if previous is not None else []
+        return failed + (self._complete(previous) if previous is not None else [])
 
     def drain(self) -> list[Req]:
         """Read the launched, unread step (overlap loop), launching nothing new."""
@@ -248,7 +255,16 @@ class Engine:
         sched = self.scheduler.schedule()
         if sched is None:
             return None
-        res = self.worker.run(sched)
+        try:
+            res = self.worker.run(sched)
+        except Exception as e:  # noqa: BLE001 - the step's own requests fail; the others go on
+            # Nothing of this step was launched as far as the host's bookkeeping goes (step_launched did not run);
+            # its rows' device state may be half-updated, so exactly these requests end, and their slots are freed
+            # once their earlier in-flight steps (if any) are read.
+            for req in sched.reqs:
+                self._fail(req, e)
+            self._failed.extend(sched.reqs)
+            return None
         self.host_reads.note_launch()
         read = self.host_reads.start(res.host_view())  # one copy for everything the host needs
         self.scheduler.step_launched(sched)
@@ -268,20 +284,39 @@ class Engine:
                 # a verify row commits its last token and the accepted drafts: count - 1 of them
                 committed = count if verify else n
                 if not req.finished:  # finished while this step was in flight: its results are dropped
-                    appended = 0
-                    for tok in new[:count]:
-                        appended += 1
-                        if self._append_token(req, tok):
-                            break
-                    if verify:
-                        stats = req.spec
-                        stats.verify_steps += 1
-                        stats.draft_tokens += self.ec.spec_tokens
-                        stats.accepted_tokens += count - 1
-                        stats.emitted_tokens += appended
+                    try:
+                        self._apply_row(req, new, count, verify)
+                    except Exception as e:  # noqa: BLE001 - one request's host-side failure ends that request only
+                        self._fail(req, e)
                     updated.append(req)
             self.scheduler.step_done(sched, i, committed)
         return updated
+
+    def _apply_row(self, req: Req, new: list[int], count: int, verify: bool) -> None:
+        appended = 0
+        for tok in new[:count]:
+            appended += 1
+            if self._append_token(req, tok):
+                break
+        if verify:
+            stats = req.spec
+            stats.verify_steps += 1
+            stats.draft_tokens += self.ec.spec_tokens
+            stats.accepted_tokens += count - 1
+            stats.emitted_tokens += appended
+
+    def _fail(self, req: Req, error: BaseException) -> None:
+        """End ``req`` because of an internal error raised while serving it. The error is logged with its
+        traceback (it is the engine's fault, not the client's); the request finishes with finish_reason "abort"
+        and ``error`` set, and every other request goes on."""
+        if req.finished and req.error is not None:
+            return
+        req.error = f"internal error while serving the request: {type(error).__name__}"
+        print(f"[hylo] error: request {req.rid} failed:\n"
+              + "".join(traceback.format_exception(type(error), error, error.__traceback__)).rstrip(),
+              file=sys.stderr, flush=True)
+        if not req.finished:
+            self.scheduler.finish(req, "abort")
 
     def _append_token(self, req: Req, token: int) -> bool:
         """Append one generated token and apply the stop rules; True when the request finished."""

@@ -177,7 +177,7 @@ class ModelWorker:
         v = self.vocab_size
         self.caches.req_slots.write_sampling(
             [r.req_slot for r in reqs], [(float(r.params.temperature), float(r.params.top_p)) for r in reqs],
-            [(r.params.top_k if r.params.top_k > 0 else v, r.seed, len(r.prompt_ids)) for r in reqs])
+            [(min(r.params.top_k, v) if r.params.top_k > 0 else v, r.seed, len(r.prompt_ids)) for r in reqs])
 
     def sampling_batch(self, sched: ScheduledBatch, batch: ForwardBatch, rows: torch.Tensor | None = None,
                        reqs=None) -> SamplingBatch:

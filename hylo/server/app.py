@@ -219,11 +219,13 @@ async def _serve(request: Request, runner: EngineThread, id_prefix: str, obj: st
             runner.abort(f"{rid}-{index}")
         return JSONResponse(error_body("client disconnected"), status_code=499)
     results = collect.result()
-    errors = [r.error for r in results if r.error]
-    if errors:
+    failed = [r for r in results if r.error]
+    if failed:
         for index in queues:
             runner.abort(f"{rid}-{index}")
-        raise APIError(errors[0])
+        worst = max(failed, key=lambda r: r.status)
+        raise APIError(worst.error, status=worst.status,
+                       type="server_error" if worst.status >= 500 else "invalid_request_error")
     choices = []
     for index, r in zip(queues, results):
         if chat:
@@ -244,7 +246,7 @@ async def _collect(q: asyncio.Queue) -> Delta:
         total.token_ids += d.token_ids
         total.completion_tokens = d.completion_tokens or total.completion_tokens
         if d.error:
-            total.error = d.error
+            total.error, total.status = d.error, d.status
             return total
         if d.finish_reason is not None:
             total.finish_reason = d.finish_reason
@@ -282,7 +284,8 @@ async def _stream(runner: EngineThread, rid: str, created: int, model: str, obj:
         while open_choices:
             index, d = await merged.get()
             if d.error:
-                yield f"data: {json.dumps(error_body(d.error))}\n\n"
+                kind = "server_error" if d.status >= 500 else "invalid_request_error"
+                yield f"data: {json.dumps(error_body(d.error, type=kind))}\n\n"
                 open_choices.discard(index)
                 continue
             if d.finish_reason is not None:

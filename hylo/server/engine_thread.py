@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import queue
+import sys
 import threading
 import time
 import traceback
@@ -31,6 +32,7 @@ class Delta:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     error: str | None = None
+    status: int = 400  # the HTTP status of ``error``: 400 for a request the engine refused, 500 for its own failure
 
 
 @dataclass
@@ -88,6 +90,8 @@ class EngineThread:
                 if not eng.has_unfinished():
                     self._update_gauges()
                     continue
+                # The engine fails a request it cannot serve (its error set, finish_reason "abort") and goes on with
+                # the others, so an error raised for one request never reaches this loop.
                 updated = eng.step()
                 now = time.perf_counter()
                 for req in updated:
@@ -96,7 +100,8 @@ class EngineThread:
         except BaseException:  # noqa: BLE001 - reported through /health and to every waiting client
             self.error = traceback.format_exc()
             for rid, s in list(self._streams.items()):
-                self._send(s, Delta(error="the engine stopped with an internal error", finish_reason="abort"))
+                self._send(s, Delta(error="the engine stopped with an internal error", finish_reason="abort",
+                                    status=500))
             self._streams.clear()
             raise
 
@@ -121,6 +126,12 @@ class EngineThread:
             except ValueError as e:
                 self.metrics.rejected += 1
                 self._send(stream, Delta(error=str(e)))
+                return
+            except Exception as e:  # noqa: BLE001 - the engine's fault, not the client's: logged, answered with 500
+                print(f"[hylo] error: adding request {rid} failed:\n{traceback.format_exc().rstrip()}",
+                      file=sys.stderr, flush=True)
+                self._send(stream, Delta(error=f"internal error while adding the request: {type(e).__name__}",
+                                         status=500))
                 return
             stream.req = eng._reqs[rid]
             self._streams[rid] = stream
@@ -155,12 +166,14 @@ class EngineThread:
                       prompt_tokens=len(req.prompt_ids), completion_tokens=len(req.output_ids))
         stream.sent_tokens = len(req.output_ids)
         stream.sent_chars = max(stream.sent_chars, safe)
+        if req.error is not None:
+            delta.error, delta.status = req.error, 500
         if req.finished:
             delta.finish_reason = req.finish_reason
             m.finished(req)
             self._streams.pop(req.rid, None)
             self.engine.pop_finished(req.rid)
-        if delta.text or delta.token_ids or delta.finish_reason:
+        if delta.text or delta.token_ids or delta.finish_reason or delta.error:
             self._send(stream, delta)
 
     @staticmethod

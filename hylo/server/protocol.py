@@ -10,11 +10,16 @@ from __future__ import annotations
 import math
 import time
 import uuid
-from typing import Literal, Union
+from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..core import SamplingParams
+from ..core import INT64_MAX, INT64_MIN, SamplingParams
+
+# Every integer a client sends is bounded here, at the edge: an unbounded one (a seed of 2**63, say) would otherwise
+# reach an int64 device table inside the engine. Pydantic's error names the field and the bound (a 400).
+Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+Count = Annotated[int, Field(ge=0, le=INT64_MAX)]
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -44,23 +49,24 @@ class _SamplingFields(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: Count | None = None
+    max_completion_tokens: Count | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = Field(None, description="hylo extension: sample from the k most likely tokens")
-    seed: int | None = None
+    top_k: Annotated[int, Field(ge=-1, le=INT64_MAX)] | None = Field(
+        None, description="hylo extension: sample from the k most likely tokens (0 or -1: all)")
+    seed: Int64 | None = None
     stop: Union[str, list[str], None] = None
-    stop_token_ids: list[int] | None = Field(None, description="hylo extension: token ids that end the output")
+    stop_token_ids: list[Count] | None = Field(None, description="hylo extension: token ids that end the output")
     ignore_eos: bool = Field(False, description="hylo extension: keep going past the end-of-sequence token")
-    n: int = 1
+    n: Annotated[int, Field(ge=1, le=128)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     # accepted at their neutral values only
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    logprobs: Union[bool, int, None] = None
-    top_logprobs: int | None = None
+    logprobs: Union[bool, Annotated[int, Field(ge=0, le=20)], None] = None
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
 
@@ -81,8 +87,6 @@ class _SamplingFields(BaseModel):
         """Sampling parameters for each of the ``n`` choices (a seeded request gives choice i the seed + i, so
         that the choices differ and the whole response is reproducible)."""
         self._check_unsupported()
-        if not 1 <= self.n <= 128:
-            raise APIError(f"n must be between 1 and 128, got {self.n}", param="n")
         return [self._sampling_params(default_max_tokens, i) for i in range(self.n)]
 
     def _sampling_params(self, default_max_tokens: int, n_index: int) -> SamplingParams:
@@ -98,7 +102,7 @@ class _SamplingFields(BaseModel):
                 temperature=1.0 if self.temperature is None else self.temperature,
                 top_p=1.0 if self.top_p is None else self.top_p,
                 top_k=0 if self.top_k is None else self.top_k,
-                seed=None if self.seed is None else self.seed + n_index,
+                seed=None if self.seed is None else _wrap_int64(self.seed + n_index),
                 stop=self.stop or None,
                 stop_token_ids=self.stop_token_ids,
                 ignore_eos=self.ignore_eos,
@@ -106,6 +110,11 @@ class _SamplingFields(BaseModel):
         except ValueError as e:
             msg = str(e)
             raise APIError(msg, param=msg.split(" ", 1)[0]) from None
+
+
+def _wrap_int64(value: int) -> int:
+    """``value`` wrapped into the int64 range (choice i of a seeded request has seed + i, which may pass the top)."""
+    return (value - INT64_MIN) % (1 << 64) + INT64_MIN
 
 
 class CompletionRequest(_SamplingFields):

@@ -1,0 +1,153 @@
+"""One request's failure never stops the engine: out-of-range numbers are refused at the edge, and an internal error
+raised while serving one request fails that request (a 500 error object on the server) while the others go on."""
+
+import pytest
+
+from hylo import LLM, SamplingParams
+from hylo.config import EngineConfig
+from hylo.engine.engine import Engine
+
+MODEL = "hylo-default-random"
+GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+
+
+def _run(eng, prompts, params=GREEDY):
+    rids = [eng.add_request(p, params) for p in prompts]
+    while eng.has_unfinished():
+        eng.step()
+    return [eng.pop_finished(r) for r in rids]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    eng = Engine(MODEL, device="cpu", engine_config=EngineConfig(verbose=False))
+    return {tuple(o.prompt_token_ids): o.token_ids for o in _run(eng, [[5, 6, 7], [8, 9], [10, 11, 12, 13]])}
+
+
+def test_seed_outside_int64_is_a_clear_error():
+    for seed in (1 << 63, -(1 << 63) - 1, 10 ** 30):
+        with pytest.raises(ValueError, match="seed must be between"):
+            SamplingParams(seed=seed)
+    SamplingParams(seed=(1 << 63) - 1)
+    SamplingParams(seed=-(1 << 63))
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_host_side_failure_of_one_request_spares_the_others(reference, overlap, capsys):
+    eng = Engine(MODEL, device="cpu", engine_config=EngineConfig(verbose=False, overlap=overlap))
+    append = eng._append_token
+
+    def flaky(req, token):  # a bug that hits one request only, on its third token
+        if req.prompt_ids == [8, 9] and len(req.output_ids) == 2:
+            raise OverflowError("injected")
+        return append(req, token)
+
+    eng._append_token = flaky
+    outs = _run(eng, [[5, 6, 7], [8, 9], [10, 11, 12, 13]])
+    by_prompt = {tuple(o.prompt_token_ids): o for o in outs}
+    bad = by_prompt[(8, 9)]
+    assert bad.finish_reason == "abort" and "OverflowError" in bad.error
+    for p in ((5, 6, 7), (10, 11, 12, 13)):
+        assert by_prompt[p].error is None and by_prompt[p].token_ids == reference[p]
+    assert "OverflowError: injected" in capsys.readouterr().err  # the engine's own fault: logged with its traceback
+    # everything freed, and the engine still serves
+    assert eng.caches.req_slots.num_used == 0 and eng.caches.kv_pool.num_free == eng.caches.kv_pool.num_tokens
+    eng._append_token = append
+    assert _run(eng, [[8, 9]])[0].token_ids == reference[(8, 9)]
+
+
+def test_failed_launch_fails_that_step_only(reference):
+    """A step whose launch raises fails its own rows; a request that was waiting meanwhile is served exactly."""
+    eng = Engine(MODEL, device="cpu", engine_config=EngineConfig(verbose=False, chunk_size=3, max_num_seqs=2))
+    run = eng.worker.run
+    seen = []
+
+    def failing_once(sched):
+        seen.append([tuple(r.prompt_ids) for r in sched.reqs])
+        if len(seen) == 2:
+            raise RuntimeError("injected launch failure")
+        return run(sched)
+
+    eng.worker.run = failing_once
+    outs = {tuple(o.prompt_token_ids): o for o in _run(eng, [[5, 6, 7], [8, 9], [10, 11, 12, 13]])}
+    assert sorted(seen[1]) == [(5, 6, 7), (8, 9)]  # the failing step held the first two requests
+    for p in seen[1]:
+        assert outs[p].finish_reason == "abort" and "RuntimeError" in outs[p].error
+    assert outs[(10, 11, 12, 13)].error is None
+    assert outs[(10, 11, 12, 13)].token_ids == reference[(10, 11, 12, 13)]
+    assert eng.caches.req_slots.num_used == 0 and eng.caches.state_pool.num_free == eng.caches.state_pool.num_slots
+    assert _run(eng, [[5, 6, 7]])[0].token_ids == reference[(5, 6, 7)]
+
+
+def test_offline_generate_raises_on_an_internal_error():
+    llm = LLM(MODEL, device="cpu", verbose=False)
+    llm.engine._append_token = lambda req, token: 1 / 0
+    with pytest.raises(RuntimeError, match="prompt 0: internal error.*ZeroDivisionError"):
+        llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
+    assert not llm.engine.has_unfinished() and llm.engine.caches.req_slots.num_used == 0
+
+
+def _client(engine):
+    from fastapi.testclient import TestClient
+
+    from hylo.server.app import create_app
+
+    return TestClient(create_app(engine))
+
+
+def test_server_refuses_out_of_range_integers_and_keeps_serving():
+    eng = Engine(MODEL, device="cpu", engine_config=EngineConfig(verbose=False))
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0}
+    with _client(eng) as http:
+        for field, value in [("seed", 1 << 63), ("seed", -(1 << 63) - 1), ("top_k", 1 << 64), ("n", 10 ** 20),
+                             ("max_tokens", 1 << 70), ("stop_token_ids", [1 << 63]), ("top_logprobs", 21)]:
+            r = http.post("/v1/chat/completions", json={**chat, field: value})
+            assert r.status_code == 400, (field, r.text)
+            err = r.json()["error"]
+            assert err["param"] == field and field in err["message"], err
+        r = http.post("/v1/chat/completions", json={**chat, "stop_token_ids": [10 ** 6]})
+        assert r.status_code == 400 and "outside the vocabulary" in r.json()["error"]["message"]
+        # the largest seed works, and n > 1 wraps its choices' seeds inside the int64 range
+        r = http.post("/v1/chat/completions", json={**chat, "seed": (1 << 63) - 1, "n": 2, "temperature": 1})
+        assert r.status_code == 200 and len(r.json()["choices"]) == 2
+        assert http.get("/health").json() == {"status": "ok"}
+        r = http.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 6, "temperature": 0,
+                                               "ignore_eos": True})
+        assert r.status_code == 200
+
+
+def test_server_answers_500_for_the_failed_request_only(reference):
+    eng = Engine(MODEL, device="cpu", engine_config=EngineConfig(verbose=False))
+    append = eng._append_token
+
+    def flaky(req, token):
+        if req.prompt_ids == [8, 9]:
+            raise OverflowError("injected")
+        return append(req, token)
+
+    eng._append_token = flaky
+    body = {"max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    with _client(eng) as http:
+        r = http.post("/v1/completions", json={**body, "prompt": [8, 9]})
+        assert r.status_code == 500
+        err = r.json()["error"]
+        assert err["type"] == "server_error" and "internal error" in err["message"]
+        assert "Traceback" not in r.text
+        with http.stream("POST", "/v1/completions", json={**body, "prompt": [8, 9], "stream": True}) as s:
+            lines = [ln for ln in s.iter_lines() if ln.startswith("data: ")]
+        assert any('"server_error"' in ln for ln in lines) and lines[-1] == "data: [DONE]"
+        assert http.get("/health").json() == {"status": "ok"}
+        r = http.post("/v1/completions", json={**body, "prompt": [5, 6, 7]})
+        assert r.status_code == 200
+        assert r.json()["choices"][0]["text"] == eng.tokenizer.decode(reference[(5, 6, 7)])
+
+
+def test_a_failed_request_leaves_nothing_behind():
+    """A failed request leaves no trace in the device tables that a later request with the same slot reads."""
+    eng = Engine(MODEL, device="cpu", engine_config=EngineConfig(verbose=False, max_num_seqs=1))
+    eng._append_token, ok = (lambda req, token: (_ for _ in ()).throw(ValueError("x"))), eng._append_token
+    assert _run(eng, [[1, 2]])[0].error
+    eng._append_token = ok
+    a = _run(eng, [[5, 6, 7]], SamplingParams(max_tokens=5, temperature=1.0, seed=3))[0].token_ids
+    fresh = Engine(MODEL, device="cpu", engine_config=EngineConfig(verbose=False, max_num_seqs=1))
+    assert a == _run(fresh, [[5, 6, 7]], SamplingParams(max_tokens=5, temperature=1.0, seed=3))[0].token_ids
