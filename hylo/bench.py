@@ -22,9 +22,10 @@ from .config import EngineConfig, ModelConfig
 from .engine.engine import Engine, LoadedModel
 from .bench_floors import Footprint, measure_copy_rate, measure_matmul_rate
 from .bench_steps import clear, fake_prefill, graph_alone_ms, overlap_profile, prefill_times, time_steps
-from .models.qwen3_next import Qwen3NextForCausalLM
+from .models.registry import build_model as build_family_model
 from .models.random_init import RandomReader
 from .ops.triton_utils import pdl_settings
+from .parallel.group import SINGLE
 from .spec.setup import SpecSetup
 
 GB = 1e9
@@ -67,7 +68,7 @@ def build_model(mc: ModelConfig, device, seed: int = 0, hf_model=None) -> Loaded
 
         reader = HFReader(hf_model, reader)
     with torch.device(device):
-        model = Qwen3NextForCausalLM(mc, dtype, device)
+        model = build_family_model(mc, dtype, device, SINGLE)
     model.load(reader)
     return LoadedModel("bench-6b", mc, model, reader, None, True)
 

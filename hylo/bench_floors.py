@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .models.qwen3_next import Qwen3NextForCausalLM
+from .models.hybrid import HybridForCausalLM
 
 
 # ---- the hardware's two numbers ---------------------------------------------------------------------------------
@@ -63,7 +63,7 @@ class Footprint:
     matmul_params: int  # parameters multiplied per token in the target (experts: top-k of them), lm_head excluded
 
     @classmethod
-    def of(cls, model: Qwen3NextForCausalLM, mtp, caches) -> "Footprint":
+    def of(cls, model: HybridForCausalLM, mtp, caches) -> "Footprint":
         mc = model.config
         esz = 2
         expert = 3 * mc.moe_intermediate_size * mc.hidden_size * esz

@@ -25,10 +25,12 @@ class HFReader(TensorReader):
         return self.used
 
     def has(self, name):
-        return True
+        return name in self.sd or name.startswith("mtp.") or ".experts." in name
 
     def get(self, name, shape=None):
         self.used.add(name)
+        if name in self.sd:  # fused experts included
+            return self.sd[name]
         if name.startswith("mtp."):
             return self.fallback.get(name, shape)
         if ".experts." in name:

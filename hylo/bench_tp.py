@@ -34,7 +34,7 @@ class RandomModel:
         return bench_config(self.name)
 
     def load(self, dtype: torch.dtype, device, tp: TPGroup) -> LoadedModel:
-        from .models.qwen3_next import Qwen3NextForCausalLM
+        from .models.registry import build_model
         from .models.random_init import RandomReader
         from .parallel.sharding import local_config
 
@@ -42,7 +42,7 @@ class RandomModel:
         local = local_config(mc, tp.size)
         reader = RandomReader(self.seed + 7919 * tp.rank, device)
         with torch.device(device):
-            model = Qwen3NextForCausalLM(local, dtype, device, tp=tp)
+            model = build_model(local, dtype, device, tp)
         model.load(reader)
         model.eval()
         return LoadedModel(self.name, mc, model, reader, None, True, local)

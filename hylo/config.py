@@ -5,16 +5,15 @@ Both are frozen dataclasses: nothing changes them after start-up, so every compo
 
 from __future__ import annotations
 
-import json
 import math
-import os
 from dataclasses import dataclass, fields
 from typing import Any
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The Qwen3-Next architecture, as its ``config.json`` describes it."""
+    """The shape of a hybrid model (Qwen3-Next, Qwen3.5, ...), as its family's parser read it from ``config.json``
+    (``models.registry.read_config``). ``model_type`` names the family in the registry."""
 
     vocab_size: int
     hidden_size: int
@@ -49,6 +48,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     num_nextn_predict_layers: int = 1
     hidden_act: str = "silu"
+    model_type: str = "qwen3_next"
 
     # ---- derived shapes -------------------------------------------------------------------------------------
     @property
@@ -83,86 +83,6 @@ class ModelConfig:
             and (layer_id + 1) % self.decoder_sparse_step == 0
         )
 
-    # ---- parsing --------------------------------------------------------------------------------------------
-    @classmethod
-    def from_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
-        model_type = cfg.get("model_type")
-        if model_type != "qwen3_next":
-            raise ValueError(
-                f"unsupported model_type {model_type!r}: hylo serves the Qwen3-Next architecture ('qwen3_next')"
-            )
-        n_layers = int(cfg["num_hidden_layers"])
-        layer_types = cfg.get("layer_types")
-        if layer_types is None:
-            interval = int(cfg.get("full_attention_interval", 4))
-            layer_types = [
-                "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n_layers)
-            ]
-        layer_types = tuple(layer_types)
-        if len(layer_types) != n_layers or any(t not in ("linear_attention", "full_attention") for t in layer_types):
-            raise ValueError(f"config.json: layer_types must list {n_layers} entries of "
-                             f"'linear_attention' or 'full_attention', got {list(layer_types)}")
-        if cfg.get("rope_scaling"):
-            raise ValueError(f"config.json: rope_scaling {cfg['rope_scaling']!r} is not supported (only plain RoPE)")
-        rope = dict(cfg.get("rope_parameters") or {})
-        if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
-            raise ValueError(f"config.json: rope_type {rope.get('rope_type')!r} is not supported (only 'default')")
-        rope_theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-        prf = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25)))
-        eos = cfg.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-        num_heads = int(cfg["num_attention_heads"])
-        hidden = int(cfg["hidden_size"])
-        return cls(
-            vocab_size=int(cfg["vocab_size"]),
-            hidden_size=hidden,
-            num_hidden_layers=n_layers,
-            layer_types=layer_types,
-            num_attention_heads=num_heads,
-            num_key_value_heads=int(cfg.get("num_key_value_heads", num_heads)),
-            head_dim=int(cfg.get("head_dim") or hidden // num_heads),
-            rope_theta=rope_theta,
-            partial_rotary_factor=prf,
-            attention_bias=bool(cfg.get("attention_bias", False)),
-            linear_num_key_heads=int(cfg["linear_num_key_heads"]),
-            linear_num_value_heads=int(cfg["linear_num_value_heads"]),
-            linear_key_head_dim=int(cfg["linear_key_head_dim"]),
-            linear_value_head_dim=int(cfg["linear_value_head_dim"]),
-            linear_conv_kernel_dim=int(cfg.get("linear_conv_kernel_dim", 4)),
-            intermediate_size=int(cfg.get("intermediate_size", 0)),
-            num_experts=int(cfg.get("num_experts", 0)),
-            num_experts_per_tok=int(cfg.get("num_experts_per_tok", 0)),
-            moe_intermediate_size=int(cfg.get("moe_intermediate_size", 0)),
-            shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size", 0)),
-            norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
-            decoder_sparse_step=int(cfg.get("decoder_sparse_step", 1)),
-            mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 32768)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            eos_token_ids=eos_ids,
-            num_nextn_predict_layers=int(cfg.get("num_nextn_predict_layers", 1) or 1),
-            hidden_act=str(cfg.get("hidden_act", "silu")),
-        )
-
-    @classmethod
-    def from_pretrained(cls, path: str) -> "ModelConfig":
-        cfg_path = os.path.join(path, "config.json")
-        if not os.path.isfile(cfg_path):
-            raise FileNotFoundError(f"no config.json in model directory {path!r}")
-        with open(cfg_path) as f:
-            cfg = json.load(f)
-        mc = cls.from_dict(cfg)
-        gen_path = os.path.join(path, "generation_config.json")
-        if os.path.isfile(gen_path):  # generation_config's eos list wins: chat models stop on several ids
-            with open(gen_path) as f:
-                eos = json.load(f).get("eos_token_id")
-            if eos is not None:
-                eos_ids = tuple(eos) if isinstance(eos, list) else (int(eos),)
-                mc = _replace(mc, eos_token_ids=tuple(dict.fromkeys(mc.eos_token_ids + eos_ids)))
-        mc.validate()
-        return mc
-
     def validate(self) -> None:
         problems = []
         if self.num_attention_heads % self.num_key_value_heads:
@@ -176,10 +96,12 @@ class ModelConfig:
         if self.hidden_act != "silu":
             problems.append(f"hidden_act {self.hidden_act!r} is not supported (only 'silu')")
         if problems:
-            raise ValueError("invalid Qwen3-Next config: " + "; ".join(problems))
+            raise ValueError(f"invalid {self.model_type} config: " + "; ".join(problems))
 
     def to_hf_dict(self) -> dict[str, Any]:
-        """The ``config.json`` that describes this model (used to write checkpoints)."""
+        """The Qwen3-Next ``config.json`` that describes this model (used to write checkpoints)."""
+        if self.model_type != "qwen3_next":
+            raise ValueError(f"to_hf_dict writes Qwen3-Next configs, not {self.model_type!r}")
         return {
             "architectures": ["Qwen3NextForCausalLM"],
             "model_type": "qwen3_next",
@@ -215,7 +137,44 @@ class ModelConfig:
         }
 
 
-def _replace(obj, **changes):
+def eos_ids(value) -> tuple[int, ...]:
+    """``eos_token_id`` as written in a config (an int, a list or null) as a tuple of ids."""
+    if value is None:
+        return ()
+    return tuple(int(v) for v in value) if isinstance(value, list) else (int(value),)
+
+
+def layer_types_of(cfg: dict[str, Any]) -> tuple[str, ...]:
+    """``layer_types`` of a GDN hybrid's config, or the pattern its ``full_attention_interval`` gives."""
+    n_layers = int(cfg["num_hidden_layers"])
+    layer_types = cfg.get("layer_types")
+    if layer_types is None:
+        interval = int(cfg.get("full_attention_interval", 4))
+        layer_types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n_layers)]
+    layer_types = tuple(layer_types)
+    if len(layer_types) != n_layers or any(t not in ("linear_attention", "full_attention") for t in layer_types):
+        raise ValueError(f"config.json: layer_types must list {n_layers} entries of "
+                         f"'linear_attention' or 'full_attention', got {list(layer_types)}")
+    return layer_types
+
+
+def rope_of(cfg: dict[str, Any], allowed_extra: tuple[str, ...] = ()) -> tuple[float, float]:
+    """(rope_theta, partial_rotary_factor) of plain RoPE; anything else (YaRN, linear scaling, ...) is refused by
+    name. ``allowed_extra``: keys of ``rope_parameters`` the family has checked itself (Qwen3.5's mrope fields)."""
+    if cfg.get("rope_scaling"):
+        raise ValueError(f"config.json: rope_scaling {cfg['rope_scaling']!r} is not supported (only plain RoPE)")
+    rope = dict(cfg.get("rope_parameters") or {})
+    if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
+        raise ValueError(f"config.json: rope_type {rope.get('rope_type')!r} is not supported (only 'default')")
+    unknown = set(rope) - {"rope_type", "type", "rope_theta", "partial_rotary_factor", *allowed_extra}
+    if unknown:
+        raise ValueError(f"config.json: rope_parameters {sorted(unknown)} are not supported (only plain RoPE)")
+    theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    return theta, float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25)))
+
+
+def replace_fields(obj, **changes):
+    """A frozen dataclass with some fields changed."""
     values = {f.name: getattr(obj, f.name) for f in fields(obj)}
     values.update(changes)
     return type(obj)(**values)
@@ -292,4 +251,4 @@ class EngineConfig:
         return {f.name for f in fields(cls)}
 
 
-__all__ = ["ModelConfig", "EngineConfig"]
+__all__ = ["ModelConfig", "EngineConfig", "eos_ids", "layer_types_of", "rope_of", "replace_fields"]

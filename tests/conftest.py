@@ -2,7 +2,7 @@
 
 import pytest
 
-from helpers import append_mtp, make_hf_checkpoint
+from helpers import Q35, append_mtp, make_hf_checkpoint
 
 
 @pytest.fixture(scope="session")
@@ -29,3 +29,39 @@ def ckpt_a_mtp(tmp_path_factory, ckpt_a):
 def ckpt_b_mtp(tmp_path_factory, ckpt_b):
     return append_mtp(ckpt_b, str(tmp_path_factory.mktemp("ckpt_b_mtp") / "m"))
 
+
+
+# Qwen3.5: the released (vision-language) form and the text-only form, dense and MoE
+@pytest.fixture(scope="session")
+def q35_dense_vl(tmp_path_factory):
+    from helpers import make_qwen35_checkpoint
+
+    return make_qwen35_checkpoint(str(tmp_path_factory.mktemp("q35_dense_vl")), "dense", "vl")
+
+
+@pytest.fixture(scope="session")
+def q35_moe_text(tmp_path_factory):
+    from helpers import make_qwen35_checkpoint
+
+    return make_qwen35_checkpoint(str(tmp_path_factory.mktemp("q35_moe_text")), "moe", "text")
+
+
+@pytest.fixture(scope="session")
+def q35_dense_text(tmp_path_factory):
+    from helpers import make_qwen35_checkpoint
+
+    return make_qwen35_checkpoint(str(tmp_path_factory.mktemp("q35_dense_text")), "dense", "text")
+
+
+@pytest.fixture(scope="session")
+def q35_moe_vl(tmp_path_factory):
+    from helpers import make_qwen35_checkpoint
+
+    return make_qwen35_checkpoint(str(tmp_path_factory.mktemp("q35_moe_vl")), "moe", "vl")
+
+
+@pytest.fixture(scope="session", params=list(Q35))
+def q35(request):
+    """(path, kind, form) of each Qwen3.5 checkpoint form."""
+    fixture, kind, form = Q35[request.param]
+    return request.getfixturevalue(fixture), kind, form

@@ -63,7 +63,8 @@ def load_hf(path: str):
 
 def vocab_of(path: str) -> int:
     with open(os.path.join(path, "config.json")) as f:
-        return json.load(f)["vocab_size"]
+        cfg = json.load(f)
+    return cfg.get("text_config", cfg)["vocab_size"]  # Qwen3.5's released form nests the text config
 
 
 def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
@@ -96,12 +97,12 @@ def append_mtp(src: str, dst: str, seed: int = 0) -> str:
 
     from safetensors.torch import load_file, save_file
 
-    from hylo.config import ModelConfig
+    from hylo.models.registry import read_config
     from hylo.models.random_init import random_mtp_tensors
 
     shutil.copytree(src, dst)
     tensors = load_file(os.path.join(dst, "model.safetensors"))
-    tensors.update(random_mtp_tensors(ModelConfig.from_pretrained(dst), seed=seed, std=0.05))
+    tensors.update(random_mtp_tensors(read_config(dst), seed=seed, std=0.05))
     save_file(tensors, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
     return dst
 
@@ -154,3 +155,99 @@ def check_against(outs, ref, workload):
         else:
             assert (o.token_ids, o.finish_reason) == (r.token_ids, r.finish_reason), i
     return aborted
+
+
+# ---- Qwen3.5 ---------------------------------------------------------------------------------------------------
+# Released Qwen3.5 checkpoints come as Qwen3_5ForConditionalGeneration (text under model.language_model.*, a vision
+# tower under model.visual.*); transformers also writes Qwen3_5ForCausalLM (text only, model.*). Shapes unlike the
+# Qwen3-Next ones and unlike the releases: odd head counts and sizes, a value/key head ratio of 3, a conv kernel of
+# 3, interleaved and plain mrope sections, tied embeddings, a folded and an unfolded shared expert.
+QWEN35_TEXT = {
+    "dense": dict(vocab_size=130, hidden_size=48, intermediate_size=80, num_hidden_layers=5, num_attention_heads=3,
+                  num_key_value_heads=1, head_dim=24, linear_conv_kernel_dim=3, linear_key_head_dim=12,
+                  linear_value_head_dim=10, linear_num_key_heads=2, linear_num_value_heads=6,
+                  layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention",
+                               "full_attention"],
+                  rope_parameters={"rope_type": "default", "rope_theta": 20000.0, "partial_rotary_factor": 0.5,
+                                   "mrope_section": [2, 2, 2], "mrope_interleaved": True},
+                  initializer_range=0.05),
+    "moe": dict(vocab_size=150, hidden_size=40, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=2,
+                head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=12,
+                linear_num_key_heads=1, linear_num_value_heads=2, num_experts=6, num_experts_per_tok=3,
+                moe_intermediate_size=20, shared_expert_intermediate_size=20,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                                 "mrope_section": [1, 1, 0], "mrope_interleaved": False},
+                initializer_range=0.05),
+}
+# the Qwen3.5 checkpoint fixtures (conftest.py): name -> (fixture, kind, form)
+Q35 = {"dense-vl": ("q35_dense_vl", "dense", "vl"), "dense-text": ("q35_dense_text", "dense", "text"),
+       "moe-vl": ("q35_moe_vl", "moe", "vl"), "moe-text": ("q35_moe_text", "moe", "text")}
+QWEN35_VISION = dict(depth=1, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=48, patch_size=4,
+                     temporal_patch_size=2, num_position_embeddings=16)
+
+
+def qwen35_classes(kind: str, form: str):
+    """(config class, model class) of transformers for a Qwen3.5 kind ("dense"/"moe") and form ("vl"/"text")."""
+    import transformers as T
+
+    name = {"dense": "Qwen3_5", "moe": "Qwen3_5Moe"}[kind]
+    if form == "vl":
+        return getattr(T, f"{name}Config"), getattr(T, f"{name}ForConditionalGeneration")
+    return getattr(T, f"{name}TextConfig"), getattr(T, f"{name}ForCausalLM")
+
+
+def make_qwen35_checkpoint(path: str, kind: str, form: str, **overrides) -> str:
+    """A Qwen3.5 checkpoint written by transformers (``form`` "vl": the released layout with a small vision tower;
+    "text": Qwen3_5ForCausalLM), with random mtp.* tensors appended under the releases' names (the MoE kind's MTP
+    experts fused, as the MoE releases store them)."""
+    from safetensors.torch import load_file, save_file
+
+    from hylo.models.random_init import random_mtp_tensors
+    from hylo.models.registry import read_config
+
+    torch.manual_seed(0)
+    text = {**QWEN35_TEXT[kind], **overrides}
+    cfg_cls, model_cls = qwen35_classes(kind, form)
+    if form == "vl":
+        if kind == "dense":  # the small dense releases tie their embeddings at the outer level
+            cfg = cfg_cls(text_config={**text, "tie_word_embeddings": True}, vision_config=QWEN35_VISION,
+                          tie_word_embeddings=True)
+        else:
+            cfg = cfg_cls(text_config=text, vision_config=QWEN35_VISION)
+    else:
+        cfg = cfg_cls(**text)
+    model = model_cls(cfg).eval()
+    _perturb_norms(model)
+    model.save_pretrained(path)
+    file = os.path.join(path, "model.safetensors")
+    tensors = load_file(file)
+    mtp = random_mtp_tensors(read_config(path), seed=3, std=0.05)
+    if kind == "moe":
+        mtp = fuse_experts(mtp)
+    tensors.update(mtp)
+    save_file(tensors, file, metadata={"format": "pt"})
+    return path
+
+
+def fuse_experts(tensors: dict) -> dict:
+    """Per-expert tensors (``experts.E.{gate,up,down}_proj.weight``) replaced by the fused form some releases ship:
+    ``experts.gate_up_proj`` [E, 2I, H] (gate rows first) and ``experts.down_proj`` [E, H, I]."""
+    import re
+
+    out, groups = {}, {}
+    for name, t in tensors.items():
+        m = re.match(r"(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$", name)
+        if m:
+            groups.setdefault(m.group(1), {})[(int(m.group(2)), m.group(3))] = t
+        else:
+            out[name] = t
+    for prefix, parts in groups.items():
+        n = 1 + max(e for e, _ in parts)
+        out[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([parts[(e, "gate_proj")], parts[(e, "up_proj")]])
+                                                     for e in range(n)])
+        out[f"{prefix}.down_proj"] = torch.stack([parts[(e, "down_proj")] for e in range(n)])
+    return out
+
+
+def load_hf_qwen35(path: str, kind: str, form: str):
+    return qwen35_classes(kind, form)[1].from_pretrained(path, dtype=torch.float32).eval()

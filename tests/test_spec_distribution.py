@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import save_file
 
 from hylo import LLM, SamplingParams
-from hylo.config import ModelConfig
+from hylo.models.registry import parse_config
 from hylo.models.default import default_model_config
 from hylo.models.random_init import random_checkpoint
 from hylo.spec.verify import rejection_accept
@@ -64,7 +64,7 @@ def tiny_vocab_ckpt(tmp_path_factory):
     cfg = base.to_hf_dict()
     cfg.update(vocab_size=8, hidden_size=32, eos_token_id=None, linear_key_head_dim=16, linear_value_head_dim=16,
                head_dim=16, intermediate_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=32)
-    mc = ModelConfig.from_dict(cfg)
+    mc = parse_config(cfg)
     path = tmp_path_factory.mktemp("tiny_vocab")
     with open(path / "config.json", "w") as f:
         json.dump(cfg, f)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from hylo import LLM, SamplingParams
-from hylo.config import ModelConfig
+from hylo.models.registry import read_config
 from hylo.engine.engine import load_model
 from hylo.models.loader import SafetensorsReader
 from hylo.parallel.group import TPGroup
@@ -50,7 +50,7 @@ def test_each_rank_holds_only_its_shard(ckpt_a_mtp):
         # everything but norms, routers and the replicated pieces is halved
         assert sum(p.numel() for p in s.model.parameters()) < 0.56 * total
         assert s.local_config.num_attention_heads * 2 == full.config.num_attention_heads
-    mc = ModelConfig.from_pretrained(ckpt_a_mtp)
+    mc = read_config(ckpt_a_mtp)
     readers = [ShardedReader(SafetensorsReader(ckpt_a_mtp), mc, r, 2) for r in range(2)]
     name = "model.layers.0.linear_attn.conv1d.weight"
     whole = SafetensorsReader(ckpt_a_mtp).get(name)

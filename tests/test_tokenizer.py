@@ -59,7 +59,7 @@ def test_chat_template_from_the_checkpoint_and_the_chatml_default(ckpt_with_toke
 def test_real_qwen3_next_style_config_parses():
     """The original Qwen3-Next config.json layout: top-level rope_theta / partial_rotary_factor,
     full_attention_interval instead of layer_types; rope scaling is refused by name."""
-    from hylo.config import ModelConfig
+    from hylo.models.registry import parse_config
 
     cfg = {"model_type": "qwen3_next", "vocab_size": 151936, "hidden_size": 2048, "num_hidden_layers": 48,
            "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256, "rope_theta": 10000000,
@@ -68,10 +68,10 @@ def test_real_qwen3_next_style_config_parses():
            "linear_conv_kernel_dim": 4, "num_experts": 512, "num_experts_per_tok": 10, "moe_intermediate_size": 512,
            "shared_expert_intermediate_size": 512, "intermediate_size": 5120, "decoder_sparse_step": 1,
            "mlp_only_layers": [], "rope_scaling": None, "eos_token_id": 151645}
-    mc = ModelConfig.from_dict(cfg)
+    mc = parse_config(cfg)
     assert mc.layer_types[:4] == ("linear_attention",) * 3 + ("full_attention",)
     assert mc.rotary_dim == 64 and mc.rope_theta == 1e7 and mc.eos_token_ids == (151645,)
     with pytest.raises(ValueError, match="rope_scaling"):
-        ModelConfig.from_dict({**cfg, "rope_scaling": {"type": "yarn", "factor": 4.0}})
+        parse_config({**cfg, "rope_scaling": {"type": "yarn", "factor": 4.0}})
     with pytest.raises(ValueError, match="model_type"):
-        ModelConfig.from_dict({**cfg, "model_type": "llama"})
+        parse_config({**cfg, "model_type": "llama"})

@@ -22,9 +22,10 @@ from ..core import ForwardMode, Req, RequestOutput, SamplingParams, SpecStats
 from ..layers.weights import DictReader, TensorReader
 from ..models.default import (DEFAULT_MODEL_NAME, DEFAULT_SEED, TRAINED_DEFAULT_NAME, default_model_config,
                               trained_default_path)
+from ..models.hybrid import HybridForCausalLM
 from ..models.loader import SafetensorsReader
-from ..models.qwen3_next import Qwen3NextForCausalLM
 from ..models.random_init import random_checkpoint
+from ..models.registry import build_model, family_of, read_config
 from ..parallel.group import SINGLE, TPGroup
 from ..parallel.sharding import ShardedReader, local_config
 from ..tokenizer import ByteTokenizer, load_tokenizer
@@ -63,7 +64,7 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
 class LoadedModel:
     name: str
     config: ModelConfig
-    model: Qwen3NextForCausalLM
+    model: HybridForCausalLM
     reader: TensorReader
     tokenizer: object | None
     is_random: bool
@@ -90,7 +91,7 @@ def load_model(path: str | None, dtype: torch.dtype, device: torch.device, progr
     else:
         if not os.path.isdir(path):
             raise FileNotFoundError(f"model directory {path!r} does not exist")
-        mc = ModelConfig.from_pretrained(path)
+        mc = read_config(path)
         reader = SafetensorsReader(path)
         name = display_name or os.path.basename(os.path.normpath(path))
         tokenizer, is_random = load_tokenizer(path), False
@@ -98,7 +99,7 @@ def load_model(path: str | None, dtype: torch.dtype, device: torch.device, progr
     if tp.size > 1:  # each rank reads only its slice of every tensor
         reader = ShardedReader(reader, mc, tp.rank, tp.size)
     with torch.device(device):
-        model = Qwen3NextForCausalLM(local, dtype, device, tp=tp)
+        model = build_model(local, dtype, device, tp)
     model.load(reader, progress=progress and not is_random)
     model.eval()
     return LoadedModel(name, mc, model, reader, tokenizer, is_random, local)
@@ -128,9 +129,17 @@ class Engine:
         self.tokenizer, self.is_random = lm.tokenizer, lm.is_random
         self.reader = lm.reader
         extra_kv = spec_setup.prepare(lm, self.dtype, self.device) if spec_setup is not None else 0
-        unused = self.reader.unused(ignore_prefixes=("mtp.",))
-        if unused and self.ec.verbose:
-            print(f"[hylo] warning: {len(unused)} checkpoint tensors not used, e.g. {unused[0]!r}", file=sys.stderr)
+        ignored = family_of(lm.config.model_type).ignored
+        unused = self.reader.unused(ignore_prefixes=("mtp.",) + tuple(p for p, _ in ignored))
+        if self.ec.verbose and tp.rank == 0:
+            for prefix, what in ignored:
+                count = sum(1 for k in self.reader.keys() if k.startswith(prefix))
+                if count:
+                    print(f"[hylo] {what} ({count} tensors under {prefix}*) is not loaded: hylo serves the text "
+                          f"model, and refuses requests with image or video content", file=sys.stderr)
+            if unused:
+                print(f"[hylo] warning: {len(unused)} checkpoint tensors not used, e.g. {unused[0]!r}",
+                      file=sys.stderr)
         self.caches = allocate_caches(lm.shard_config, self.ec, self.dtype, self.device, extra_kv)
         self.max_model_len = self.caches.max_model_len
         k = self.ec.spec_tokens

@@ -11,7 +11,7 @@ from ..backends.gdn import GDNBackend
 from ..backends.hybrid import HybridBackend
 from ..cache.memory import Caches
 from ..core import ForwardBatch, ForwardMode, SamplingBatch, to_device
-from ..models.qwen3_next import Qwen3NextForCausalLM
+from ..models.hybrid import HybridForCausalLM
 from ..ops.sampling import sample
 from ..ops.triton_utils import use_triton
 from .extend import ExtendPack, expand
@@ -49,7 +49,7 @@ def _dev(values, device, dtype=torch.int64) -> torch.Tensor:
 
 
 class ModelWorker:
-    def __init__(self, model: Qwen3NextForCausalLM, caches: Caches, device: torch.device, extra_attn_layers: int = 0,
+    def __init__(self, model: HybridForCausalLM, caches: Caches, device: torch.device, extra_attn_layers: int = 0,
                  vocab_size: int | None = None):
         self.model = model
         self.caches = caches

@@ -1,8 +1,9 @@
-"""Gated DeltaNet layer (Qwen3-Next's linear attention).
+"""Gated DeltaNet layer (the linear attention of Qwen3-Next and Qwen3.5).
 
-At load time the checkpoint's ``in_proj_qkvz`` (grouped per key head: q, k, v, z of each group together) and
-``in_proj_ba`` are re-laid into one projection ``[q | k | v | z | b | a]``: one matmul instead of two, and plain
-slices instead of per-group reshapes on every step.
+The input projections are one fused weight ``[q | k | v | z | b | a]``: one matmul per step, and plain slices
+instead of per-group reshapes. Checkpoints lay them out in other ways (Qwen3-Next groups q, k, v, z per key head in
+``in_proj_qkvz``; Qwen3.5 keeps four separate tensors); the family's model file re-lays them at load time
+(``read_in_proj``).
 """
 
 from __future__ import annotations
@@ -51,18 +52,12 @@ class GatedDeltaNet(nn.Module):
         return norm_out_proj(core.to(x.dtype), z.reshape(num_tokens, s.num_v_heads, s.head_v_dim), self.norm_weight,
                              self.eps, self.out_proj, reduce=reduce)
 
-    def load(self, r: TensorReader, prefix: str) -> None:
+    def load(self, r: TensorReader, prefix: str, read_in_proj) -> None:
+        """``read_in_proj(r, prefix, shape, hidden)``: the family's reader of the fused input projection."""
         s = self.shape
-        nk, dk, rep, dv = s.num_k_heads, s.head_k_dim, s.num_v_heads // s.num_k_heads, s.head_v_dim
-        group = 2 * dk + 2 * rep * dv
-        qkvz = r.get(f"{prefix}.in_proj_qkvz.weight", (nk * group, self.hidden)).view(nk, group, self.hidden)
-        q, k, v, z = qkvz.split([dk, dk, rep * dv, rep * dv], dim=1)
-        ba = r.get(f"{prefix}.in_proj_ba.weight", (2 * s.num_v_heads, self.hidden)).view(nk, 2 * rep, self.hidden)
-        b, a = ba.split([rep, rep], dim=1)
-        fused = torch.cat([t.reshape(-1, self.hidden) for t in (q, k, v, z, b, a)], dim=0)
-        copy_into(self.in_proj, fused)
+        copy_into(self.in_proj, read_in_proj(r, prefix, s, self.hidden))
         copy_into(self.conv_weight, r.get(f"{prefix}.conv1d.weight", (self.conv_dim, 1, self.kernel))[:, 0])
         copy_into(self.A_log, r.get(f"{prefix}.A_log", (s.num_v_heads,)))
         copy_into(self.dt_bias, r.get(f"{prefix}.dt_bias", (s.num_v_heads,)))
-        copy_into(self.norm_weight, r.get(f"{prefix}.norm.weight", (dv,)))
+        copy_into(self.norm_weight, r.get(f"{prefix}.norm.weight", (s.head_v_dim,)))
         copy_into(self.out_proj, r.get(f"{prefix}.out_proj.weight", (self.hidden, self.value_dim)))

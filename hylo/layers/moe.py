@@ -12,6 +12,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from .weights import TensorReader, copy_into
+from ..ops.linear import dense, swiglu_down
 from ..ops.moe import fused_moe, route_hidden
 
 
@@ -29,8 +30,9 @@ class MLP(nn.Module):
         self.down = nn.Parameter(torch.empty(hidden, inter, **kw), requires_grad=False)
 
     def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
-        h = F.linear(x, self.gate_up)
-        return F.linear(F.silu(h[:, :self.inter]) * h[:, self.inter:], self.down)
+        """[T, H]; with ``reduce=False`` possibly the unreduced split-K rows [T, S, H] of the down projection
+        (the few-row path, ``ops.linear.swiglu_down``), which the residual add that follows sums."""
+        return swiglu_down(dense(x, self.gate_up), self.down, reduce=reduce)
 
     def load(self, r: TensorReader, prefix: str) -> None:
         copy_into(self.gate_up, _load_gate_up(r, prefix, self.inter, self.hidden))
@@ -73,12 +75,19 @@ class SparseMoE(nn.Module):
         return out
 
     def load(self, r: TensorReader, prefix: str) -> None:
-        E, H = self.num_experts, self.hidden
+        """Experts stored one by one (``experts.E.{gate,up,down}_proj.weight``, as transformers writes them) or
+        fused (``experts.gate_up_proj`` [E, 2I, H] with the gate rows first, ``experts.down_proj`` [E, H, I], as
+        some releases ship them)."""
+        E, H, I = self.num_experts, self.hidden, self.inter
         copy_into(self.router[:E], r.get(f"{prefix}.gate.weight", (E, H)))
-        for e in range(E):
-            ep = f"{prefix}.experts.{e}"
-            copy_into(self.w13[e], _load_gate_up(r, ep, self.inter, H))
-            copy_into(self.w2[e], r.get(f"{ep}.down_proj.weight", (H, self.inter)))
+        if r.has(f"{prefix}.experts.gate_up_proj"):
+            copy_into(self.w13[:E], r.get(f"{prefix}.experts.gate_up_proj", (E, 2 * I, H)))
+            copy_into(self.w2[:E], r.get(f"{prefix}.experts.down_proj", (E, H, I)))
+        else:
+            for e in range(E):
+                ep = f"{prefix}.experts.{e}"
+                copy_into(self.w13[e], _load_gate_up(r, ep, I, H))
+                copy_into(self.w2[e], r.get(f"{ep}.down_proj.weight", (H, I)))
         sp = f"{prefix}.shared_expert"
         if self.fold_shared:
             copy_into(self.w13[E], _load_gate_up(r, sp, self.inter, H))

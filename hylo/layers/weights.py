@@ -51,10 +51,9 @@ class TensorReader:
         return tuple(self.get(name).shape)
 
     def get_part(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
-        """``tensor[start:stop]`` along ``dim`` (0 or 1); readers that can read part of a tensor override this so
-        that a tensor-parallel rank never loads more than its slice."""
-        t = self.get(name)
-        return t[start:stop] if dim == 0 else t[:, start:stop]
+        """``tensor[start:stop]`` along ``dim``; readers that can read part of a tensor override this so that a
+        tensor-parallel rank never loads more than its slice."""
+        return self.get(name).narrow(dim, start, stop - start)
 
     def unused(self, ignore_prefixes: tuple[str, ...] = ()) -> list[str]:
         return sorted(k for k in self.keys() if k not in self.used and not k.startswith(ignore_prefixes))

@@ -56,4 +56,4 @@ class SafetensorsReader(TensorReader):
             return super().get_part(name, dim, start, stop)
         self.used.add(name)
         part = self._handles[self._where[name]].get_slice(name)
-        return part[start:stop] if dim == 0 else part[:, start:stop]
+        return part[(slice(None),) * dim + (slice(start, stop),)]

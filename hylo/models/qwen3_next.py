@@ -1,105 +1,77 @@
-"""Qwen3-Next: a stack of Gated DeltaNet and gated full-attention layers (``layer_types``), each followed by a
-sparse MoE or a dense MLP, between a token embedding and an LM head."""
+"""Qwen3-Next (``model_type`` ``qwen3_next``): Gated DeltaNet and gated full-attention layers (``layer_types``),
+each followed by a sparse MoE with a sigmoid-gated shared expert (or a dense MLP where ``mlp_only_layers`` or
+``decoder_sparse_step`` say so). Text model under ``model.*``, MTP head under ``mtp.*``.
+
+What is particular to its checkpoints: the GDN input projections are grouped per key head on disk
+(``in_proj_qkvz``: q, k, v, z of each key head together; ``in_proj_ba``: b, a of each key head together).
+"""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
-import torch.nn.functional as F
-from torch import nn
-from tqdm.auto import tqdm
 
-from ..config import ModelConfig
-from ..core import ForwardBatch
-from ..layers.attention import GatedAttention
-from ..layers.linear_attn import GatedDeltaNet
-from ..layers.moe import MLP, SparseMoE
-from ..layers.norm import RMSNorm
-from ..layers.weights import TensorReader, copy_into
-from ..ops.norm import add_rms_norm
-from ..parallel.group import SINGLE, TPGroup
+from ..backends.gdn import GDNShape
+from ..config import ModelConfig, eos_ids, layer_types_of, rope_of
+from ..layers.weights import TensorReader
+from .hybrid import HybridForCausalLM
 
 
-class DecoderLayer(nn.Module):
-    def __init__(self, mc: ModelConfig, layer_id: int, dtype: torch.dtype, device=None, attention_only=False,
-                 tp: TPGroup = SINGLE):
-        super().__init__()
-        self.tp = tp  # with tensor parallelism the mixer and the MLP each end in a partial sum per rank
-        # attention_only: the MTP head's layer, a full-attention layer numbered past the target's layers
-        self.is_linear = not attention_only and mc.layer_types[layer_id] == "linear_attention"
-        self.input_norm = RMSNorm(mc.hidden_size, mc.rms_norm_eps, dtype, device)
-        self.post_norm = RMSNorm(mc.hidden_size, mc.rms_norm_eps, dtype, device)
-        self.mixer = (GatedDeltaNet(mc, layer_id, dtype, device) if self.is_linear
-                      else GatedAttention(mc, layer_id, dtype, device))
-        use_moe = mc.num_experts > 0 if attention_only else mc.is_moe_layer(layer_id)
-        self.mlp = (SparseMoE(mc, dtype, device) if use_moe
-                    else MLP(mc.hidden_size, mc.intermediate_size, dtype, device))
+def parse_gdn_hybrid(cfg: dict[str, Any], model_type: str, rope_extra: tuple[str, ...] = ()) -> ModelConfig:
+    """A GDN hybrid's text config (Qwen3-Next's keys; Qwen3.5's text config uses the same ones)."""
+    num_heads = int(cfg["num_attention_heads"])
+    hidden = int(cfg["hidden_size"])
+    rope_theta, prf = rope_of(cfg, rope_extra)
+    return ModelConfig(
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=hidden,
+        num_hidden_layers=int(cfg["num_hidden_layers"]),
+        layer_types=layer_types_of(cfg),
+        num_attention_heads=num_heads,
+        num_key_value_heads=int(cfg.get("num_key_value_heads", num_heads)),
+        head_dim=int(cfg.get("head_dim") or hidden // num_heads),
+        rope_theta=rope_theta,
+        partial_rotary_factor=prf,
+        attention_bias=bool(cfg.get("attention_bias", False)),
+        linear_num_key_heads=int(cfg["linear_num_key_heads"]),
+        linear_num_value_heads=int(cfg["linear_num_value_heads"]),
+        linear_key_head_dim=int(cfg["linear_key_head_dim"]),
+        linear_value_head_dim=int(cfg["linear_value_head_dim"]),
+        linear_conv_kernel_dim=int(cfg.get("linear_conv_kernel_dim", 4)),
+        intermediate_size=int(cfg.get("intermediate_size", 0) or 0),
+        num_experts=int(cfg.get("num_experts", 0) or 0),
+        num_experts_per_tok=int(cfg.get("num_experts_per_tok", 0) or 0),
+        moe_intermediate_size=int(cfg.get("moe_intermediate_size", 0) or 0),
+        shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size", 0) or 0),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+        decoder_sparse_step=int(cfg.get("decoder_sparse_step", 1) or 1),
+        mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 32768)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        eos_token_ids=eos_ids(cfg.get("eos_token_id")),
+        num_nextn_predict_layers=int(cfg.get("num_nextn_predict_layers", cfg.get("mtp_num_hidden_layers", 1)) or 1),
+        hidden_act=str(cfg.get("hidden_act", "silu")),
+        model_type=model_type,
+    )
 
-    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch, backend):
-        """h: the previous layer's output (or the embeddings, with residual None). Returns (output, residual):
-        the residual stream is added lazily, fused with the next norm."""
-        if residual is None:
-            residual, h = h, self.input_norm(h)
-        else:
-            residual, h = add_rms_norm(residual, h, self.input_norm.weight, self.input_norm.eps)
-        # On one rank the mixer's output projection and the MoE may hand back unreduced rows [T, J, hidden] (split-K
-        # partials, expert pairs); the add_rms_norm that follows sums them. Across ranks they are reduced first.
-        reduce = self.tp.size > 1
-        h = self.tp.all_reduce(self.mixer(h, batch, backend, reduce=reduce))
-        residual, h = add_rms_norm(residual, h, self.post_norm.weight, self.post_norm.eps)
-        return self.tp.all_reduce(self.mlp(h, reduce=reduce)), residual
 
-    def load(self, r: TensorReader, prefix: str) -> None:
-        copy_into(self.input_norm.weight, r.get(f"{prefix}.input_layernorm.weight", self.input_norm.weight.shape))
-        copy_into(self.post_norm.weight,
-                  r.get(f"{prefix}.post_attention_layernorm.weight", self.post_norm.weight.shape))
-        self.mixer.load(r, f"{prefix}.linear_attn" if self.is_linear else f"{prefix}.self_attn")
-        self.mlp.load(r, f"{prefix}.mlp")
+def parse_config(cfg: dict[str, Any]) -> ModelConfig:
+    return parse_gdn_hybrid(cfg, "qwen3_next")
 
 
-class Qwen3NextForCausalLM(nn.Module):
-    def __init__(self, mc: ModelConfig, dtype: torch.dtype, device=None, tp: TPGroup = SINGLE):
-        """``mc``: the config of this rank's shard (``parallel.sharding.local_config``); ``tp``: its group."""
-        super().__init__()
-        self.config = mc
-        self.dtype = dtype
-        self.tp = tp
-        kw = dict(dtype=dtype, device=device)
-        self.embed = nn.Parameter(torch.empty(mc.vocab_size, mc.hidden_size, **kw), requires_grad=False)
-        self.layers = nn.ModuleList(DecoderLayer(mc, i, dtype, device, tp=tp) for i in range(mc.num_hidden_layers))
-        self.norm = RMSNorm(mc.hidden_size, mc.rms_norm_eps, dtype, device)
-        self.lm_head = (self.embed if mc.tie_word_embeddings
-                        else nn.Parameter(torch.empty(mc.vocab_size, mc.hidden_size, **kw), requires_grad=False))
+class Qwen3NextForCausalLM(HybridForCausalLM):
+    family = "Qwen3-Next"
 
-    def forward(self, batch: ForwardBatch, backend) -> torch.Tensor:
-        """Returns the final hidden states (after the final norm), [T, hidden]."""
-        h, residual = self.embed_tokens(batch.input_ids), None
-        for layer in self.layers:
-            h, residual = layer(h, residual, batch, backend)
-        return add_rms_norm(residual, h, self.norm.weight, self.norm.eps)[1]
-
-    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.tp.size == 1:
-            return F.embedding(ids, self.embed)
-        # vocab-parallel: each rank looks up the ids in its slice, zeros elsewhere; the sum is the embedding
-        rows = self.embed.shape[0]
-        local = ids - self.tp.rank * rows
-        mine = (local >= 0) & (local < rows)
-        out = F.embedding(local.clamp(0, rows - 1), self.embed) * mine[:, None].to(self.embed.dtype)
-        return self.tp.all_reduce(out)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits in the activations' dtype: the greedy argmax reads them as they are (a cast to float32 is exact,
-        so it would pick the same tokens: at batch 256 the cast alone moved 233 MB per step), and sampling casts
-        them itself."""
-        return self.tp.all_gather_last(F.linear(hidden, self.lm_head))
-
-    def load(self, r: TensorReader, progress: bool = False) -> None:
-        mc = self.config
-        shape = (mc.vocab_size, mc.hidden_size)
-        copy_into(self.embed, r.get("model.embed_tokens.weight", shape))
-        if not mc.tie_word_embeddings:
-            copy_into(self.lm_head, r.get("lm_head.weight", shape))
-        for i, layer in enumerate(tqdm(self.layers, desc="loading layers", unit="layer", leave=False,
-                                       disable=not progress)):
-            layer.load(r, f"model.layers.{i}")
-        copy_into(self.norm.weight, r.get("model.norm.weight", (mc.hidden_size,)))
+    @staticmethod
+    def read_in_proj(r: TensorReader, prefix: str, s: GDNShape, hidden: int) -> torch.Tensor:
+        """``in_proj_qkvz`` [Hk * (2 Dk + 2 rep Dv), H] and ``in_proj_ba`` [Hk * 2 rep, H], grouped per key head,
+        re-laid as [q | k | v | z | b | a] (value head j follows key head j // rep in both)."""
+        nk, dk, rep, dv = s.num_k_heads, s.head_k_dim, s.num_v_heads // s.num_k_heads, s.head_v_dim
+        group = 2 * dk + 2 * rep * dv
+        qkvz = r.get(f"{prefix}.in_proj_qkvz.weight", (nk * group, hidden)).view(nk, group, hidden)
+        q, k, v, z = qkvz.split([dk, dk, rep * dv, rep * dv], dim=1)
+        ba = r.get(f"{prefix}.in_proj_ba.weight", (2 * s.num_v_heads, hidden)).view(nk, 2 * rep, hidden)
+        b, a = ba.split([rep, rep], dim=1)
+        return torch.cat([t.reshape(-1, hidden) for t in (q, k, v, z, b, a)], dim=0)

@@ -56,7 +56,7 @@ def _split_gemv(x: torch.Tensor, w: torch.Tensor, reduce: bool, bk: int | None =
                 **kw) -> torch.Tensor:
     from .linear_triton import SPLIT_GEMV_CFG, choose_split, gemv
 
-    split = choose_split(w.shape[0], x.shape[1], SPLIT_GEMV_CFG[0], bk or SPLIT_GEMV_CFG[1], programs)
+    split = choose_split(w.shape[0], w.shape[1], SPLIT_GEMV_CFG[0], bk or SPLIT_GEMV_CFG[1], programs)
     y = gemv(x, w, split=split, **kw)
     return y.sum(1).to(x.dtype) if split > 1 and reduce else y
 
@@ -69,6 +69,29 @@ def out_proj(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
         # (tune_kernels --only gates, session 13); the gated-norm GDN projection does best with 8 (7.9 against 8.8)
         return _split_gemv(x, w, reduce, bias=bias, programs=128)
     return F.linear(x, w, bias)
+
+
+def swiglu(h: torch.Tensor) -> torch.Tensor:
+    """The dense MLP's activation: ``silu(gate) * up`` of h [M, 2I] (gate | up) in float32, rounded once."""
+    if use_triton(h) and h.shape[0]:
+        from .linear_triton import silu_mul
+
+        return silu_mul(h)
+    return swiglu_ref(h)
+
+
+def swiglu_ref(h: torch.Tensor) -> torch.Tensor:
+    inter = h.shape[-1] // 2
+    return (F.silu(h[..., :inter].float()) * h[..., inter:].float()).to(h.dtype)
+
+
+def swiglu_down(h: torch.Tensor, w: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+    """``swiglu(h) W^T``: the dense MLP's down projection. On the few-row path the activation is computed as the
+    GEMV loads h (no launch, no round trip of the activation) and, with ``reduce=False``, the float32 split-K
+    partial rows [M, S, N] come back unreduced for the residual add to sum."""
+    if _few_rows(h):
+        return _split_gemv(h, w, reduce, swiglu=True)
+    return F.linear(swiglu(h), w)
 
 
 # Programs of the GDN output projection with its norm (they set the splits of K): 256 (8 splits at 2048 x 4096)

@@ -29,10 +29,10 @@ def _gemv_kernel(x_ptr, g_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, M, N, K: tl.constexp
                  K_SPLIT: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                  BK: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr, PREC: tl.constexpr,
                  FMA: tl.constexpr = False, PF_LINES: tl.constexpr = 0, PF_STRIDE: tl.constexpr = 64,
-                 D: tl.constexpr = 1, PDL: tl.constexpr = False):
+                 D: tl.constexpr = 1, SWIGLU: tl.constexpr = False, PDL: tl.constexpr = False):
     """Program (block of BN outputs, K split): BM rows (padded to 16 for the tensor cores), or with FMA one row
     (BM = 1) multiplied on the CUDA cores, a [BK] slice of x against the [BN, BK] tile of W. With NORM, each K
-    block holds BK / D whole heads of D channels."""
+    block holds BK / D whole heads of D channels; with SWIGLU the input is silu(x) * g (g the up half)."""
     split = tl.program_id(1)
     offs_m = tl.arange(0, BM)
     offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
@@ -46,7 +46,8 @@ def _gemv_kernel(x_ptr, g_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, M, N, K: tl.constexp
     for k0 in range(0, K_SPLIT, BK):
         offs_k = split * K_SPLIT + k0 + tl.arange(0, BK)
         mk = offs_k < K
-        x = _input_block(x_ptr, g_ptr, nw, offs_m, offs_k, mm, mk, stride_x, stride_g, eps, BM, BK, D, NORM)
+        x = _input_block(x_ptr, g_ptr, nw, offs_m, offs_k, mm, mk, stride_x, stride_g, eps, BM, BK, D, NORM,
+                         SWIGLU)
         w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
         acc = _multiply(acc, w, x, FMA, PREC)
     if HAS_BIAS:
@@ -57,12 +58,17 @@ def _gemv_kernel(x_ptr, g_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, M, N, K: tl.constexp
 
 @triton.jit
 def _input_block(x_ptr, g_ptr, nw, offs_m, offs_k, mm, mk, stride_x, stride_g, eps, BM: tl.constexpr,
-                 BK: tl.constexpr, D: tl.constexpr, NORM: tl.constexpr):
+                 BK: tl.constexpr, D: tl.constexpr, NORM: tl.constexpr, SWIGLU: tl.constexpr):
     """The [BM, BK] block of the GEMV's input at columns ``offs_k``: x, or with NORM the GDN output norm of each
     of the block's BK / D heads (normalise in float32, round, scale by the weight ``nw``, round, gate by silu(z)
-    in float32, in the order of ``ops.norm.gated_rms_norm``)."""
+    in float32, in the order of ``ops.norm.gated_rms_norm``), or with SWIGLU the dense MLP's activation
+    silu(gate) * up (x the gate half, g the up half) in float32, rounded once as ``ops.mlp.swiglu`` does."""
     m2 = mm[:, None] & mk[None, :]
     x = tl.load(x_ptr + offs_m[:, None] * stride_x + offs_k[None, :], mask=m2, other=0.0)
+    if SWIGLU:
+        u = tl.load(g_ptr + offs_m[:, None] * stride_g + offs_k[None, :], mask=m2, other=0.0).to(tl.float32)
+        xf = x.to(tl.float32)
+        x = (xf / (1.0 + tl.exp(-xf)) * u).to(x.dtype)
     if NORM:
         g = tl.load(g_ptr + offs_m[:, None] * stride_g + offs_k[None, :], mask=m2, other=0.0).to(tl.float32)
         xf = tl.reshape(x.to(tl.float32), (BM, BK // D, D))
@@ -124,15 +130,20 @@ def choose_split(n: int, k: int, bn: int, bk: int, target_programs: int = 256) -
 
 def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, gate: torch.Tensor | None = None,
          split: int = 1, cfg: tuple[int, int, int, int] | None = None, norm_weight: torch.Tensor | None = None,
-         eps: float = 1e-6, fma: bool | None = None) -> torch.Tensor:
+         eps: float = 1e-6, fma: bool | None = None, swiglu: bool = False) -> torch.Tensor:
     """x, gate: [M, K] (M <= 16, unit stride along K); w: [N, K] contiguous. Returns [M, N] in x's dtype when
     ``split`` is 1, else the float32 partial sums of each K split, [M, split, N] (bias in split 0).
 
     The input is x, or with ``gate`` and ``norm_weight`` [D] (D a power of two dividing K) the GDN gated norm of
-    every D-channel head of x, ``gated_rms_norm(x, gate, norm_weight, eps)``.
+    every D-channel head of x, ``gated_rms_norm(x, gate, norm_weight, eps)``, or with ``swiglu`` (x [M, 2K]: the
+    gate half, then the up half) the dense MLP's ``silu(gate) * up``.
     ``fma``: a single row multiplied on the CUDA cores (default ``GEMV_FMA`` for one row; ignored for more)."""
     if (gate is None) != (norm_weight is None):
         raise ValueError("gemv: the gate and the norm weight go together (the GDN gated norm)")
+    if swiglu:
+        if gate is not None or x.shape[1] != 2 * w.shape[1]:
+            raise ValueError("gemv: swiglu takes x [M, 2K] (gate | up) for w [N, K], and no norm")
+        gate, x = x[:, w.shape[1]:], x[:, :w.shape[1]]
     m, k = x.shape
     n = w.shape[0]
     fma = m == 1 and (GEMV_FMA if fma is None else fma)
@@ -140,9 +151,10 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, gat
     if cfg is None and fma:
         cfg = GEMV_FMA_CFG or fma_tile(n, split, k_split, x.device)
     bn, bk, warps, stages = cfg or (GEMV_CFG if split == 1 else SPLIT_GEMV_CFG)
-    d = norm_weight.shape[0] if gate is not None else 1
+    norm = gate is not None and not swiglu
+    d = norm_weight.shape[0] if norm else 1
     bk = min(bk, next_pow2(k_split))
-    if gate is not None:  # whole heads per K block
+    if norm:  # whole heads per K block
         bk = max(d, min(bk, GEMV_NORM_BK) // d * d)
     k_split = triton.cdiv(k_split, bk) * bk
     if split == 1:
@@ -153,7 +165,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, gat
     _gemv_kernel[(triton.cdiv(n, bn), split)](
         x, g, norm_weight if norm_weight is not None else w, w, bias if bias is not None else w, y, m, n, k,
         x.stride(0), g.stride(0), eps, K_SPLIT=k_split, SPLIT=split, BM=1 if fma else 16, BN=bn, BK=bk,
-        NORM=gate is not None, HAS_BIAS=bias is not None, FMA=fma, D=d, **prefetch_args(k_split, w),
+        NORM=norm, SWIGLU=swiglu, HAS_BIAS=bias is not None, FMA=fma, D=d, **prefetch_args(k_split, w),
         PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages, **pdl_launch(x))
     return y
 
@@ -183,4 +195,27 @@ def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     if rows:
         bn = min(1024, next_pow2(n))
         _sigmoid_gate_kernel[(rows, triton.cdiv(n, bn))](x, gate, y, n, gate.stride(0), BN=bn, num_warps=4)
+    return y
+
+
+@triton.jit
+def _silu_mul_kernel(h_ptr, y_ptr, I, stride_h, BN: tl.constexpr):
+    """Program (row, block of BN columns): y = silu(gate) * up of h's row (gate | up), in float32, rounded once."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BN + tl.arange(0, BN)
+    m = offs < I
+    g = tl.load(h_ptr + row * stride_h + offs, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(h_ptr + row * stride_h + I + offs, mask=m, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * I + offs, (g / (1.0 + tl.exp(-g)) * u).to(y_ptr.dtype.element_ty), mask=m)
+
+
+def silu_mul(h: torch.Tensor) -> torch.Tensor:
+    """``ops.linear.swiglu`` of h [M, 2I] (unit stride along the columns) in one pass: torch's silu and multiply
+    are two launches and an [M, I] round trip through memory."""
+    if h.stride(-1) != 1:
+        h = h.contiguous()
+    rows, inter = h.shape[0], h.shape[1] // 2
+    y = torch.empty(rows, inter, dtype=h.dtype, device=h.device)
+    bn = min(1024, next_pow2(inter))
+    _silu_mul_kernel[(rows, triton.cdiv(inter, bn))](h, y, inter, h.stride(0), BN=bn, num_warps=4)
     return y

@@ -41,8 +41,8 @@ def create_engine(model, device: str, dtype: str, ec: EngineConfig):
 
 
 def _config_of(model):
-    from ..config import ModelConfig
     from ..engine.engine import LoadedModel
+    from ..models.registry import read_config
     from ..models.default import DEFAULT_MODEL_NAME, default_model_config, trained_default_path
 
     if isinstance(model, LoadedModel):
@@ -55,7 +55,7 @@ def _config_of(model):
         return default_model_config()
     if not os.path.isdir(model):
         raise FileNotFoundError(f"model directory {model!r} does not exist")
-    return ModelConfig.from_pretrained(model)
+    return read_config(model)
 
 
 def _free_port() -> int:

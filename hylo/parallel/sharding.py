@@ -1,14 +1,15 @@
-"""Tensor-parallel sharding of Qwen3-Next: each rank's config (its share of the heads and intermediate sizes) and a
+"""Tensor-parallel sharding of the GDN hybrids (Qwen3-Next, Qwen3.5): each rank's config (its share of the heads and intermediate sizes) and a
 reader that hands each rank only its slice of every checkpoint tensor, so no rank ever holds the whole model.
 
 The split, by tensor (``r`` = rank, ``n`` = tensor_parallel_size):
 - attention: q_proj rows by query head (query and gate are interleaved per head), k/v_proj rows by KV head (with
   fewer KV heads than ranks, rank r keeps KV head ``r * kv // n``: replicated), o_proj columns (row-parallel; its
   bias only on rank 0); q/k norms replicated.
-- Gated DeltaNet: in_proj_qkvz / in_proj_ba rows by key-head group (both are grouped per key head on disk), the
-  conv1d channels of the rank's q, k and v heads, A_log / dt_bias by value head, out_proj columns.
-- MLP and every expert: gate/up rows and down columns by intermediate slice; the router and the shared-expert gate
-  replicated.
+- Gated DeltaNet: in_proj_qkvz / in_proj_ba rows by key-head group (both are grouped per key head on disk; Qwen3.5's
+  in_proj_qkv like the conv1d, its in_proj_z / b / a by value head), the conv1d channels of the rank's q, k and v
+  heads, A_log / dt_bias by value head, out_proj columns.
+- MLP and every expert: gate/up rows and down columns by intermediate slice (fused experts likewise, along their
+  second and third dimensions); the router and the shared-expert gate replicated.
 - embed_tokens and lm_head by vocabulary rows; norms and the MTP head's fc replicated.
 After a row-parallel projection (o_proj, out_proj, down) each rank holds a partial sum: the decoder layer
 all-reduces it.
@@ -126,12 +127,19 @@ class ShardedReader(TensorReader):
             kind = leaf[-2] if name.endswith("weight") else leaf[-1]
             if kind in ("in_proj_qkvz", "in_proj_ba", "A_log", "dt_bias"):
                 return [rows()]  # grouped by key head on disk; value heads follow their key head
-            if kind == "conv1d":
+            if kind in ("in_proj_z", "in_proj_b", "in_proj_a"):
+                return [rows()]  # by value head, in order: rank r's value heads follow its key heads
+            if kind in ("conv1d", "in_proj_qkv"):  # [q | k | v] of all heads
                 kd, vd = mc.linear_key_dim, mc.linear_value_dim
                 return [rows(0, kd), rows(kd, 2 * kd), rows(2 * kd, 2 * kd + vd)]
             if kind == "out_proj":
                 return cols()
             return None  # the gated norm's weight
+        if name.endswith("experts.gate_up_proj"):  # fused experts [E, 2I, H]: the gate rows, then the up rows
+            inter = full[1] // 2
+            return [(1, lo + r * (inter // n), lo + (r + 1) * (inter // n)) for lo in (0, inter)]
+        if name.endswith("experts.down_proj"):  # fused experts [E, H, I]
+            return [(2, r * (full[2] // n), (r + 1) * (full[2] // n))]
         if re.search(r"(gate_proj|up_proj)\.weight$", name):
             return [rows()]
         if name.endswith("down_proj.weight"):

@@ -147,8 +147,13 @@ class CompletionRequest(_SamplingFields):
 
 
 class ContentPart(BaseModel):
-    type: Literal["text"]
-    text: str
+    """One part of a message's content. Only text is served: other kinds (``image_url``, ``input_audio``,
+    ``video_url``, ``file``) are accepted by the schema so that the refusal can name them (``text_of``)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+    text: str | None = None
 
 
 class ChatMessage(BaseModel):
@@ -158,12 +163,23 @@ class ChatMessage(BaseModel):
     content: Union[str, list[ContentPart], None] = None
     name: str | None = None
 
-    def text(self) -> str:
+    def text(self, index: int = 0) -> str:
+        """The message's text; a part that is not text is a clear error (never silently dropped)."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        texts = []
+        for j, part in enumerate(self.content):
+            where = f"messages[{index}].content[{j}]"
+            if part.type != "text":
+                raise APIError(f"{where}: {part.type!r} content is not supported: hylo serves the text model only "
+                               f"(images, audio and video are not supported yet)", param="messages",
+                               code="unsupported_content")
+            if part.text is None:
+                raise APIError(f"{where}: a text part needs 'text'", param="messages")
+            texts.append(part.text)
+        return "".join(texts)
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -173,7 +189,7 @@ class ChatCompletionRequest(_SamplingFields):
     def rendered_messages(self) -> list[dict]:
         if self.tools:
             raise APIError("tools are not supported by hylo", param="tools", code="unsupported_parameter")
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+        return [{"role": m.role, "content": m.text(i)} for i, m in enumerate(self.messages)]
 
 
 # ---- responses -------------------------------------------------------------------------------------------------

@@ -15,14 +15,14 @@ from dataclasses import replace
 import torch
 
 from ..core import ForwardBatch, ForwardMode, SamplingBatch
-from ..models.qwen3_next_mtp import Qwen3NextMTP
+from ..models.mtp import MTPHead
 from ..ops.sampling import draw, greedy_tokens, sampling_probs
 
 STREAM_DRAFT = 2
 
 
 class MTPDrafter:
-    def __init__(self, mtp: Qwen3NextMTP, k: int, max_num_seqs: int, vocab: int, device: torch.device):
+    def __init__(self, mtp: MTPHead, k: int, max_num_seqs: int, vocab: int, device: torch.device):
         self.mtp = mtp
         self.k = k
         self.drafts = torch.zeros(max_num_seqs + 1, k, dtype=torch.int64, device=device)

@@ -6,7 +6,8 @@ import torch
 
 from ..config import EngineConfig
 from ..engine.worker import ModelWorker
-from ..models.qwen3_next_mtp import Qwen3NextMTP
+from ..models.mtp import MTPHead
+from ..models.registry import build_mtp
 from .mtp import MTPDrafter
 from .ngram import NgramDrafter
 from .worker import SpecWorker
@@ -17,13 +18,13 @@ class SpecSetup:
         if method not in ("mtp", "ngram"):
             raise ValueError(f"unknown speculative method {method!r}: use 'mtp' or 'ngram'")
         self.method = method
-        self.mtp: Qwen3NextMTP | None = None
+        self.mtp: MTPHead | None = None
 
     def prepare(self, loaded, dtype: torch.dtype, device: torch.device) -> int:
         """Load the MTP head (a clear error if the checkpoint has none). Returns the extra KV layers it needs."""
         if self.method != "mtp":
             return 0
-        self.mtp = Qwen3NextMTP(loaded.shard_config, loaded.model, dtype, device)
+        self.mtp = build_mtp(loaded.shard_config, loaded.model, dtype, device)
         self.mtp.load(loaded.reader)
         self.mtp.eval()
         return len(self.mtp.layers)

@@ -7,11 +7,12 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from hylo.config import EngineConfig, ModelConfig
+from hylo.config import EngineConfig
 from hylo.core import ForwardMode
 from hylo.engine.engine import Engine
 from hylo.models.default import default_model_config
 from hylo.models.random_init import random_checkpoint
+from hylo.models.registry import parse_config
 from hylo.spec.setup import SpecSetup
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
@@ -30,7 +31,7 @@ def gpu_ckpt(tmp_path_factory):
     path = tmp_path_factory.mktemp("gpu_ckpt")
     with open(path / "config.json", "w") as f:
         json.dump(cfg, f)
-    save_file(random_checkpoint(ModelConfig.from_dict(cfg), seed=5, std=0.05), str(path / "model.safetensors"))
+    save_file(random_checkpoint(parse_config(cfg), seed=5, std=0.05), str(path / "model.safetensors"))
     return str(path)
 
 

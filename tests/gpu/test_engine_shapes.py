@@ -1,7 +1,8 @@
-"""The fast path on checkpoint shapes unlike bench-6b's: the two configs that transformers itself wrote
+"""The fast path on checkpoint shapes unlike bench-6b's: the two Qwen3-Next configs that transformers itself wrote
 (tests/helpers.py: head sizes that are not powers of two, one to three value heads per key head, conv kernels of 3
 and 4, a shared expert of the routed size and one of another, dense layers among MoE layers, biases, tied
-embeddings, top-k without renormalisation). The engine with the Triton kernels (and CUDA graphs, on a GPU) against
+embeddings, top-k without renormalisation) and two Qwen3.5 ones (a dense MLP in every layer; three value heads per
+key head). The engine with the Triton kernels (and CUDA graphs, on a GPU) against
 the same engine on the torch reference ops. On CUDA, or on CPU tensors through Triton's interpreter."""
 
 import pytest
@@ -30,12 +31,20 @@ def _generate(eng, prompts, n):
     return [eng.pop_finished(r).token_ids for r in rids]
 
 
-@pytest.mark.parametrize("name,spec", [("a", None), ("b", None), ("a", "mtp"), ("b", "mtp")])
+CHECKPOINTS = {"a": "ckpt_a", "b": "ckpt_b", "a-mtp": "ckpt_a_mtp", "b-mtp": "ckpt_b_mtp",
+               # Qwen3.5: a dense model in the released form (dense MLP in every layer, tied embeddings) and a MoE
+               # model in the text-only form (its MTP experts stored fused); both carry an MTP head
+               "q35-dense": "q35_dense_vl", "q35-moe": "q35_moe_text"}
+
+
+@pytest.mark.parametrize("name,spec", [("a", None), ("b", None), ("a-mtp", "mtp"), ("b-mtp", "mtp"),
+                                       ("q35-dense", None), ("q35-moe", None), ("q35-dense", "mtp"),
+                                       ("q35-moe", "mtp")])
 def test_fast_path_on_other_shapes_matches_the_reference_ops(dev, name, spec, request, monkeypatch):
     """Prompt logits (chunked prefill: 16-token chunks over a 37-token prompt) agree with the reference ops; a batch
     of three (padded to a captured 4 on a GPU) generates the reference's greedy tokens wherever the reference's
     top two logits are apart by more than float32 noise; with MTP speculative decoding too."""
-    path = request.getfixturevalue(f"ckpt_{name}_mtp" if spec else f"ckpt_{name}")
+    path = request.getfixturevalue(CHECKPOINTS[name])
     prompts = random_prompts(vocab_of(path), [37, 5, 12], seed=9)
     fast = _engine(path, spec, dev)
     logits = fast.prompt_logits(prompts[0]).cpu()

@@ -171,3 +171,56 @@ def test_sigmoid_gate_matches_torch_on_a_strided_gate(dev, rows, n):
         assert torch.allclose(out, ref, atol=1e-6, rtol=1e-6)
     else:  # torch computes the bf16 sigmoid through float32 too: the same rounding points
         assert (out.float() - ref.float()).abs().max() <= 2 ** -7 * ref.float().abs().max()
+
+
+@pytest.mark.parametrize("rows,n,inter,split,fma", [(1, 48, 80, 1, True), (1, 4096 // 8, 12288 // 8, 4, True),
+                                                    (3, 64, 200, 2, False), (16, 40, 96, 4, False),
+                                                    (1, 33, 72, 2, False)])
+def test_swiglu_down_gemv_matches_the_reference(dev, rows, n, inter, split, fma):
+    """The dense MLP's down projection with silu(gate) * up computed in the GEMV's loads, against swiglu_ref and a
+    float64 matmul: one row on the CUDA cores and padded rows on the tensor cores, K splits, odd sizes."""
+    from hylo.ops.linear import swiglu_ref
+    from hylo.ops.linear_triton import gemv
+
+    g = torch.Generator().manual_seed(21)
+    dt = _dtype(dev)
+    h = (torch.randn(rows, 2 * inter, generator=g) * 2).to(dt)
+    w = (torch.randn(n, inter, generator=g) / inter ** 0.5).to(dt)
+    ref = F.linear(swiglu_ref(h).double(), w.double())
+    y = gemv(h.to(dev), w.to(dev), split=split, fma=fma, swiglu=True)
+    y = y.sum(1) if split > 1 else y
+    tol = 2e-2 if dt == torch.bfloat16 else 1e-5
+    assert (y.double().cpu() - ref).norm() / ref.norm() < tol
+
+
+@pytest.mark.parametrize("rows,inter", [(1, 80), (37, 1500), (5, 12288)])
+def test_silu_mul_matches_the_reference(dev, rows, inter):
+    from hylo.ops.linear import swiglu, swiglu_ref
+
+    g = torch.Generator().manual_seed(22)
+    dt = _dtype(dev)
+    h = (torch.randn(rows, 2 * inter, generator=g) * 3).to(dt)
+    y = swiglu(h.to(dev)).cpu()
+    assert y.shape == (rows, inter) and y.dtype == dt
+    torch.testing.assert_close(y, swiglu_ref(h), rtol=1e-2 if dt == torch.bfloat16 else 1e-6, atol=1e-6)
+
+
+def test_dense_mlp_layer_few_and_many_rows(dev):
+    """layers.moe.MLP on the few-row path (unreduced split-K rows, summed) and the many-row path against the plain
+    torch formula."""
+    from hylo.layers.moe import MLP
+
+    g = torch.Generator().manual_seed(23)
+    dt = _dtype(dev)
+    mlp = MLP(64, 160, dt, dev)
+    with torch.no_grad():
+        mlp.gate_up.copy_((torch.randn(320, 64, generator=g) / 8).to(dt))
+        mlp.down.copy_((torch.randn(64, 160, generator=g) / 12).to(dt))
+    for rows in (1, 4, 40):
+        x = torch.randn(rows, 64, generator=g).to(dt)
+        h = F.linear(x.double(), mlp.gate_up.double().cpu())
+        ref = F.linear(F.silu(h[:, :160]) * h[:, 160:], mlp.down.double().cpu())
+        y = mlp(x.to(dev), reduce=False)
+        y = y.sum(1) if y.dim() == 3 else y
+        tol = 3e-2 if dt == torch.bfloat16 else 1e-5
+        assert (y.double().cpu() - ref).norm() / ref.norm() < tol, rows

@@ -1,7 +1,9 @@
-"""The multi-token-prediction head of Qwen3-Next (``mtp.*`` in the checkpoint), used as the MTP drafter's model.
+"""The multi-token-prediction head of Qwen3-Next and Qwen3.5 (``mtp.*`` in the checkpoint), used as the MTP
+drafter's model.
 
-One draft step: ``fc(concat(norm_e(embed(token)), norm_h(hidden)))``, a full-attention decoder layer (same MoE as
-the target), ``mtp.norm``; the result feeds the shared ``lm_head`` and is the ``hidden`` of the next chained step.
+One draft step: ``fc(concat(norm_e(embed(token)), norm_h(hidden)))``, a full-attention decoder layer (the target's
+MLP kind: the MoE of a MoE model, the dense MLP of a dense one), ``mtp.norm``; the result feeds the shared
+``lm_head`` and is the ``hidden`` of the next chained step.
 ``hidden`` is the target's final (normed) hidden state at the position before ``token``. The layer keeps its own
 attention KV in the KV pool (one extra KV layer), at the same token locations as the target.
 """
@@ -17,15 +19,15 @@ from ..core import ForwardBatch
 from ..layers.norm import RMSNorm
 from ..layers.weights import CheckpointError, TensorReader, copy_into
 from ..ops.norm import add_rms_norm
-from .qwen3_next import DecoderLayer, Qwen3NextForCausalLM
+from .hybrid import DecoderLayer, HybridForCausalLM
 
 
 def has_mtp_weights(reader: TensorReader) -> bool:
     return reader.has("mtp.fc.weight")
 
 
-class Qwen3NextMTP(nn.Module):
-    def __init__(self, mc: ModelConfig, target: Qwen3NextForCausalLM, dtype: torch.dtype, device=None):
+class MTPHead(nn.Module):
+    def __init__(self, mc: ModelConfig, target: HybridForCausalLM, dtype: torch.dtype, device=None):
         super().__init__()
         H = mc.hidden_size
         self.config = mc
@@ -47,7 +49,7 @@ class Qwen3NextMTP(nn.Module):
         """input_ids: [T]; hidden: [T, H] (target or previous MTP output). Returns the MTP hidden [T, H] (normed).
 
         NOTE: checkpoints with several MTP layers chain them within one step (layer i refines layer i-1's output);
-        Qwen3-Next ships one.
+        Qwen3-Next and Qwen3.5 ship one.
         """
         target = self.target[0]
         e = self.norm_embedding(target.embed_tokens(input_ids))
@@ -64,9 +66,12 @@ class Qwen3NextMTP(nn.Module):
         if not has_mtp_weights(r):
             raise CheckpointError("speculative='mtp' needs the checkpoint's multi-token-prediction head (mtp.* "
                                   "tensors), and this checkpoint has none: use speculative='ngram' instead")
+        if "mtp.embed_tokens.weight" in r.keys():  # listed by the checkpoint (generating readers answer has() to all)
+            raise CheckpointError("this checkpoint's MTP head has its own embeddings (mtp.embed_tokens), which hylo "
+                                  "does not support yet: use speculative='ngram' instead")
         copy_into(self.fc, r.get("mtp.fc.weight", (H, 2 * H)))
         copy_into(self.norm_embedding.weight, r.get("mtp.pre_fc_norm_embedding.weight", (H,)))
         copy_into(self.norm_hidden.weight, r.get("mtp.pre_fc_norm_hidden.weight", (H,)))
         copy_into(self.norm.weight, r.get("mtp.norm.weight", (H,)))
         for i, layer in enumerate(self.layers):
-            layer.load(r, f"mtp.layers.{i}")
+            layer.load(r, f"mtp.layers.{i}", self.target[0].read_in_proj)

@@ -1,0 +1,85 @@
+"""The model registry: ``model_type`` -> its family (config parser, target model class, MTP head class).
+
+The engine asks this module for everything family-specific and never imports a family by name. A new family is one
+file under ``models/`` plus one ``Family`` entry here. An unknown ``model_type`` is refused before any weight is
+read, with the list of the supported ones.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ..config import ModelConfig, eos_ids, replace_fields
+from . import qwen3_5, qwen3_next
+from .hybrid import HybridForCausalLM
+from .mtp import MTPHead
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    model_types: tuple[str, ...]
+    parse: Callable[[dict[str, Any]], ModelConfig]  # config.json (as a dict) -> the text model's config
+    model: type[HybridForCausalLM]  # model(config, dtype, device, tp)
+    mtp: type[MTPHead] | None  # mtp(config, target, dtype, device); None: no MTP head in this family
+    # checkpoint tensors the family never reads, with what they are (reported once at start-up)
+    ignored: tuple[tuple[str, str], ...] = ()
+
+
+FAMILIES = (
+    Family("Qwen3-Next", ("qwen3_next",), qwen3_next.parse_config, qwen3_next.Qwen3NextForCausalLM, MTPHead),
+    Family("Qwen3.5", qwen3_5.MULTIMODAL_TYPES + qwen3_5.TEXT_TYPES, qwen3_5.parse_config,
+           qwen3_5.Qwen3_5ForCausalLM, MTPHead, ignored=((qwen3_5.VISION_PREFIX, "the vision tower"),)),
+)
+_BY_TYPE = {t: f for f in FAMILIES for t in f.model_types}
+
+
+def supported_model_types() -> list[str]:
+    return list(_BY_TYPE)
+
+
+def family_of(model_type: str | None) -> Family:
+    if model_type not in _BY_TYPE:
+        known = ", ".join(f"{t!r} ({f.name})" for t, f in _BY_TYPE.items())
+        raise ValueError(f"unsupported model_type {model_type!r}: hylo serves {known}")
+    return _BY_TYPE[model_type]
+
+
+def parse_config(cfg: dict[str, Any]) -> ModelConfig:
+    """A ``config.json``'s contents as hylo's ModelConfig, checked (an unsupported family or shape is a
+    ValueError naming it)."""
+    mc = family_of(cfg.get("model_type")).parse(cfg)
+    mc.validate()
+    return mc
+
+
+def read_config(path: str) -> ModelConfig:
+    """The model config of a checkpoint directory: ``config.json``, with the stop ids of
+    ``generation_config.json`` added (chat models stop on several ids)."""
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise FileNotFoundError(f"no config.json in model directory {path!r}")
+    with open(cfg_path) as f:
+        mc = parse_config(json.load(f))
+    gen_path = os.path.join(path, "generation_config.json")
+    if os.path.isfile(gen_path):
+        with open(gen_path) as f:
+            eos = eos_ids(json.load(f).get("eos_token_id"))
+        mc = replace_fields(mc, eos_token_ids=tuple(dict.fromkeys(mc.eos_token_ids + eos)))
+    return mc
+
+
+def build_model(mc: ModelConfig, dtype, device, tp) -> HybridForCausalLM:
+    """The (unloaded) target model of ``mc``'s family for one rank's shard."""
+    return family_of(mc.model_type).model(mc, dtype, device, tp=tp)
+
+
+def build_mtp(mc: ModelConfig, target: HybridForCausalLM, dtype, device) -> MTPHead:
+    family = family_of(mc.model_type)
+    if family.mtp is None:
+        raise ValueError(f"{family.name} models have no MTP head: use speculative='ngram' instead")
+    return family.mtp(mc, target, dtype, device)
