@@ -8,7 +8,7 @@ from tqdm.auto import tqdm
 
 from .config import EngineConfig
 from .core import RequestOutput, SamplingParams
-from .parallel.launcher import create_engine
+from .launch import create_engine
 
 
 class LLM:

@@ -6,6 +6,7 @@ import argparse
 import sys
 import time
 
+from .bench.shapes import BENCH_MODELS
 from .config import EngineConfig
 
 
@@ -80,13 +81,13 @@ def _generate(args) -> int:
 
 def _bench(args) -> int:
     if args.tensor_parallel_size > 1:
-        from .bench_tp import run_tp_bench
+        from .bench.tp import run_tp_bench
 
         run_tp_bench(args.model_name, args.tensor_parallel_size, out_dir=args.out, quick=args.quick)
         return 0
-    from .bench import run_bench
+    from .bench.run import run_bench
 
-    run_bench(args.model_name, vs_hf=args.vs_hf, quick=args.quick, out_dir=args.out, pdl=args.pdl)
+    run_bench(args.model_name, vs_hf=args.vs_hf, quick=args.quick, out_dir=args.out, pdl=args.pdl, short=args.short)
     return 0
 
 
@@ -98,7 +99,7 @@ def _serve(args) -> int:
     except ImportError as e:
         print(f"error: the server needs fastapi and uvicorn ({e}); install hylo with its dependencies", file=sys.stderr)
         return 2
-    from .parallel.launcher import create_engine
+    from .launch import create_engine
 
     if args.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"[hylo] warning: serving on {args.host} without --api-key: anyone who can reach it can use it",
@@ -132,12 +133,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(g)
     g.set_defaults(func=_generate)
     b = sub.add_parser("bench", help="benchmark on the GPU (random-weight benchmark model, no checkpoint)")
-    b.add_argument("--model-name", default="bench-6b",
-                   help="benchmark model: bench-6b, or qwen3-next-80b (needs --tensor-parallel-size)")
+    b.add_argument("--model-name", default="bench-6b", choices=BENCH_MODELS, metavar="NAME",
+                   help="benchmark model (random weights at a real shape): bench-6b, qwen3.5-9b, qwen3.5-35b-a3b, "
+                        "or qwen3-next-80b (needs --tensor-parallel-size); default %(default)s")
     b.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="also time decode sharded across this many GPUs (and the collectives' share)")
     b.add_argument("--vs-hf", action="store_true", help="also time HF transformers generate on the same weights")
     b.add_argument("--quick", action="store_true", help="fewer sizes and steps")
+    b.add_argument("--short", action="store_true",
+                   help="the core records only: prefill 8192, decode at batch 1 / 8 / 64 (and from 32k at 1 and 8), "
+                        "MTP k=3 at accept 3.0 (what a large model's one-GPU run fits)")
     b.add_argument("--pdl", action="store_true",
                    help="also time decode with programmatic dependent launch off, and on with its L2 weight prefetch "
                         "(HYLO_PDL, HYLO_PDL_PREFETCH; PDL is on by default on Hopper+) in the same run")

@@ -3,8 +3,9 @@
 import pytest
 import torch
 
-from hylo.bench import Footprint, bench_config
-from hylo.bench_steps import fake_prefill, prefill_times, time_steps
+from hylo.bench.floors import Footprint
+from hylo.bench.shapes import bench_config
+from hylo.bench.steps import fake_prefill, prefill_times, time_steps
 from hylo.config import EngineConfig
 from hylo.engine.engine import Engine
 from hylo.spec.setup import SpecSetup
@@ -96,8 +97,8 @@ def test_bench_6b_footprint_matches_the_issue():
 
 def test_hf_comparison_uses_the_same_weights():
     """The bench's HF side: hylo loaded from an HF model's in-memory weights computes the same logits."""
-    from hylo.bench import build_model
-    from hylo.bench_hf import build_hf
+    from hylo.bench.run import build_model
+    from hylo.bench.hf import build_hf
     from hylo.models.default import default_model_config
 
     mc = default_model_config()
@@ -117,8 +118,8 @@ def test_the_bench_lets_the_hf_model_go_after_its_rows():
     GPU that second copy of the weights ran the bench out of memory), and the MTP head, which HF drops, still loads
     from the reader that is left."""
     from hylo import SamplingParams
-    from hylo.bench import build_model, forget_hf_model
-    from hylo.bench_hf import HFReader, build_hf
+    from hylo.bench.run import build_model, forget_hf_model
+    from hylo.bench.hf import HFReader, build_hf
     from hylo.models.default import default_model_config
 
     mc = default_model_config()
@@ -155,7 +156,7 @@ def test_overlap_record_counts_steps_reads_and_accept_length(overlap):
     overlap loop makes no blocking read per step and the plain loop one, and the requests are cleared after."""
     from dataclasses import replace
 
-    from hylo.bench import _overlap_record
+    from hylo.bench.run import _overlap_record
 
     ec = EngineConfig(verbose=False, max_num_seqs=2, speculative="mtp", num_speculative_tokens=3,
                       simulate_accept_length=3.0, max_model_len=1100, kv_cache_tokens=2400)
@@ -180,7 +181,7 @@ def test_busy_is_the_union_of_device_intervals_and_lists_the_gaps():
 
     from torch.autograd import DeviceType
 
-    from hylo.bench_steps import _busy
+    from hylo.bench.steps import _busy
 
     def ev(name, a, b, dev=DeviceType.CUDA):
         return NS(name=name, device_type=dev, time_range=NS(start=a, end=b))
@@ -190,3 +191,35 @@ def test_busy_is_the_union_of_device_intervals_and_lists_the_gaps():
     busy, span, gaps = _busy(prof)
     assert busy == 30 + 10 + 10 + 1 and span == 101
     assert gaps == [(5, "k2", "k3"), (5, "k4", "k6"), (40, "k6", "k5")]
+
+
+@pytest.mark.parametrize("name,params,bs1_bytes", [("qwen3.5-9b", (8.8e9, 9.1e9), (15.5e9, 16.5e9)),
+                                                   ("qwen3.5-35b-a3b", (34.4e9, 34.9e9), (5.7e9, 6.3e9))])
+def test_qwen35_bench_shapes(name, params, bs1_bytes):
+    """The Qwen3.5 benchmark shapes are the released text models (Qwen3.5-9B: 8.95 B text parameters, a dense MLP in
+    every layer; Qwen3.5-35B-A3B: 34.7 B, 2.4 B multiplied per token), built through the registry."""
+    from hylo.models.registry import build_model, build_mtp
+    from hylo.parallel.group import SINGLE
+
+    mc = bench_config(name)
+    with torch.device("meta"):
+        model = build_model(mc, torch.bfloat16, "meta", SINGLE)
+        mtp = build_mtp(mc, model, torch.bfloat16, "meta")
+    assert type(model).family == "Qwen3.5"
+    assert params[0] < sum(p.numel() for p in model.parameters()) < params[1]
+
+    class FakeCaches:  # shapes only
+        class state_pool:
+            conv = torch.empty(len(mc.linear_layer_ids), 2, mc.conv_dim, 3, dtype=torch.bfloat16, device="meta")
+            recurrent = torch.empty(len(mc.linear_layer_ids), 2, 32, 128, 128, dtype=torch.float32, device="meta")
+
+        class kv_pool:
+            k = torch.empty(len(mc.attn_layer_ids), 2, mc.num_key_value_heads, 256, dtype=torch.bfloat16,
+                            device="meta")
+
+    fp = Footprint.of(model, mtp, FakeCaches)
+    assert bs1_bytes[0] < fp.decode_bytes(1, 1) < bs1_bytes[1]
+    # a dense model reads the same weights at any batch size; a MoE model reads more experts as the batch grows
+    grows = fp.decode_bytes(64, 1) - 64 * (fp.embed_row + fp.kv_per_token + 2 * fp.state_per_req) \
+        - (fp.decode_bytes(1, 1) - fp.embed_row - fp.kv_per_token - 2 * fp.state_per_req)
+    assert (grows == 0) == (mc.num_experts == 0), grows

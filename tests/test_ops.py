@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from hylo.ops import attention as attn_ops
 from hylo.ops import conv1d, gdn, moe, norm
+from hylo.ops.pair_rows import SortedPairRows
 
 torch.manual_seed(0)
 
@@ -233,7 +234,7 @@ def test_residual_add_sums_pair_rows_left_in_expert_order():
     ys = torch.randn(T * k, H, generator=g).to(torch.bfloat16)
     pos = torch.randperm(T * k, generator=g)
     weights = torch.rand(T * k, generator=g).to(torch.bfloat16)
-    pairs = moe.SortedPairRows(ys, pos, weights, k)
+    pairs = SortedPairRows(ys, pos, weights, k)
     want = torch.stack([sum(weights[t * k + j].double() * ys[pos[t * k + j]].double() for j in range(k))
                         for t in range(T)])
     summed = pairs.reduce()

@@ -74,7 +74,7 @@ def test_tp_bench_harness_runs_on_cpu():
     states set up on every rank, steps timed, processes gone afterwards."""
     import multiprocessing
 
-    from hylo.bench_tp import RandomModel, tp_decode_records
+    from hylo.bench.tp import RandomModel, tp_decode_records
 
     recs = tp_decode_records(RandomModel("tiny"), 2, device="cpu", batches=(1, 3), ctx=40, steps=3)
     assert [r["batch_size"] for r in recs] == [1, 3] and all(r["ms_per_step"] > 0 for r in recs)

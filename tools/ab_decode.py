@@ -4,7 +4,7 @@
 
 Each variant runs in its own process (the settings are module globals read at import), builds bench-6b with random
 weights on the GPU, captures the decode graphs and measures, per batch size at context 1k, the wall time of a
-steady-state step (``bench_steps.time_steps``) and the decode graph's GPU time alone. With ``--rounds 2`` the
+steady-state step (``bench.steps.time_steps``) and the decode graph's GPU time alone. With ``--rounds 2`` the
 variants run twice, interleaved (A B A B), and each keeps its better round: the host and the GPU clocks drift a few
 percent across a call. The rows go to stdout and to DIR/ab-decode-<time>.json. ``--prefill N`` measures the
 prefill of one N-token prompt instead (best of four after a first, compiling one), on a one-request engine sized
@@ -27,9 +27,10 @@ import time
 def child(batches: list[int]) -> None:
     import torch
 
-    from hylo.bench import SPEC_KV_TOKENS, SPEC_MODEL_LEN, bench_config, build_model
-    from hylo.bench_floors import Footprint, measure_copy_rate
-    from hylo.bench_steps import clear, fake_prefill, graph_alone_ms, time_steps
+    from hylo.bench.run import SPEC_KV_TOKENS, SPEC_MODEL_LEN, build_model
+    from hylo.bench.shapes import bench_config
+    from hylo.bench.floors import Footprint, measure_copy_rate
+    from hylo.bench.steps import clear, fake_prefill, graph_alone_ms, time_steps
     from hylo.config import EngineConfig
     from hylo.engine.engine import Engine
 
@@ -62,8 +63,9 @@ def child(batches: list[int]) -> None:
 def child_prefill(tokens: int) -> None:
     import torch
 
-    from hylo.bench import bench_config, build_model
-    from hylo.bench_steps import prefill_times
+    from hylo.bench.run import build_model
+    from hylo.bench.shapes import bench_config
+    from hylo.bench.steps import prefill_times
     from hylo.config import EngineConfig
     from hylo.engine.engine import Engine
 

@@ -40,7 +40,7 @@ def apply(names: list[str] | None = None) -> list[str]:
     """Patch the ops named in ``names`` (default: ``HYLO_ABLATE``, comma-separated). Returns the names applied."""
     if names is None:
         names = [n for n in os.environ.get("HYLO_ABLATE", "").split(",") if n]
-    from hylo.models import qwen3_next
+    from hylo.models import hybrid
     from hylo.layers import moe as moe_layer
     from hylo.ops import conv1d_triton, gdn_triton, linear, moe
 
@@ -48,7 +48,7 @@ def apply(names: list[str] | None = None) -> list[str]:
         if name == "addnorm":
             def no_norm(x, delta, weight, eps):
                 return x, x
-            qwen3_next.add_rms_norm = no_norm
+            hybrid.add_rms_norm = no_norm
         elif name == "route":
             def fixed_route(x, router, num_experts, top_k, normalize, shared):
                 return _fixed_routing(x.shape[0], top_k, shared, num_experts, x.dtype, x.device)

@@ -15,8 +15,9 @@ import time
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from hylo.bench import bench_config, build_model
-from hylo.bench_steps import fake_prefill
+from hylo.bench.run import build_model
+from hylo.bench.shapes import bench_config
+from hylo.bench.steps import fake_prefill
 from hylo.config import EngineConfig
 from hylo.engine.engine import Engine
 from hylo.engine.graphs import _Replay

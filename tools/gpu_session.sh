@@ -15,7 +15,7 @@
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
 # ($PWD too: the tools run as scripts import hylo from the checkout).
 set -u
-phase=${1:?tests, tests-host, tests-bench, check, tune-bench, bench, bench-first, bench-short, fma, final or s20}
+phase=${1:?tests, tests-host, tests-bench, check, tune-bench, bench, bench-first, bench-short, fma, changed, model or s20}
 out=${2:?output folder}
 mkdir -p "$out"
 # The GPU tests run in parallel workers where pytest-xdist is installed (the device image has it), so that a fresh
@@ -101,6 +101,14 @@ case "$phase" in
       > "$out/tests20.txt" 2>&1
     echo "pytest rc=$?"; grep -E "passed|failed|FAILED|Error" "$out/tests20.txt" | tail -12
     bench 0
+    ;;
+  model)  # bash tools/gpu_session.sh model OUT NAME: the GPU tests selected by HYLO_TESTS_K (if set), then a model
+          # shape's core bench records (hylo bench --model-name NAME --short)
+    if [ -n "${HYLO_TESTS_K:-}" ]; then
+      timeout 240 python3 -m pytest -q -p no:cacheprovider $par tests/gpu -k "$HYLO_TESTS_K" > "$out/gputests.txt" 2>&1
+      echo "pytest -k \"$HYLO_TESTS_K\" rc=$?"; grep -E "passed|failed|FAILED|Error" "$out/gputests.txt" | tail -15
+    fi
+    bench 0 --model-name "${3:?benchmark model name}" --short
     ;;
   *) echo "unknown phase $phase" >&2; exit 2 ;;
 esac

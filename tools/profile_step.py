@@ -16,8 +16,9 @@ import warnings
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from hylo.bench import bench_config, build_model
-from hylo.bench_steps import clear, fake_prefill, graph_alone_ms, overlap_profile, time_steps
+from hylo.bench.run import build_model
+from hylo.bench.shapes import bench_config
+from hylo.bench.steps import clear, fake_prefill, graph_alone_ms, overlap_profile, time_steps
 from hylo.config import EngineConfig
 from hylo.core import SamplingParams
 from hylo.engine.engine import Engine

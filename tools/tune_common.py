@@ -3,7 +3,7 @@ split of a timed call, and bench-6b's shapes."""
 
 import torch
 
-from hylo.bench_floors import _time_cuda
+from hylo.bench.floors import _time_cuda
 
 LAYERS, H, I, E, TOP_K = 24, 2048, 512, 64, 10
 COPY_TBPS = 4.28

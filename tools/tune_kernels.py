@@ -19,7 +19,7 @@ import os
 import torch
 import triton
 
-from hylo.bench_floors import measure_matmul_rate
+from hylo.bench.floors import measure_matmul_rate
 from hylo.ops import moe_grouped_mm as G
 from hylo.ops import moe_triton as M
 from tune_common import COPY_TBPS, E, H, I, LAYERS, TOP_K, kernel_split, sweep, time_eager

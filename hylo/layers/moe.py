@@ -66,7 +66,7 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         """[T, H]; with ``reduce=False`` possibly the unreduced pair rows [T, k, H] (the fast path's), or a large
-        chunk's rows in expert order (``ops.moe.SortedPairRows``), which the residual add that follows sums
+        chunk's rows in expert order (``ops.pair_rows.SortedPairRows``), which the residual add that follows sums
         (``ops.norm.add_rms_norm``): one pass over them fewer per layer."""
         weights, ids = route_hidden(x, self.router, self.num_experts, self.top_k, self.norm_topk, self.fold_shared)
         out = fused_moe(x, self.w13, self.w2, weights, ids, reduce=reduce or self.shared is not None)

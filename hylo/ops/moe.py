@@ -5,12 +5,11 @@ Expert weights are held fused: ``w13[E, 2I, H]`` (gate rows then up rows) and ``
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
 from .linear import narrow
+from .pair_rows import SortedPairRows
 from .triton_utils import use_triton
 
 
@@ -54,33 +53,6 @@ def route_topk(router_logits: torch.Tensor, top_k: int, normalize: bool):
     if normalize:
         weights = weights / weights.sum(-1, keepdim=True)
     return weights.to(router_logits.dtype), ids
-
-
-@dataclass(frozen=True)
-class SortedPairRows:
-    """A MoE's output one step before its per-token sums (the grouped-GEMM path of large prefill chunks): ``ys``
-    [P, H] the pairs' down-projected rows in expert order, unweighted; ``pos`` [T * k] each pair's row in ``ys``;
-    ``weights`` [T * k] the routing weights. Token t's output is the sum over j of weights[t * k + j] *
-    ys[pos[t * k + j]], in float32. The residual add that follows (``ops.norm.add_rms_norm``) forms those sums
-    as it reads the residual, so the [T, H] float32 sums never go through memory."""
-
-    ys: torch.Tensor
-    pos: torch.Tensor
-    weights: torch.Tensor
-    top_k: int
-
-    @property
-    def num_tokens(self) -> int:
-        return self.pos.numel() // self.top_k
-
-    def reduce(self) -> torch.Tensor:
-        """The per-token sums, [T, 1, H] float32."""
-        if use_triton(self.ys):
-            from .moe_grouped_mm import gather_sum
-
-            return gather_sum(self.ys, self.pos, self.weights, self.top_k)
-        rows = self.ys.index_select(0, self.pos).float() * self.weights.float()[:, None]
-        return rows.view(self.num_tokens, self.top_k, -1).sum(1, keepdim=True)
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,

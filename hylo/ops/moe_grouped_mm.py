@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .moe import SortedPairRows
+from .pair_rows import SortedPairRows
 from .triton_utils import env_cfg, env_flag, env_int
 
 # below this many pairs the Triton grouped kernel (tuned for decode batches, graph-captured) is used;
@@ -138,21 +138,6 @@ def gather_rows(x: torch.Tensor, tok: torch.Tensor, triton_kernel: bool | None =
 
 
 @triton.jit
-def _gather_sum_kernel(ys_ptr, pos_ptr, wts_ptr, out_ptr, H: tl.constexpr, TOP_K: tl.constexpr, BH: tl.constexpr):
-    """Program (token, block of BH outputs): sum over the token's pairs j of weight_j * ys[pos_j] in float32, where
-    pos_j is pair j's row in the expert-sorted order."""
-    t = tl.program_id(0)
-    offs = tl.program_id(1) * BH + tl.arange(0, BH)
-    m = offs < H
-    acc = tl.zeros([BH], dtype=tl.float32)
-    for j in tl.static_range(TOP_K):
-        row = tl.load(pos_ptr + t * TOP_K + j).to(tl.int64)
-        w = tl.load(wts_ptr + t * TOP_K + j).to(tl.float32)
-        acc += w * tl.load(ys_ptr + row * H + offs, mask=m, other=0.0).to(tl.float32)
-    tl.store(out_ptr + t.to(tl.int64) * H + offs, acc, mask=m)
-
-
-@triton.jit
 def _expert_hist_kernel(ids_ptr, hist_ptr, P, NC, BP: tl.constexpr, BE: tl.constexpr):
     """Program c: the histogram of experts over pairs [c * BP, (c + 1) * BP) -> hist[:, c] (expert-major, so that
     the scan reads each expert's counts contiguously)."""
@@ -251,23 +236,11 @@ def _sort_pairs_torch(flat_ids: torch.Tensor, num_experts: int, top_k: int):
     return pos, order // top_k, ends
 
 
-def gather_sum(ys: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor, top_k: int) -> torch.Tensor:
-    """Each token's weighted sum of its top_k rows of ys (pair j of token t at row pos[t * top_k + j]), [T, 1, H]
-    float32 (:meth:`ops.moe.SortedPairRows.reduce`)."""
-    num_tokens, hidden = pos.numel() // top_k, ys.shape[1]
-    out = torch.empty(num_tokens, 1, hidden, dtype=torch.float32, device=ys.device)
-    if num_tokens:
-        bh = min(1024, triton.next_power_of_2(hidden))
-        _gather_sum_kernel[(num_tokens, triton.cdiv(hidden, bh))](ys, pos, weights, out, hidden, TOP_K=top_k, BH=bh,
-                                                                  num_warps=4)
-    return out
-
-
 def fused_moe_grouped_mm(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                          topk_ids: torch.Tensor, reduce: bool = True) -> "torch.Tensor | SortedPairRows":
     """x: [T, H]; w13: [E, 2I, H]; w2: [E, H, I]; topk_*: [T, k]. Returns each token's weighted sum of its experts'
     outputs as one float32 row, [T, 1, H]; with ``reduce=False`` the rows before those sums
-    (:class:`ops.moe.SortedPairRows`), which the residual add that follows sums as it reads them."""
+    (:class:`ops.pair_rows.SortedPairRows`), which the residual add that follows sums as it reads them."""
     num_tokens, top_k = topk_ids.shape
     num_experts, inter = w13.shape[0], w2.shape[-1]
     flat = topk_ids.reshape(-1).contiguous()

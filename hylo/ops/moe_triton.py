@@ -5,7 +5,7 @@ Three layouts of the (token, expert) pairs, picked by their number P = tokens * 
 - few pairs (decode): one program row per pair, a GEMV over that pair's expert. No sorting at all, so the whole
   MoE is two launches after the routing kernel; an expert chosen by several pairs is re-read from L2.
 - many pairs (large prefill chunks on Hopper and later): ``torch._grouped_mm`` (``moe_grouped_mm``), whose rows
-  stay in expert order until the residual add gathers and sums them (``ops.moe.SortedPairRows``).
+  stay in expert order until the residual add gathers and sums them (``ops.pair_rows.SortedPairRows``).
 - many pairs elsewhere (decode batches beyond the pair kernels, older GPUs, float32): pairs sorted by expert into
   blocks of BM that each belong to one expert (padding with a sentinel pair), then a grouped GEMM with
   tensor-core dots. The sort runs on the device with fixed-size outputs, so it needs no host sync and can be
@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .moe import SortedPairRows
+from .pair_rows import SortedPairRows
 from .moe_grouped_mm import fused_moe_grouped_mm, grouped_mm_usable
 from .triton_pdl import l2_prefetch, pdl_enter
 from .triton_utils import env_cfg, env_flag, next_pow2, pdl_launch, prefetch_args
@@ -292,7 +292,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     """x: [T, H]; w13: [E, 2I, H]; w2: [E, H, I]; topk_*: [T, k]. Returns [T, H] in x's dtype, or with
     ``reduce=False`` float32 rows [T, J, H] whose sum over J is the result, for the caller to sum (``add_rms_norm``
     does): the weighted row of every pair (J = k), or rows summed per token already (J = 1); through
-    ``torch._grouped_mm``, the pairs' rows in expert order (``ops.moe.SortedPairRows``), which ``add_rms_norm``
+    ``torch._grouped_mm``, the pairs' rows in expert order (``ops.pair_rows.SortedPairRows``), which ``add_rms_norm``
     also sums."""
     num_tokens, hidden = x.shape
     top_k = topk_ids.shape[1]

@@ -20,7 +20,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def add_rms_norm(x: torch.Tensor, delta, weight: torch.Tensor, eps: float):
     """The residual stream step: ``(x + delta, rms_norm(x + delta))`` (one kernel on CUDA). A ``delta`` with one
     more dimension than ``x`` ([..., J, N]: unreduced MoE pair outputs) adds the sum of its J rows, in float32; so
-    does an ``ops.moe.SortedPairRows`` (a large chunk's MoE rows in expert order), gathered by the kernel."""
+    does an ``ops.pair_rows.SortedPairRows`` (a large chunk's MoE rows in expert order), gathered by the kernel."""
     if use_triton(x):
         from .norm_triton import add_rms_norm as add_rms_norm_triton
 

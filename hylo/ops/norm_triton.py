@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .moe import SortedPairRows
+from .pair_rows import SortedPairRows
 from .triton_pdl import pdl_enter
 from .triton_utils import next_pow2, pdl_launch
 
@@ -19,7 +19,7 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, res_out_ptr, y_ptr, gate_ptr, ROWS, N:
                      pos_ptr=None, wts_ptr=None, GATHER: tl.constexpr = False):
     """BR rows per program (one at decode; more at prefill, where one narrow row per program leaves most of each
     program's threads idle). GATHER: the J delta rows of row r are rows pos[r * J + j] of r_ptr, weighted by
-    wts[r * J + j] (``ops.moe.SortedPairRows``)."""
+    wts[r * J + j] (``ops.pair_rows.SortedPairRows``)."""
     pdl_enter(PDL)
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     mr = rows < ROWS
@@ -88,7 +88,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
 
 def add_rms_norm(x: torch.Tensor, delta, weight: torch.Tensor, eps: float):
     """(x + delta, rms_norm(x + delta)) in one pass; ``delta`` [..., J, N] (one more dimension than ``x``) adds
-    the sum of its J rows; a :class:`ops.moe.SortedPairRows` adds each row's weighted sum of its pairs' rows,
+    the sum of its J rows; a :class:`ops.pair_rows.SortedPairRows` adds each row's weighted sum of its pairs' rows,
     gathered here."""
     x2, n = _rows(x.contiguous())
     res, y = torch.empty_like(x2), torch.empty_like(x2)

@@ -1,1 +1,2 @@
-"""Tensor parallelism: sharding (``sharding``), the collectives (``group``) and the rank processes (``launcher``)."""
+"""Tensor parallelism's pieces: sharding (``sharding``) and the collectives (``group``); the rank processes are
+started by ``hylo.launch``."""

@@ -64,7 +64,7 @@ def test_residual_add_gathers_the_grouped_mm_rows(dev, tokens, hidden):
     residual add-norm kernel as it gathers them: the same residual and normed rows as adding the reduced sums, and
     the float64 reference's; 1031 rows take the prefill tiles (several rows a program, the last one partial), 37
     one row a program, 96 a width that is not a power of two."""
-    from hylo.ops.moe import SortedPairRows
+    from hylo.ops.pair_rows import SortedPairRows
     from hylo.ops.moe_grouped_mm import fused_moe_grouped_mm
     from hylo.ops.norm import add_rms_norm, rms_norm_ref
 

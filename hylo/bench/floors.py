@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .models.hybrid import HybridForCausalLM
+from ..models.hybrid import HybridForCausalLM
 
 
 # ---- the hardware's two numbers ---------------------------------------------------------------------------------
@@ -68,10 +68,10 @@ class Footprint:
         esz = 2
         expert = 3 * mc.moe_intermediate_size * mc.hidden_size * esz
         moe_layers = sum(mc.is_moe_layer(i) for i in range(mc.num_hidden_layers))
-        total = sum(p.numel() for p in model.parameters()) * esz
+        total = sum(p.numel() for p in model.parameters()) * esz  # a tied embedding counted once
         embed = mc.vocab_size * mc.hidden_size * esz
         experts_all = moe_layers * mc.num_experts * expert
-        non_expert = total - experts_all - 2 * embed
+        non_expert = total - experts_all - (1 if mc.tie_word_embeddings else 2) * embed
         mtp_ne = 0
         if mtp is not None:
             mtp_total = sum(p.numel() for p in mtp.parameters()) * esz
@@ -89,6 +89,8 @@ class Footprint:
 
     def experts_touched(self, tokens: int) -> float:
         """Expected distinct experts per layer for ``tokens`` tokens with uniform random routing."""
+        if not self.num_experts:  # a dense model
+            return 0.0
         return self.num_experts * (1 - (1 - self.top_k / self.num_experts) ** tokens)
 
     def decode_bytes(self, bs: int, ctx: int) -> float:

@@ -15,12 +15,12 @@ from dataclasses import dataclass
 
 import torch
 
-from .bench import bench_config
-from .bench_steps import clear, fake_prefill, time_steps
-from .config import EngineConfig, ModelConfig
-from .engine.engine import LoadedModel
-from .parallel.group import TPGroup
-from .parallel.launcher import create_engine
+from .shapes import bench_config
+from .steps import clear, fake_prefill, time_steps
+from ..config import EngineConfig, ModelConfig
+from ..engine.engine import LoadedModel
+from ..parallel.group import TPGroup
+from ..launch import create_engine
 
 
 @dataclass(frozen=True)
@@ -34,9 +34,9 @@ class RandomModel:
         return bench_config(self.name)
 
     def load(self, dtype: torch.dtype, device, tp: TPGroup) -> LoadedModel:
-        from .models.registry import build_model
-        from .models.random_init import RandomReader
-        from .parallel.sharding import local_config
+        from ..models.registry import build_model
+        from ..models.random_init import RandomReader
+        from ..parallel.sharding import local_config
 
         mc = self.config()
         local = local_config(mc, tp.size)

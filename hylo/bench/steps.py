@@ -8,9 +8,9 @@ import time
 
 import torch
 
-from .bench_floors import _time_cuda
-from .core import ReqStatus, SamplingParams
-from .engine.engine import Engine
+from .floors import _time_cuda
+from ..core import ReqStatus, SamplingParams
+from ..engine.engine import Engine
 
 
 def fake_prefill(engine: Engine, bs: int, ctx: int, temperature: float = 0.0) -> list[str]:

@@ -8,8 +8,8 @@ import time
 
 import torch
 
-from .config import ModelConfig
-from .layers.weights import TensorReader
+from ..config import ModelConfig
+from ..layers.weights import TensorReader
 
 
 class HFReader(TensorReader):

@@ -1,4 +1,7 @@
-"""Tensor parallelism across processes: one process per rank in one torch.distributed group (gloo on CPU, NCCL on
+"""Building engines: ``create_engine`` gives one Engine, or with tensor parallelism rank 0's engine driving the
+follower processes (it sits above ``engine/``, which it builds, and ``parallel/``, whose pieces it uses).
+
+Tensor parallelism across processes: one process per rank in one torch.distributed group (gloo on CPU, NCCL on
 CUDA with NVLink multicast kept off), each holding its shard of the model and of the caches.
 
 Every rank runs the same engine (scheduler, overlap loop, speculative decoding) on the same inputs, so their
@@ -19,9 +22,13 @@ from datetime import timedelta
 
 import torch
 
-from ..config import EngineConfig
-from .group import TPGroup
-from .sharding import check_divisible
+from .config import EngineConfig
+from .engine.engine import Engine, LoadedModel
+from .models.default import DEFAULT_MODEL_NAME, default_model_config, trained_default_path
+from .models.registry import read_config
+from .parallel.group import TPGroup
+from .parallel.sharding import check_divisible
+from .spec.setup import SpecSetup
 
 # NVLink multicast can take the host's shared GPUs out of service: never let NCCL or symmetric memory use it
 _SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -31,9 +38,6 @@ _MUTATING = ("abort", "step", "drain", "pop_finished", "prompt_logits")
 
 def create_engine(model, device: str, dtype: str, ec: EngineConfig):
     """An Engine, or with ``tensor_parallel_size > 1`` rank 0's engine driving the follower processes."""
-    from ..engine.engine import Engine
-    from ..spec.setup import SpecSetup
-
     spec = SpecSetup(ec.speculative) if ec.speculative else None
     if ec.tensor_parallel_size == 1:
         return Engine(model, device=device, dtype=dtype, engine_config=ec, spec_setup=spec)
@@ -41,10 +45,6 @@ def create_engine(model, device: str, dtype: str, ec: EngineConfig):
 
 
 def _config_of(model):
-    from ..engine.engine import LoadedModel
-    from ..models.registry import read_config
-    from ..models.default import DEFAULT_MODEL_NAME, default_model_config, trained_default_path
-
     if isinstance(model, LoadedModel):
         raise ValueError("tensor parallelism loads the model in every rank process: pass a checkpoint path")
     if hasattr(model, "config") and callable(model.config):  # a model source (benchmarks)
@@ -80,9 +80,6 @@ def _init(rank: int, size: int, port: int, device: str):
 def _follower(rank: int, size: int, port: int, model, device: str, dtype: str, ec: EngineConfig, conn) -> None:
     import torch.distributed as dist
 
-    from ..engine.engine import Engine
-    from ..spec.setup import SpecSetup
-
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
     tp, rank_device = _init(rank, size, port, device)
     quiet = EngineConfig(**{**{f: getattr(ec, f) for f in EngineConfig.option_names()}, "verbose": False})
@@ -110,9 +107,6 @@ class LeaderEngine:
 
     def __init__(self, model, device: str, dtype: str, ec: EngineConfig):
         import torch.multiprocessing as mp
-
-        from ..engine.engine import Engine
-        from ..spec.setup import SpecSetup
 
         size = ec.tensor_parallel_size
         if device not in ("cpu", "auto", "cuda"):

@@ -18,15 +18,16 @@ from dataclasses import replace
 
 import torch
 
-from .config import EngineConfig, ModelConfig
-from .engine.engine import Engine, LoadedModel
-from .bench_floors import Footprint, measure_copy_rate, measure_matmul_rate
-from .bench_steps import clear, fake_prefill, graph_alone_ms, overlap_profile, prefill_times, time_steps
-from .models.registry import build_model as build_family_model
-from .models.random_init import RandomReader
-from .ops.triton_utils import pdl_settings
-from .parallel.group import SINGLE
-from .spec.setup import SpecSetup
+from ..config import EngineConfig, ModelConfig
+from ..engine.engine import Engine, LoadedModel
+from .floors import Footprint, measure_copy_rate, measure_matmul_rate
+from .shapes import bench_config
+from .steps import clear, fake_prefill, graph_alone_ms, overlap_profile, prefill_times, time_steps
+from ..models.registry import build_model as build_family_model
+from ..models.random_init import RandomReader
+from ..ops.triton_utils import pdl_settings
+from ..parallel.group import SINGLE
+from ..spec.setup import SpecSetup
 
 GB = 1e9
 # the batch-1 and speculative engines decode from context 1k: the overlap records alone run about 100 steps of up
@@ -36,46 +37,26 @@ SPEC_MODEL_LEN = 2048
 SPEC_KV_TOKENS = SPEC_MODEL_LEN + 128
 
 
-BENCH_MODELS = ("bench-6b", "qwen3-next-80b", "tiny")
-
-
-def bench_config(name: str) -> ModelConfig:
-    """Benchmark models (random weights): ``bench-6b``; ``qwen3-next-80b``, the shape of Qwen3-Next-80B-A3B
-    (160 GB in bfloat16: more than one H200 holds, for tensor parallelism); ``tiny``, for tests of the harness."""
-    if name not in BENCH_MODELS:
-        raise ValueError(f"unknown benchmark model {name!r} (known: {', '.join(BENCH_MODELS)})")
-    n, experts, hidden = {"bench-6b": (24, 64, 2048), "qwen3-next-80b": (48, 512, 2048), "tiny": (4, 8, 64)}[name]
-    big = name != "tiny"
-    return ModelConfig(
-        vocab_size=151936 if big else 512, hidden_size=hidden, num_hidden_layers=n,
-        layer_types=tuple("full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(n)),
-        num_attention_heads=16 if big else 4, num_key_value_heads=2, head_dim=256 if big else 16,
-        rope_theta=10000000.0, partial_rotary_factor=0.25, attention_bias=False,
-        linear_num_key_heads=16 if big else 2, linear_num_value_heads=32 if big else 4,
-        linear_key_head_dim=128 if big else 16, linear_value_head_dim=128 if big else 16, linear_conv_kernel_dim=4,
-        intermediate_size=5120 if big else 128, num_experts=experts, num_experts_per_tok=10 if big else 2,
-        moe_intermediate_size=512 if big else 32, shared_expert_intermediate_size=512 if big else 32,
-        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=(), rms_norm_eps=1e-6,
-        max_position_embeddings=65536, tie_word_embeddings=False, eos_token_ids=(), num_nextn_predict_layers=1)
-
-
 # ---- set-up --------------------------------------------------------------------------------------------------
-def build_model(mc: ModelConfig, device, seed: int = 0, hf_model=None) -> LoadedModel:
+def build_model(mc: ModelConfig, device, seed: int = 0, hf_model=None, name: str = "bench-6b") -> LoadedModel:
     dtype = torch.bfloat16
     reader = RandomReader(seed, device)
     if hf_model is not None:
-        from .bench_hf import HFReader
+        from .hf import HFReader
 
         reader = HFReader(hf_model, reader)
     with torch.device(device):
         model = build_family_model(mc, dtype, device, SINGLE)
     model.load(reader)
-    return LoadedModel("bench-6b", mc, model, reader, None, True)
+    return LoadedModel(name, mc, model, reader, None, True)
 
 
 # ---- the runs ------------------------------------------------------------------------------------------------
 def run_bench(model_name: str = "bench-6b", vs_hf: bool = False, quick: bool = False, out_dir: str = "bench/results",
-              seed: int = 0, pdl: bool = False) -> list[dict]:
+              seed: int = 0, pdl: bool = False, short: bool = False) -> list[dict]:
+    """Every record, or with ``short`` the core ones (prefill 8192; graph decode at batch 1 / 8 / 64 from context 1k,
+    and from 32k at batch 1 and 8; MTP k = 3 at accept 3.0 against plain at batch 1 / 8 / 64): what fits a large
+    model beside its caches on one GPU, in one device call."""
     if not torch.cuda.is_available():
         raise ValueError("hylo bench needs a CUDA GPU")
     device = torch.device("cuda")
@@ -84,7 +65,7 @@ def run_bench(model_name: str = "bench-6b", vs_hf: bool = False, quick: bool = F
     path = os.path.join(out_dir, f"{model_name}-{time.strftime('%Y%m%d-%H%M%S')}.json")
     pdl_on, prefetch_on = pdl_settings()
     meta = dict(model=model_name, gpu=torch.cuda.get_device_name(), torch=torch.__version__, host=platform.node(),
-                quick=quick, pdl=pdl_on and torch.cuda.get_device_capability()[0] >= 9, pdl_prefetch=prefetch_on,
+                quick=quick, short=short, pdl=pdl_on and torch.cuda.get_device_capability()[0] >= 9, pdl_prefetch=prefetch_on,
                 hf_note=("HF transformers cannot do speculative decoding on this model: generate() refuses assisted "
                          "generation for stateful models"))
 
@@ -100,10 +81,13 @@ def run_bench(model_name: str = "bench-6b", vs_hf: bool = False, quick: bool = F
     hf_steps = {}
     hf_model = None
     if vs_hf:
-        from .bench_hf import build_hf, time_hf
+        from .hf import build_hf, time_hf
 
         hf_model = build_hf(mc, device)
-    lm = build_model(mc, device, seed, hf_model)
+    t0 = time.perf_counter()
+    lm = build_model(mc, device, seed, hf_model, name=model_name)
+    print(f"[bench] {model_name}: {sum(p.numel() for p in lm.model.parameters()) / 1e9:.2f} B parameters built in "
+          f"{time.perf_counter() - t0:.0f} s, {torch.cuda.memory_allocated() / 2 ** 30:.1f} GiB on the GPU", flush=True)
     if vs_hf:
         hf_steps = time_hf(hf_model, mc, [1, 8], quick)
         meta["hf_ms_per_step"] = hf_steps
@@ -111,9 +95,10 @@ def run_bench(model_name: str = "bench-6b", vs_hf: bool = False, quick: bool = F
         del hf_model
         release_gpu_memory()
 
-    batches = [1, 8] if quick else [1, 8, 64, 256]
+    batches = [1, 8] if quick else [1, 8, 64] if short else [1, 8, 64, 256]
     contexts = [1024] if quick else [1024, 32768]
-    kv_tokens = max(max(b * 1024 for b in batches), 64 * 32768 if not quick else 0) + 300 * 256
+    long_max_bs = 8 if short else 64  # the largest batch decoded from context 32k
+    kv_tokens = max(max(b * 1024 for b in batches), long_max_bs * 32768 if not quick else 0) + 300 * max(batches)
     ec = EngineConfig(max_num_seqs=max(batches), kv_cache_tokens=kv_tokens, chunk_size=8192, verbose=True,
                       cuda_graph_sizes=tuple(batches), max_model_len=40000)
     eng = _engine(lm, ec)
@@ -134,11 +119,11 @@ def run_bench(model_name: str = "bench-6b", vs_hf: bool = False, quick: bool = F
     # plain decode
     for ctx in contexts:
         for bs in batches:
-            if ctx == 32768 and bs > 64:
+            if ctx == 32768 and bs > long_max_bs:
                 continue
             rids = fake_prefill(eng, bs, ctx)
             floor = fp.decode_bytes(bs, ctx) / copy_rate * 1e3
-            for graphs in (True, False):
+            for graphs in ((True,) if short else (True, False)):
                 saved = eng.model_worker.graphs
                 if not graphs:
                     eng.model_worker.graphs = None
@@ -156,7 +141,7 @@ def run_bench(model_name: str = "bench-6b", vs_hf: bool = False, quick: bool = F
             if ctx == 1024 and not quick:
                 records.append(_device_decode_record(eng, bs, ctx, floor))
             clear(eng, rids)
-            if ctx == 1024 and bs in (1, 64) and not quick:  # the same step for rows that sample (temperature 0.8)
+            if ctx == 1024 and bs in (1, 64) and not quick and not short:  # the same step for rows that sample (temperature 0.8)
                 rids = fake_prefill(eng, bs, ctx, temperature=0.8)
                 ms = time_steps(eng, steps)
                 records.append(dict(_decode_record(bs, ctx, True, ms, floor), sampling="temperature 0.8"))
@@ -173,7 +158,12 @@ def run_bench(model_name: str = "bench-6b", vs_hf: bool = False, quick: bool = F
     # speculative decoding, MTP k = 3, simulated acceptance
     k = 3
     spec_batches = [1, 8] if quick else [1, 8, 64]
-    eng = _spec_records(lm, spec_batches, (2.0, 3.0, 4.0), "replay", k, copy_rate, steps, plain_ms, records, save)
+    eng = _spec_records(lm, spec_batches, (3.0,) if short else (2.0, 3.0, 4.0), "replay", k, copy_rate, steps,
+                        plain_ms, records, save)
+    if short:
+        save()
+        print(f"[bench] wrote {path}", flush=True)
+        return records
 
     # the overlap loop: speculative decoding with overlap on and off, GPU busy fraction and blocking reads
     for bs in ([1] if quick else [1, 64]):
@@ -254,7 +244,7 @@ def _pdl_records(lm: LoadedModel, batches: list[int], copy_rate: float, steps: i
     programmatic dependent launch off, and on with the L2 weight prefetch; plus the batch-1 speculative overlap
     profile with PDL off. Appended to ``records`` (tagged ``pdl``, ``pdl_prefetch``): a comparison inside one
     run."""
-    from .ops.triton_utils import set_pdl
+    from ..ops.triton_utils import set_pdl
 
     previous = set_pdl(*pdl_settings())
     try:

@@ -1,0 +1,57 @@
+"""The benchmark models: one shape per name, built with random weights on the GPU (``run.build_model``).
+
+- ``bench-6b``: a Qwen3-Next-architecture MoE of 6.3 B parameters (24 layers, 64 experts), the shape the decode
+  kernels were tuned on;
+- ``qwen3-next-80b``: Qwen3-Next-80B-A3B (160 GB in bfloat16: more than one GPU holds, for tensor parallelism);
+- ``qwen3.5-9b``: Qwen3.5-9B (dense: a SwiGLU MLP in each of its 32 layers);
+- ``qwen3.5-35b-a3b``: Qwen3.5-35B-A3B (40 layers, 256 experts, 8 routed and a shared one; 67 GiB in bfloat16);
+- ``tiny``, ``tiny-dense``: for the harness's CPU tests.
+The Qwen3.5 shapes are the released configs' text models (vocabulary 248320, RoPE theta 1e7 on a quarter of each
+head), with their MTP head.
+"""
+
+from __future__ import annotations
+
+from ..config import ModelConfig
+
+BENCH_MODELS = ("bench-6b", "qwen3-next-80b", "qwen3.5-9b", "qwen3.5-35b-a3b", "tiny", "tiny-dense")
+
+
+def _hybrid(n_layers: int, **fields) -> ModelConfig:
+    """A 3:1 GDN / attention hybrid with the fields every benchmark shape shares, then ``fields``."""
+    base = dict(num_hidden_layers=n_layers,
+                layer_types=tuple("full_attention" if (i + 1) % 4 == 0 else "linear_attention"
+                                  for i in range(n_layers)),
+                num_key_value_heads=2, rope_theta=10000000.0, partial_rotary_factor=0.25, attention_bias=False,
+                linear_conv_kernel_dim=4, intermediate_size=0, num_experts=0, num_experts_per_tok=0,
+                moe_intermediate_size=0, shared_expert_intermediate_size=0, norm_topk_prob=True,
+                decoder_sparse_step=1, mlp_only_layers=(), rms_norm_eps=1e-6, max_position_embeddings=65536,
+                tie_word_embeddings=False, eos_token_ids=(), num_nextn_predict_layers=1)
+    return ModelConfig(**{**base, **fields})
+
+
+def bench_config(name: str) -> ModelConfig:
+    if name not in BENCH_MODELS:
+        raise ValueError(f"unknown benchmark model {name!r} (known: {', '.join(BENCH_MODELS)})")
+    big_gdn = dict(linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+                   linear_value_head_dim=128)
+    tiny_gdn = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                    linear_value_head_dim=16)
+    if name in ("bench-6b", "qwen3-next-80b"):
+        return _hybrid(24 if name == "bench-6b" else 48, vocab_size=151936, hidden_size=2048, num_attention_heads=16,
+                       head_dim=256, intermediate_size=5120, num_experts=64 if name == "bench-6b" else 512,
+                       num_experts_per_tok=10, moe_intermediate_size=512, shared_expert_intermediate_size=512,
+                       **big_gdn)
+    if name == "qwen3.5-9b":
+        return _hybrid(32, vocab_size=248320, hidden_size=4096, num_attention_heads=16, num_key_value_heads=4,
+                       head_dim=256, intermediate_size=12288, model_type="qwen3_5", **big_gdn)
+    if name == "qwen3.5-35b-a3b":
+        return _hybrid(40, vocab_size=248320, hidden_size=2048, num_attention_heads=16, head_dim=256,
+                       num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
+                       shared_expert_intermediate_size=512, model_type="qwen3_5_moe", **big_gdn)
+    if name == "tiny":
+        return _hybrid(4, vocab_size=512, hidden_size=64, num_attention_heads=4, head_dim=16, intermediate_size=128,
+                       num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                       shared_expert_intermediate_size=32, **tiny_gdn)
+    return _hybrid(4, vocab_size=512, hidden_size=64, num_attention_heads=4, head_dim=16, intermediate_size=96,
+                   tie_word_embeddings=True, model_type="qwen3_5", **tiny_gdn)
