@@ -208,6 +208,12 @@ class EngineConfig:
     cuda_graphs: bool = True  # on CUDA: capture decode / verify / draft passes (off: everything eager)
     max_graph_batch_size: int = 256  # largest captured batch size (larger batches run eagerly)
     cuda_graph_sizes: tuple[int, ...] | None = None  # explicit captured batch sizes (default: 1, 2, 4, 8, 16, ...)
+    # prefix caching (cache/prefix_cache.py): reuse cached KV and linear-attention state snapshots of earlier
+    # requests' tokens; snapshots where requests stop, at prompt ends and every prefix_state_interval prefill
+    # tokens (default: chunk_size); prefix_snapshots state slots for them (default: from the memory budget)
+    enable_prefix_caching: bool = True
+    prefix_state_interval: int | None = None
+    prefix_snapshots: int | None = None
 
     def __post_init__(self):
         if self.max_num_seqs < 1:
@@ -238,6 +244,10 @@ class EngineConfig:
         if isinstance(self.tensor_parallel_size, bool) or not isinstance(self.tensor_parallel_size, int) \
                 or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
+        if self.prefix_state_interval is not None and self.prefix_state_interval < 1:
+            raise ValueError(f"prefix_state_interval must be >= 1, got {self.prefix_state_interval}")
+        if self.prefix_snapshots is not None and self.prefix_snapshots < 0:
+            raise ValueError(f"prefix_snapshots must be >= 0, got {self.prefix_snapshots}")
         if self.preemption != "recompute":
             raise ValueError(f"preemption must be 'recompute', got {self.preemption!r}")
 

@@ -137,6 +137,18 @@ class Req:
     # set when the engine failed this request (an internal error in a step it was part of); it then finishes with
     # finish_reason "abort" and the requests beside it go on
     error: str | None = None
+    # prefix caching (cache/prefix_cache.py): positions [0, prefix_len) use KV locations the cache owns (the request
+    # holds a lock on ``cache_node``, where they end) and ``kv_locs`` holds the request's own from prefix_len on;
+    # ``state_len`` counts the tokens its state slot reflects (every completed step's commits, also after the
+    # request finished); ``extra_ids`` the tokens such late steps committed that never reached ``output_ids``
+    prefix_len: int = 0
+    cache_node: object = None
+    state_len: int = 0
+    extra_ids: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0  # prompt tokens reused from the cache at admission
+    last_snapshot: int = 0  # position of this request's latest snapshot
+    branch_point: int = 0  # where its tokens leave the cached ones: a prefill chunk ends there, with a snapshot
+    use_prefix_cache: bool = True  # False: neither reuses nor adds (Engine.prompt_logits computes every position)
 
     @property
     def num_tokens(self) -> int:
@@ -153,6 +165,13 @@ class Req:
                 self.prompt_tensor = torch.tensor(self.prompt_ids, dtype=torch.int64)
             return self.prompt_tensor[start:end]
         return torch.tensor(self.tokens(start, end), dtype=torch.int64)
+
+    def known_tokens(self, end: int) -> list[int]:
+        """The first ``end`` tokens this request computed: prompt, output, then what late steps committed."""
+        out = self.prompt_ids + self.output_ids
+        if end > len(out):
+            out = out + self.extra_ids
+        return out[:end]
 
     def tokens(self, start: int, end: int) -> list[int]:
         n = len(self.prompt_ids)
@@ -282,6 +301,7 @@ class RequestOutput:
     spec: SpecStats | None = None
     num_preemptions: int = 0
     error: str | None = None  # an internal error ended this request (finish_reason "abort"); see Req.error
+    num_cached_tokens: int = 0  # prompt tokens whose KV and state came from the prefix cache
 
 
 # ---------------------------------------------------------------------------------------------------------------

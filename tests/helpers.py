@@ -86,6 +86,19 @@ def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
     return out_tokens
 
 
+def all_freed(engine) -> bool:
+    """Everything ended: no request holds a cached prefix, and once the prefix cache is dropped every slot and KV
+    location is back in its pool."""
+    cache = engine.prefix_cache
+    if cache is not None and any(n.lock for n in cache._nodes()):
+        return False
+    if not engine.reset_prefix_cache():
+        return False
+    c = engine.caches
+    return (c.req_slots.num_free == c.req_slots.max_num_seqs and c.state_pool.num_free == c.state_pool.num_slots
+            and c.kv_pool.num_free == c.kv_pool.num_tokens and (cache is None or cache.num_snapshots == 0))
+
+
 def random_prompts(vocab: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]

@@ -12,7 +12,7 @@ from hylo.spec.setup import SpecSetup
 
 
 def test_fake_prefill_decodes_and_frees():
-    eng = Engine(None, device="cpu", engine_config=EngineConfig(verbose=False, max_num_seqs=4))
+    eng = Engine(None, device="cpu", engine_config=EngineConfig(enable_prefix_caching=False, verbose=False, max_num_seqs=4))
     rids = fake_prefill(eng, 3, 40)
     ms = time_steps(eng, 2, warmup=1)
     assert ms > 0
@@ -27,7 +27,7 @@ def test_fake_prefill_decodes_and_frees():
 def test_prefill_times_runs_each_prefill_and_frees_it():
     """The bench's prefill row (and ``ab_decode --prefill``): each run prefills a fresh request in one step, is
     timed, and leaves the engine's pools as they were."""
-    eng = Engine(None, device="cpu", engine_config=EngineConfig(verbose=False, max_num_seqs=2))
+    eng = Engine(None, device="cpu", engine_config=EngineConfig(enable_prefix_caching=False, verbose=False, max_num_seqs=2))
     c = eng.caches
     free = (c.kv_pool.num_free, c.req_slots.num_free)
     times = prefill_times(eng, list(range(1, 30)), 3)
@@ -37,7 +37,7 @@ def test_prefill_times_runs_each_prefill_and_frees_it():
 
 def test_fake_prefill_of_sampling_rows():
     """The bench's sampled decode rows: fake-prefilled requests that sample, seeded, and decode like greedy ones."""
-    eng = Engine(None, device="cpu", engine_config=EngineConfig(verbose=False, max_num_seqs=4))
+    eng = Engine(None, device="cpu", engine_config=EngineConfig(enable_prefix_caching=False, verbose=False, max_num_seqs=4))
     rids = fake_prefill(eng, 2, 40, temperature=0.8)
     time_steps(eng, 3, warmup=1)
     reqs = [eng._reqs[r] for r in rids]
@@ -50,7 +50,7 @@ def test_fake_prefill_of_sampling_rows():
 def _simulated_mean_accept(rows: int, target: float, steps: int, built_with: float | None = None) -> float:
     """Mean tokens per verify step of ``rows`` fake-prefilled MTP requests (k = 3) with simulated acceptance
     (the engine built with ``built_with``, then set to ``target``, as the benchmark does between records)."""
-    ec = EngineConfig(verbose=False, max_num_seqs=rows, speculative="mtp", num_speculative_tokens=3,
+    ec = EngineConfig(enable_prefix_caching=False, verbose=False, max_num_seqs=rows, speculative="mtp", num_speculative_tokens=3,
                       simulate_accept_length=built_with or target)
     eng = Engine(None, device="cpu", engine_config=ec, spec_setup=SpecSetup("mtp"))
     eng.worker.simulate_accept_length = target
@@ -106,7 +106,7 @@ def test_hf_comparison_uses_the_same_weights():
     hf = build_hf(mc, torch.device("cpu")).float()
     lm = build_model(mc, torch.device("cpu"), hf_model=hf)
     lm.model.float()
-    eng = Engine(lm, device="cpu", dtype="float32", engine_config=EngineConfig(verbose=False))
+    eng = Engine(lm, device="cpu", dtype="float32", engine_config=EngineConfig(enable_prefix_caching=False, verbose=False))
     prompt = [5, 77, 200, 3, 9, 41]
     with torch.no_grad():
         ref = hf(torch.tensor([prompt])).logits[0]
@@ -131,7 +131,7 @@ def test_the_bench_lets_the_hf_model_go_after_its_rows():
     assert lm.reader is hf_reader.fallback and not isinstance(lm.reader, HFReader)
     lm.model.float()  # build_model makes bfloat16 weights; the CPU engine here runs in float32
     eng = Engine(lm, device="cpu", dtype="float32", spec_setup=SpecSetup("mtp"),
-                 engine_config=EngineConfig(verbose=False, speculative="mtp", num_speculative_tokens=2))
+                 engine_config=EngineConfig(enable_prefix_caching=False, verbose=False, speculative="mtp", num_speculative_tokens=2))
     rid = eng.add_request([5, 77, 200], SamplingParams(max_tokens=3, temperature=0))
     while eng.has_unfinished():
         eng.step()
@@ -143,7 +143,7 @@ def test_simulated_target_changes_after_the_engine_is_built():
     was captured with: run -081134 measured 3.0 for targets 2.0 and 4.0); switching simulation off is refused."""
     assert abs(_simulated_mean_accept(2, 2.0, 20, built_with=3.0) - 2.0) < 0.3
     assert abs(_simulated_mean_accept(2, 4.0, 20, built_with=3.0) - 4.0) < 1e-9  # every draft accepted
-    ec = EngineConfig(verbose=False, max_num_seqs=1, speculative="mtp", num_speculative_tokens=3,
+    ec = EngineConfig(enable_prefix_caching=False, verbose=False, max_num_seqs=1, speculative="mtp", num_speculative_tokens=3,
                       simulate_accept_length=3.0)
     eng = Engine(None, device="cpu", engine_config=ec, spec_setup=SpecSetup("mtp"))
     with pytest.raises(ValueError, match="simulate_accept_length"):
@@ -158,7 +158,7 @@ def test_overlap_record_counts_steps_reads_and_accept_length(overlap):
 
     from hylo.bench.run import _overlap_record
 
-    ec = EngineConfig(verbose=False, max_num_seqs=2, speculative="mtp", num_speculative_tokens=3,
+    ec = EngineConfig(enable_prefix_caching=False, verbose=False, max_num_seqs=2, speculative="mtp", num_speculative_tokens=3,
                       simulate_accept_length=3.0, max_model_len=1100, kv_cache_tokens=2400)
     eng = Engine(None, device="cpu", engine_config=ec, spec_setup=SpecSetup("mtp"))
     eng.ec = replace(eng.ec, overlap=overlap)

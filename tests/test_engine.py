@@ -7,7 +7,7 @@ from hylo import LLM, SamplingParams
 from hylo.config import EngineConfig
 from hylo.engine.engine import Engine
 
-from helpers import random_prompts, vocab_of
+from helpers import all_freed, random_prompts, vocab_of
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0)
 
@@ -20,9 +20,7 @@ def _run_all(engine, prompts, params):
 
 
 def _free_everything(engine):
-    c = engine.caches
-    return (c.req_slots.num_free == c.req_slots.max_num_seqs and c.state_pool.num_free == c.state_pool.num_slots
-            and c.kv_pool.num_free == c.kv_pool.num_tokens)
+    return all_freed(engine)
 
 
 def test_request_joining_a_running_batch_matches_running_alone(ckpt_a):

@@ -7,6 +7,8 @@ from hylo import LLM, SamplingParams
 from hylo.config import EngineConfig
 from hylo.engine.engine import Engine
 
+from helpers import all_freed
+
 MODEL = "hylo-default-random"
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 
@@ -51,7 +53,7 @@ def test_host_side_failure_of_one_request_spares_the_others(reference, overlap, 
         assert by_prompt[p].error is None and by_prompt[p].token_ids == reference[p]
     assert "OverflowError: injected" in capsys.readouterr().err  # the engine's own fault: logged with its traceback
     # everything freed, and the engine still serves
-    assert eng.caches.req_slots.num_used == 0 and eng.caches.kv_pool.num_free == eng.caches.kv_pool.num_tokens
+    assert all_freed(eng)
     eng._append_token = append
     assert _run(eng, [[8, 9]])[0].token_ids == reference[(8, 9)]
 
@@ -75,7 +77,7 @@ def test_failed_launch_fails_that_step_only(reference):
         assert outs[p].finish_reason == "abort" and "RuntimeError" in outs[p].error
     assert outs[(10, 11, 12, 13)].error is None
     assert outs[(10, 11, 12, 13)].token_ids == reference[(10, 11, 12, 13)]
-    assert eng.caches.req_slots.num_used == 0 and eng.caches.state_pool.num_free == eng.caches.state_pool.num_slots
+    assert all_freed(eng)
     assert _run(eng, [[5, 6, 7]])[0].token_ids == reference[(5, 6, 7)]
 
 

@@ -63,14 +63,18 @@ def test_replayed_steps_give_the_eager_outputs(ckpt_a_mtp, spec):
 
 
 def _poison_unowned(eng, sched):
-    """NaN in every state slot and KV location no running request owns (slot 0 and location 0, the padding
-    targets, excepted): a padded row that read or wrote them would show."""
+    """NaN in every state slot and KV location no running request uses (slot 0 and location 0, the padding
+    targets, excepted; prefix-cache snapshots too): a padded row that read or wrote them would show."""
     c = eng.caches
     used = {r.state_slot for r in sched.reqs}
     free = [s for s in range(1, c.state_pool.num_slots + 1) if s not in used]
     for pool in (c.state_pool.conv, c.state_pool.recurrent):
         pool[:, free] = float("nan")
-    owned = torch.cat([loc for r in eng.scheduler.running for loc in r.kv_locs])
+    # a request's locations: those of the cached prefix it shares (in its req_to_token row) and its own (this
+    # step's new ones included, which reach req_to_token only when the step runs)
+    r2t = c.req_slots.req_to_token
+    owned = torch.cat([r2t[r.req_slot, :r.prefix_len] for r in eng.scheduler.running]
+                      + [loc for r in eng.scheduler.running for loc in r.kv_locs])
     unowned = torch.ones(c.kv_pool.k.shape[1], dtype=torch.bool)
     unowned[owned] = False
     unowned[0] = False

@@ -9,7 +9,7 @@ from hylo.config import EngineConfig
 from hylo.engine.engine import Engine
 from hylo.spec.setup import SpecSetup
 
-from helpers import load_hf, random_prompts, vocab_of
+from helpers import all_freed, load_hf, random_prompts, vocab_of
 
 LENGTHS = [5, 33, 1, 12, 60]
 
@@ -238,6 +238,4 @@ def test_speculation_with_preemption_and_abort(ckpt_a_mtp, method):
     assert [o.token_ids for o in outs[:4]] == [o.token_ids for o in plain[:4]]
     assert outs[4].finish_reason == "abort"
     assert sum(o.num_preemptions for o in outs) > 0
-    c = eng.caches
-    assert c.kv_pool.num_free == c.kv_pool.num_tokens and c.req_slots.num_free == c.req_slots.max_num_seqs
-    assert c.state_pool.num_free == c.state_pool.num_slots
+    assert all_freed(eng)

@@ -44,7 +44,7 @@ def child(batches: list[int]) -> None:
     # AB_BENCH_ENGINE=1: the engine as `hylo bench` sizes it (256 sequences, a 40k context, a 2.2M-token KV pool)
     big = os.environ.get("AB_BENCH_ENGINE") == "1"
     seqs = 256 if big else max(batches)
-    ec = EngineConfig(max_num_seqs=seqs, kv_cache_tokens=64 * 32768 + 300 * 256 if big else seqs * SPEC_KV_TOKENS,
+    ec = EngineConfig(enable_prefix_caching=False, max_num_seqs=seqs, kv_cache_tokens=64 * 32768 + 300 * 256 if big else seqs * SPEC_KV_TOKENS,
                       chunk_size=8192, cuda_graph_sizes=tuple(batches), max_model_len=40000 if big else SPEC_MODEL_LEN,
                       verbose=False)
     eng = Engine(lm, device="cuda", dtype="bfloat16", engine_config=ec)
@@ -71,7 +71,7 @@ def child_prefill(tokens: int) -> None:
 
     mc = bench_config("bench-6b")
     lm = build_model(mc, torch.device("cuda"))
-    ec = EngineConfig(max_num_seqs=1, kv_cache_tokens=tokens + 4096, chunk_size=tokens, cuda_graph_sizes=(1,),
+    ec = EngineConfig(enable_prefix_caching=False, max_num_seqs=1, kv_cache_tokens=tokens + 4096, chunk_size=tokens, cuda_graph_sizes=(1,),
                       max_model_len=tokens + 256, verbose=False)
     eng = Engine(lm, device="cuda", dtype="bfloat16", engine_config=ec)
     prompt = torch.randint(0, mc.vocab_size, (tokens,), generator=torch.Generator().manual_seed(1)).tolist()

@@ -52,7 +52,7 @@ def main():
         return
     for spec in (False, True):
         kw = dict(speculative="mtp", num_speculative_tokens=3, simulate_accept_length=3.0) if spec else {}
-        ec = EngineConfig(max_num_seqs=max(args.bs), kv_cache_tokens=max(args.bs) * 1200, cuda_graphs=args.graphs,
+        ec = EngineConfig(enable_prefix_caching=False, max_num_seqs=max(args.bs), kv_cache_tokens=max(args.bs) * 1200, cuda_graphs=args.graphs,
                           max_model_len=1100, verbose=False, **kw)
         eng = Engine(lm, device="cuda", dtype="bfloat16", engine_config=ec,
                      spec_setup=SpecSetup("mtp") if spec else None)
@@ -83,7 +83,7 @@ def profile_host(lm, batch_sizes: list[int], report: dict, steps: int = 30) -> N
     """Plain decode at each batch size as the bench runs it (graphs, overlap): the wall per step unprofiled, the
     decode graph's GPU time alone, the busy fraction under the torch profiler, then the host's functions under
     cProfile. When the wall exceeds the GPU time, the cProfile table says which host work is in the way."""
-    ec = EngineConfig(max_num_seqs=max(batch_sizes), kv_cache_tokens=max(batch_sizes) * 1200, cuda_graphs=True,
+    ec = EngineConfig(enable_prefix_caching=False, max_num_seqs=max(batch_sizes), kv_cache_tokens=max(batch_sizes) * 1200, cuda_graphs=True,
                       cuda_graph_sizes=tuple(batch_sizes), max_model_len=1300, verbose=False)
     eng = Engine(lm, device="cuda", dtype="bfloat16", engine_config=ec)
     for bs in batch_sizes:
@@ -240,7 +240,7 @@ def layer_timeline(eng, prompt) -> list[dict]:
 
 
 def profile_prefill(lm, tokens: int, report: dict, out: str) -> None:
-    ec = EngineConfig(max_num_seqs=4, kv_cache_tokens=tokens + 4096, chunk_size=tokens, cuda_graphs=False,
+    ec = EngineConfig(enable_prefix_caching=False, max_num_seqs=4, kv_cache_tokens=tokens + 4096, chunk_size=tokens, cuda_graphs=False,
                       max_model_len=tokens + 64, verbose=False)
     eng = Engine(lm, device="cuda", dtype="bfloat16", engine_config=ec)
     prompt = torch.randint(0, lm.config.vocab_size, (tokens,), generator=torch.Generator().manual_seed(1)).tolist()

@@ -99,7 +99,7 @@ def run_bench(model_name: str = "bench-6b", vs_hf: bool = False, quick: bool = F
     contexts = [1024] if quick else [1024, 32768]
     long_max_bs = 8 if short else 64  # the largest batch decoded from context 32k
     kv_tokens = max(max(b * 1024 for b in batches), long_max_bs * 32768 if not quick else 0) + 300 * max(batches)
-    ec = EngineConfig(max_num_seqs=max(batches), kv_cache_tokens=kv_tokens, chunk_size=8192, verbose=True,
+    ec = EngineConfig(enable_prefix_caching=False, max_num_seqs=max(batches), kv_cache_tokens=kv_tokens, chunk_size=8192, verbose=True,
                       cuda_graph_sizes=tuple(batches), max_model_len=40000)
     eng = _engine(lm, ec)
     fp = Footprint.of(lm.model, None, eng.caches)
@@ -128,7 +128,7 @@ def run_bench(model_name: str = "bench-6b", vs_hf: bool = False, quick: bool = F
                 if not graphs:
                     eng.model_worker.graphs = None
                 ms = time_steps(eng, steps if graphs else max(3, steps // 3))
-                eng.model_worker.graphs = saved
+                eng.model_worker.graphs, saved = saved, None  # no name may outlive the engine (its caches)
                 rec = _decode_record(bs, ctx, graphs, ms, floor)
                 if graphs and ctx == 1024 and bs in hf_steps:
                     rec["hf_ms_per_step"] = hf_steps[bs]
@@ -155,6 +155,8 @@ def run_bench(model_name: str = "bench-6b", vs_hf: bool = False, quick: bool = F
     del eng
     release_gpu_memory()
 
+    print(f"[bench] plain engine dropped: {torch.cuda.memory_allocated() / 2 ** 30:.1f} GiB still allocated",
+          flush=True)
     # speculative decoding, MTP k = 3, simulated acceptance
     k = 3
     spec_batches = [1, 8] if quick else [1, 8, 64]
@@ -204,7 +206,7 @@ def _spec_records(lm: LoadedModel, batches: list[int], accepts: tuple[float, ...
     """MTP speculative steps (graphs, context 1k) at simulated accept lengths, per generated token against plain
     decode, with the accepted GDN state committed by ``commit`` (``EngineConfig.spec_commit``). Returns the
     engine (the overlap records reuse it)."""
-    ec = EngineConfig(max_num_seqs=max(batches), kv_cache_tokens=max(batches) * SPEC_KV_TOKENS,
+    ec = EngineConfig(enable_prefix_caching=False, max_num_seqs=max(batches), kv_cache_tokens=max(batches) * SPEC_KV_TOKENS,
                       chunk_size=8192, speculative="mtp", num_speculative_tokens=k, simulate_accept_length=accepts[0],
                       cuda_graph_sizes=tuple(batches), max_model_len=SPEC_MODEL_LEN, spec_commit=commit)
     setup = SpecSetup("mtp")
@@ -250,7 +252,7 @@ def _pdl_records(lm: LoadedModel, batches: list[int], copy_rate: float, steps: i
     try:
         for pdl, prefetch in ((False, False), (True, True)):
             set_pdl(pdl, prefetch)
-            ec = EngineConfig(max_num_seqs=max(batches), kv_cache_tokens=max(batches) * SPEC_KV_TOKENS,
+            ec = EngineConfig(enable_prefix_caching=False, max_num_seqs=max(batches), kv_cache_tokens=max(batches) * SPEC_KV_TOKENS,
                               chunk_size=8192, cuda_graph_sizes=tuple(batches), max_model_len=SPEC_MODEL_LEN,
                               verbose=False)
             eng = _engine(lm, ec)
@@ -300,7 +302,7 @@ def _engine(lm: LoadedModel, ec: EngineConfig, spec_setup: SpecSetup | None = No
 def _batch1_engine(lm: LoadedModel, spec: bool) -> Engine:
     """A batch-1 engine at context 1k with its graphs, plain or MTP (k = 3, simulated accept length 3.0): the
     comparison runs' engine."""
-    ec = EngineConfig(max_num_seqs=1, kv_cache_tokens=SPEC_KV_TOKENS, chunk_size=8192, cuda_graph_sizes=(1,),
+    ec = EngineConfig(enable_prefix_caching=False, max_num_seqs=1, kv_cache_tokens=SPEC_KV_TOKENS, chunk_size=8192, cuda_graph_sizes=(1,),
                       max_model_len=SPEC_MODEL_LEN,
                       verbose=False, **(dict(speculative="mtp", num_speculative_tokens=3, simulate_accept_length=3.0)
                                          if spec else {}))

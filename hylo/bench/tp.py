@@ -75,7 +75,7 @@ def tp_decode_records(model: RandomModel, tp_size: int, device: str = "cuda", ba
                       steps: int = 30, dtype: str | None = None) -> list[dict]:
     """Decode ms per step at each batch size with ``tp_size`` ranks (graphs on where the device has them)."""
     dtype = dtype or ("bfloat16" if device != "cpu" else "float32")
-    ec = EngineConfig(max_num_seqs=max(batches), kv_cache_tokens=max(batches) * (ctx + 300), chunk_size=8192,
+    ec = EngineConfig(enable_prefix_caching=False, max_num_seqs=max(batches), kv_cache_tokens=max(batches) * (ctx + 300), chunk_size=8192,
                       verbose=False, cuda_graph_sizes=tuple(batches), max_model_len=ctx + 200,
                       tensor_parallel_size=tp_size)
     eng = create_engine(model, device, dtype, ec)

@@ -41,3 +41,9 @@ class KVPool:
         assert self._top + n <= self.num_tokens, "KV pool: more locations freed than allocated"
         self._stack[self._top:self._top + n] = locs.cpu()
         self._top += n
+
+    def poison(self, locs: torch.Tensor) -> None:
+        """Fill freed locations with NaN (tests: whatever still read them would show)."""
+        idx = locs.to(self.k.device)
+        self.k[:, idx] = float("nan")
+        self.v[:, idx] = float("nan")

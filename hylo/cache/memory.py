@@ -17,19 +17,30 @@ CUDA_FREE_FRACTION = 0.9
 CUDA_ACTIVATION_RESERVE_GB = 2.0
 
 
+# Prefix-cache snapshots by default: up to this many per request slot, within this share of the cache budget
+SNAPSHOTS_PER_SEQ = 2
+SNAPSHOT_BUDGET_SHARE = 0.25
+
+
 @dataclass
 class Caches:
     req_slots: ReqSlots
     kv_pool: KVPool
     state_pool: StatePool
     max_model_len: int
+    snapshot_slots: int = 0  # state slots beyond the live requests', for prefix-cache snapshots
+    slot_bytes: int = 0  # one state slot (all linear layers)
 
     def summary(self) -> str:
         mib = 1 << 20
-        return (f"caches: {self.req_slots.max_num_seqs} request slots, "
+        text = (f"caches: {self.req_slots.max_num_seqs} request slots, "
                 f"KV pool {self.kv_pool.num_tokens} tokens ({self.kv_pool.bytes / mib:.1f} MiB), "
                 f"state pool {self.state_pool.num_slots} slots ({self.state_pool.bytes / mib:.1f} MiB), "
                 f"max_model_len {self.max_model_len}")
+        if self.snapshot_slots:
+            text += (f"; prefix cache: up to {self.snapshot_slots} state snapshots of "
+                     f"{self.slot_bytes / mib:.1f} MiB each, KV shared with the pool")
+        return text
 
 
 def _budget_bytes(ec: EngineConfig, device: torch.device) -> int:
@@ -58,14 +69,19 @@ def allocate_caches(mc: ModelConfig, ec: EngineConfig, dtype: torch.dtype, devic
     verify_bytes = StatePool.verify_bytes_per_row(
         n_lin, mc.conv_dim, mc.linear_conv_kernel_dim, mc.linear_num_value_heads, mc.linear_key_head_dim,
         mc.linear_value_head_dim, dtype, state_dtype, k + 1, keep_inputs) if k else 0
-    state_bytes = ec.max_num_seqs * (slot_bytes + verify_bytes)
+    budget = _budget_bytes(ec, device)
+    snapshots = 0
+    if ec.enable_prefix_caching:
+        share = int(SNAPSHOT_BUDGET_SHARE * budget) // max(slot_bytes, 1)
+        snapshots = (ec.prefix_snapshots if ec.prefix_snapshots is not None
+                     else min(SNAPSHOTS_PER_SEQ * ec.max_num_seqs, share))
+    state_bytes = ec.max_num_seqs * (slot_bytes + verify_bytes) + snapshots * slot_bytes
     kv_bytes_per_token = 2 * n_attn * mc.num_key_value_heads * mc.head_dim * torch.finfo(dtype).bits // 8
     len_limit = min(ec.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
 
     if ec.kv_cache_tokens is not None:
         kv_tokens = ec.kv_cache_tokens
     else:
-        budget = _budget_bytes(ec, device)
         if state_bytes >= budget:
             raise ValueError(
                 f"the state pool for max_num_seqs={ec.max_num_seqs} needs {state_bytes / _GIB:.2f} GiB, more than "
@@ -87,10 +103,12 @@ def allocate_caches(mc: ModelConfig, ec: EngineConfig, dtype: torch.dtype, devic
         # columns past max_model_len: positions a verify pass and its drafts reserve ahead of the last token
         req_slots=ReqSlots(ec.max_num_seqs, max_model_len + 2 * k + 1, device),
         kv_pool=KVPool(n_attn, kv_tokens, mc.num_key_value_heads, mc.head_dim, dtype, device),
-        state_pool=StatePool(n_lin, ec.max_num_seqs, mc.conv_dim, mc.linear_conv_kernel_dim,
+        state_pool=StatePool(n_lin, ec.max_num_seqs + snapshots, mc.conv_dim, mc.linear_conv_kernel_dim,
                              mc.linear_num_value_heads, mc.linear_key_head_dim, mc.linear_value_head_dim,
                              dtype, state_dtype, device),
         max_model_len=max_model_len,
+        snapshot_slots=snapshots,
+        slot_bytes=slot_bytes,
     )
     if k:
         caches.state_pool.alloc_verify_buffers(ec.max_num_seqs, k + 1, keep_inputs, dtype)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from ..core import to_device
+
 
 class StatePool:
     """``conv[num_lin_layers, slots + 1, conv_dim, K - 1]`` and ``recurrent[num_lin_layers, slots + 1, Hv, Dk, Dv]``.
@@ -73,13 +75,31 @@ class StatePool:
     def num_free(self) -> int:
         return len(self._free)
 
-    def alloc(self) -> int | None:
+    def alloc(self, zero: bool = True) -> int | None:
+        """A free slot, zeroed (a new request's start) unless ``zero`` is False (a copy will fill it)."""
         if not self._free:
             return None
         slot = self._free.pop()
-        self.conv[:, slot].zero_()
-        self.recurrent[:, slot].zero_()
+        if zero:
+            self.conv[:, slot].zero_()
+            self.recurrent[:, slot].zero_()
         return slot
+
+    def copy(self, pairs: list[tuple[int, int]]) -> None:
+        """``slot[dst] = slot[src]`` (conv windows and recurrent states of every layer) for each (src, dst), queued on
+        the device in two launches: a prefix-cache hit's snapshot into the request's slot, or a running request's
+        state into a new snapshot."""
+        if not pairs:
+            return
+        idx = to_device(torch.tensor(pairs, dtype=torch.int64).T.contiguous(), self.conv.device)
+        src, dst = idx[0], idx[1]
+        self.conv[:, dst] = self.conv[:, src]
+        self.recurrent[:, dst] = self.recurrent[:, src]
+
+    def poison(self, slot: int) -> None:
+        """Fill a freed slot with NaN (tests: whatever still read it would show)."""
+        self.conv[:, slot].fill_(float("nan"))
+        self.recurrent[:, slot].fill_(float("nan"))
 
     def free(self, slot: int) -> None:
         assert 0 < slot <= self.num_slots and slot not in self._free, f"bad state slot free: {slot}"

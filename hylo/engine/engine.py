@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from ..cache.memory import allocate_caches
+from ..cache.prefix_cache import PrefixCache
 from ..config import EngineConfig, ModelConfig
 from ..core import ForwardMode, Req, RequestOutput, SamplingParams, SpecStats
 from ..layers.weights import DictReader, TensorReader
@@ -143,7 +144,11 @@ class Engine:
         self.caches = allocate_caches(lm.shard_config, self.ec, self.dtype, self.device, extra_kv)
         self.max_model_len = self.caches.max_model_len
         k = self.ec.spec_tokens
-        self.scheduler = Scheduler(self.caches, self.ec, k)
+        # the MTP head's KV at a snapshot's position was computed with the token after it: such a hit must agree there
+        self.prefix_cache = (PrefixCache(self.caches.kv_pool, self.caches.state_pool, self.caches.snapshot_slots,
+                                         match_next_token=self.ec.speculative == "mtp")
+                             if self.ec.enable_prefix_caching and self.caches.snapshot_slots else None)
+        self.scheduler = Scheduler(self.caches, self.ec, k, self.prefix_cache)
         self.model_worker = ModelWorker(self.model, self.caches, self.device, extra_kv,
                                         vocab_size=self.model_config.vocab_size)
         # the worker interface: run(ScheduledBatch) -> StepResult; a speculative worker wraps the plain one
@@ -226,6 +231,15 @@ class Engine:
         self.scheduler.finish(req, "abort")
         return True
 
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached prefix (KV and state snapshots go back to the pools). Only on an idle engine: returns
+        False, changing nothing, while requests run."""
+        if self.has_unfinished():
+            return False
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
+        return True
+
     def has_unfinished(self) -> bool:
         """Requests still queued or running, or a launched step not yet read."""
         return self.scheduler.num_unfinished > 0 or self._inflight is not None
@@ -235,7 +249,8 @@ class Engine:
             request_id=req.rid, prompt=req.prompt, prompt_token_ids=req.prompt_ids,
             token_ids=list(req.output_ids), text=req.text if self.tokenizer is not None else None,
             finish_reason=req.finish_reason, finished=req.finished, stop_reason=req.stop_reason,
-            spec=req.spec, num_preemptions=req.num_preemptions, error=req.error)
+            spec=req.spec, num_preemptions=req.num_preemptions, error=req.error,
+            num_cached_tokens=req.num_cached_tokens)
 
     def pop_finished(self, request_id: str) -> RequestOutput:
         req = self._reqs.pop(request_id)
@@ -265,11 +280,15 @@ class Engine:
         if sched is None:
             return None
         try:
+            pool = self.caches.state_pool
+            pool.copy(sched.copies_before)  # prefix-cache hits: their snapshots into the requests' slots
             res = self.worker.run(sched)
+            pool.copy(sched.copies_after)  # new snapshots of the states this step produced
         except Exception as e:  # noqa: BLE001 - the step's own requests fail; the others go on
             # Nothing of this step was launched as far as the host's bookkeeping goes (step_launched did not run);
             # its rows' device state may be half-updated, so exactly these requests end, and their slots are freed
             # once their earlier in-flight steps (if any) are read.
+            self.scheduler.step_failed(sched)
             for req in sched.reqs:
                 self._fail(req, e)
             self._failed.extend(sched.reqs)
@@ -292,12 +311,14 @@ class Engine:
                 new, count = (row[:-1], row[-1]) if verify else (row, 1)
                 # a verify row commits its last token and the accepted drafts: count - 1 of them
                 committed = count if verify else n
-                if not req.finished:  # finished while this step was in flight: its results are dropped
+                if not req.finished:
                     try:
                         self._apply_row(req, new, count, verify)
                     except Exception as e:  # noqa: BLE001 - one request's host-side failure ends that request only
                         self._fail(req, e)
                     updated.append(req)
+                else:  # finished while this step was in flight: its tokens are not output, but its state is theirs
+                    req.extra_ids.extend(new[:count])
             self.scheduler.step_done(sched, i, committed)
         return updated
 
@@ -306,6 +327,8 @@ class Engine:
         for tok in new[:count]:
             appended += 1
             if self._append_token(req, tok):
+                # the rest were computed all the same (their state is in the slot): the prefix cache needs them
+                req.extra_ids.extend(new[appended:count])
                 break
         if verify:
             stats = req.spec
@@ -321,6 +344,7 @@ class Engine:
         if req.finished and req.error is not None:
             return
         req.error = f"internal error while serving the request: {type(error).__name__}"
+        req.use_prefix_cache = False  # a step that failed half-way may have left its state half-written
         print(f"[hylo] error: request {req.rid} failed:\n"
               + "".join(traceback.format_exception(type(error), error, error.__traceback__)).rstrip(),
               file=sys.stderr, flush=True)
@@ -360,7 +384,7 @@ class Engine:
             raise RuntimeError("prompt_logits needs an idle engine")
         ids = self.encode_prompt(prompt)
         req = Req(rid=f"__prompt_logits_{next(self._ids)}", prompt_ids=ids, params=SamplingParams(max_tokens=1),
-                  seed=0)
+                  seed=0, use_prefix_cache=False)  # every position's logits: nothing may come from the cache
         self.scheduler.add(req)
         chunks = []
         try:

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..cache.memory import Caches
+from ..cache.prefix_cache import Hit, PrefixCache
 from ..config import EngineConfig
 from ..core import ForwardMode, Req, ReqStatus
 
@@ -57,6 +58,14 @@ class ScheduledBatch:
     preempted: list[Req] = field(default_factory=list)
     # rows whose inputs (newest token, and for verify rows the position) come from the device tables
     from_device: list[bool] = field(default_factory=list)
+    admitted: list[Req] = field(default_factory=list)  # requests whose prefill starts in this step
+    # prefix caching: state copies (src slot, dst slot) to queue before the forward (a hit's snapshot into the
+    # request's slot) and after it (a row's state into a new snapshot); the rows that hit, with the hit length
+    copies_before: list[tuple[int, int]] = field(default_factory=list)
+    copies_after: list[tuple[int, int]] = field(default_factory=list)
+    hits: list[tuple[Req, int]] = field(default_factory=list)
+    # snapshots to add to the tree when the row completes: row -> (end position, snapshot slot)
+    snapshots: dict[int, tuple[int, int]] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
@@ -82,10 +91,13 @@ def expand_runs(offsets: torch.Tensor, firsts: torch.Tensor, total: int) -> tupl
 
 
 class Scheduler:
-    def __init__(self, caches: Caches, ec: EngineConfig, num_spec_tokens: int = 0):
+    def __init__(self, caches: Caches, ec: EngineConfig, num_spec_tokens: int = 0,
+                 prefix_cache: PrefixCache | None = None):
         self.caches = caches
         self.ec = ec
         self.k = num_spec_tokens
+        self.cache = prefix_cache
+        self.snapshot_interval = ec.prefix_state_interval or ec.chunk_size
         # an upper bound of the positions reserved past the fed tokens (see _kv_end)
         self.kv_lookahead = 2 * num_spec_tokens
         self.waiting: deque[Req] = deque()
@@ -119,16 +131,49 @@ class Scheduler:
 
     def _release(self, req: Req) -> None:
         c = self.caches
-        if req.kv_locs:
-            c.kv_pool.free(torch.cat(req.kv_locs))
-            req.kv_locs = []
+        own = torch.cat(req.kv_locs) if req.kv_locs else torch.empty(0, dtype=torch.int64)
+        keep_state = False
+        if self.cache is not None:
+            if req.use_prefix_cache and req.state_slot > 0 and req.state_len > req.prefix_len:
+                # where the request stops is where its conversation's next turn resumes: its computed tokens go
+                # into the tree, its state slot becomes their snapshot
+                keep_state, own = self._cache_computed(req, own)
+            elif req.cache_node is not None and req.cache_node.end > req.prefix_len:
+                own = self._not_in_tree(req, own, req.known_tokens(req.cache_node.end))  # keep what we gave
+        if own.numel():
+            c.kv_pool.free(own)
+        req.kv_locs = []
+        if req.cache_node is not None:
+            self.cache.unlock(req.cache_node)
+            req.cache_node = None
         if req.req_slot > 0:
             c.req_slots.free(req.req_slot)
-        if req.state_slot > 0:
+        if req.state_slot > 0 and not keep_state:
             c.state_pool.free(req.state_slot)
         req.req_slot = req.state_slot = -1
-        req.num_kv = 0
+        req.num_kv = req.prefix_len = req.state_len = 0
         req.release_deferred = False
+
+    def _cache_computed(self, req: Req, own: torch.Tensor) -> tuple[bool, torch.Tensor]:
+        """Insert the request's computed tokens (and, as their snapshot, its state slot) into the prefix cache.
+        Returns whether the slot went to the cache and the own KV locations the caller still frees."""
+        n = req.state_len
+        tokens = req.known_tokens(n + 1)
+        if len(tokens) < n:  # not every computed token is known to the host: nothing exact to keep
+            node = req.cache_node
+            return False, own if node is None else self._not_in_tree(req, own, req.known_tokens(node.end))
+        node, _ = self.cache.insert(tokens[:n], own, req.prefix_len, tokens[n] if len(tokens) > n else -1)
+        kept = self.cache.adopt_snapshot(node, req.state_slot)
+        return kept, self._not_in_tree(req, own, tokens[:n])
+
+    def _not_in_tree(self, req: Req, own: torch.Tensor, tokens: list[int]) -> torch.Tensor:
+        """Of the request's own locations (positions prefix_len on), those the tree does not hold for ``tokens``:
+        it holds some of ours where we gave them (chunk snapshots, the insert above) and others' where another
+        request computed the same tokens first; ours there are duplicates."""
+        n = len(tokens)
+        mine = own[:n - req.prefix_len]
+        tree = self.cache.path_locs(tokens)[req.prefix_len:]
+        return torch.cat([mine[mine != tree], own[n - req.prefix_len:]])
 
     def _preempt(self, req: Req) -> None:
         self.running.remove(req)
@@ -154,9 +199,18 @@ class Scheduler:
             req.inflight_new += keep
             req.decoding = req.decoding or keep
 
+    def step_failed(self, plan: ScheduledBatch) -> None:
+        """``plan`` was never launched (its launch raised): give back what it reserved for its completion."""
+        for _, slot in plan.snapshots.values():
+            self.cache.drop_reserved(slot)
+        plan.snapshots.clear()
+
     def step_done(self, plan: ScheduledBatch, row: int, committed: int) -> None:
         """Row ``row`` of ``plan`` completed and committed ``committed`` tokens to the caches."""
         req = plan.reqs[row]
+        req.state_len += committed
+        if row in plan.snapshots:
+            self._add_chunk_snapshot(req, *plan.snapshots[row])
         req.inflight -= 1
         req.inflight_advance -= plan.extend_lens[row]
         req.inflight_verify -= plan.mode is ForwardMode.TARGET_VERIFY
@@ -175,10 +229,66 @@ class Scheduler:
         keep = self._kv_end(req, self.k + 1 if self.k else 1, True, req.computed_bound)
         if req.num_kv <= keep or not req.kv_locs:
             return
-        locs = torch.cat(req.kv_locs)
-        self.caches.kv_pool.free(locs[keep:])
-        req.kv_locs = [locs[:keep]]
+        locs = torch.cat(req.kv_locs)  # positions prefix_len ..
+        self.caches.kv_pool.free(locs[keep - req.prefix_len:])
+        req.kv_locs = [locs[:keep - req.prefix_len]]
         req.num_kv = keep
+
+    # ---- prefix cache ---------------------------------------------------------------------------------------------
+    def _use_hit(self, req: Req, hit: Hit | None, plan: ScheduledBatch) -> None:
+        """A newly admitted request reuses a cached prefix (``hit``, already locked): its KV locations are shared
+        (written into ``req_to_token`` like new ones), the snapshot is copied into its state slot before the step."""
+        if req.num_preemptions == 0:  # the hit rate counts each request's prompt once
+            self.cache.stats.queried_tokens += req.num_tokens
+            self.cache.stats.hit_tokens += hit.length if hit is not None else 0
+            req.num_cached_tokens = hit.length if hit is not None else 0
+        if hit is None:
+            return
+        if req.num_preemptions:
+            self.cache.stats.resumed_tokens += hit.length
+        req.cache_node, req.prefix_len = hit.node, hit.length
+        req.num_computed = req.num_kv = req.state_len = req.last_snapshot = hit.length
+        plan.kv_starts.append((req.req_slot, 0))
+        plan.kv_locs.append(hit.locs)
+        plan.copies_before.append((hit.snapshot, req.state_slot))
+        plan.hits.append((req, hit.length))
+
+    def _plan_chunk_snapshot(self, plan: ScheduledBatch, req: Req, end: int) -> None:
+        """Keep the state after a prefill chunk ending at ``end`` when it ends the known tokens (the prompt) or
+        ``snapshot_interval`` tokens passed since the request's last snapshot: a copy of the slot queued after the
+        step, added to the tree when the row completes (by then the token after ``end`` is known)."""
+        if end < req.num_tokens and end - req.last_snapshot < self.snapshot_interval and end != req.branch_point:
+            return
+        if end <= req.prefix_len:
+            return
+        slot = self.cache.reserve_snapshot()
+        if slot is None:
+            return
+        req.last_snapshot = end
+        plan.snapshots[len(plan.reqs) - 1] = (end, slot)
+        plan.copies_after.append((req.state_slot, slot))
+
+    def _add_chunk_snapshot(self, req: Req, end: int, slot: int) -> None:
+        """The row that made a chunk snapshot completed: its tokens [0, end) and the snapshot go into the tree, and
+        the request's shared prefix grows to ``end`` (the tree owns those locations now)."""
+        tokens = req.known_tokens(end + 1)
+        kept = False
+        if len(tokens) >= end and req.req_slot > 0 and req.num_kv >= end > req.prefix_len:
+            own = torch.cat(req.kv_locs)
+            # the tree takes our locations for the positions it does not hold yet (where another request computed
+            # these tokens first, it keeps its own and ours stay ours until the request ends)
+            node, held = self.cache.insert(tokens[:end], own, req.prefix_len, tokens[end] if len(tokens) > end else -1)
+            kept = self.cache.add_snapshot(node, slot)
+            if held < end:  # we gave the tree locations we still use: hold them against eviction
+                self.cache.lock(node)
+                if req.cache_node is not None:
+                    self.cache.unlock(req.cache_node)
+                req.cache_node = node
+                if held == req.prefix_len:  # all of [prefix_len, end) is the tree's now: our share starts at end
+                    req.kv_locs = [own[end - req.prefix_len:]]
+                    req.prefix_len = end
+        if not kept:
+            self.cache.drop_reserved(slot)
 
     def _surely_done(self, req: Req) -> bool:
         """The in-flight steps' outputs alone finish the request (max_tokens or the context limit)."""
@@ -215,7 +325,7 @@ class Scheduler:
                     continue
                 n = self.k + 1 if self.k else 1
             else:  # a prefilling request has no verify in flight: c is exact and its tokens are on the host
-                n = min(req.num_tokens - c, budget)
+                n = self._chunk(req, c, budget)
                 if n <= 0:
                     continue
             end = self._kv_end(req, n, is_decode, c)
@@ -231,25 +341,41 @@ class Scheduler:
             req = self.waiting[0]
             if req.inflight:  # preempted while in flight: its last outputs are still arriving
                 break
-            n = min(req.num_tokens, budget)
-            need = self._kv_end(req, n, False, 0)  # a waiting request holds no KV
+            if self.caches.req_slots.num_free == 0 or self.caches.state_pool.num_free == 0:
+                break
+            cached = self.cache is not None and req.use_prefix_cache
+            tokens = req.prompt_ids + req.output_ids
+            hit = self.cache.match(tokens) if cached else None
+            m = hit.length if hit is not None else 0
+            # where its tokens leave the cached ones, a later request sharing them would want a snapshot
+            held = self.cache.held(tokens) if cached else 0
+            req.branch_point = held if m < held < len(tokens) else 0
+            n = self._chunk(req, m, budget)
+            need = self._kv_end(req, n, False, m) - m  # new locations (a waiting request holds none)
             # keep room for one more step of every running request, so admissions do not force preemptions at once
             room = len(self.running) * (self.kv_lookahead + 1)
-            if (self.caches.kv_pool.num_free < need + room or self.caches.req_slots.num_free == 0
-                    or self.caches.state_pool.num_free == 0):
+            if hit is not None:
+                self.cache.lock(hit.node)  # before any eviction below can take it
+            if self.caches.kv_pool.num_free < need + room and not self._evict_for(need + room):
+                if hit is not None:
+                    self.cache.unlock(hit.node)
                 break
             self.waiting.popleft()
             req.req_slot = self.caches.req_slots.alloc()
             req.state_slot = self.caches.state_pool.alloc()
             req.status = ReqStatus.RUNNING
-            req.num_computed = req.num_kv = 0
+            req.num_computed = req.num_kv = req.prefix_len = req.state_len = req.last_snapshot = 0
+            req.extra_ids = []
             req.decoding = False
             req.arrival = self._arrivals
             self._arrivals += 1
             self.running.append(req)
-            reserved = self._reserve(req, need, [], plan)
+            plan.admitted.append(req)
+            if cached:
+                self._use_hit(req, hit, plan)
+            reserved = self._reserve(req, m + need, [], plan)
             assert reserved
-            self._add_row(plan, req, n, False, 0)
+            self._add_row(plan, req, n, False, m)
             budget -= n
 
         if not plan.reqs:
@@ -268,6 +394,23 @@ class Scheduler:
         # a verify row feeds its last token plus k drafts; the drafts are not in req's tokens
         plan.sample.append(is_decode or c + n == req.num_tokens)
         plan.from_device.append(is_decode)
+        if self.cache is not None and req.use_prefix_cache and not is_decode:
+            self._plan_chunk_snapshot(plan, req, c + n)
+
+    @staticmethod
+    def _chunk(req: Req, c: int, budget: int) -> int:
+        """Prefill tokens for ``req`` after ``c`` computed ones: the budget's worth, cut at its branch point."""
+        n = min(req.num_tokens - c, budget)
+        if c < req.branch_point < c + n:
+            n = req.branch_point - c
+        return n
+
+    def _evict_for(self, need: int) -> bool:
+        """Evict cached KV until ``need`` locations are free; whether they are."""
+        kv = self.caches.kv_pool
+        if self.cache is not None and kv.num_free < need and kv.num_free + self.cache.evictable_kv >= need:
+            self.cache.evict_kv(need - kv.num_free)
+        return kv.num_free >= need
 
     def _kv_end(self, req: Req, n: int, is_decode: bool, c: int) -> int:
         """Positions (exclusive) that need KV locations before a step that feeds ``n`` tokens after ``c`` computed
@@ -290,6 +433,8 @@ class Scheduler:
             return True
         kv = self.caches.kv_pool
         locs = kv.alloc(need)
+        if locs is None and self._evict_for(need):  # the cache gives way before any running request does
+            locs = kv.alloc(need)
         while locs is None and pending:
             victim = pending.pop()  # the newest request not yet scheduled in this step
             self._preempt(victim)

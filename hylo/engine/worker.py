@@ -81,7 +81,7 @@ class ModelWorker:
         # of everything the host knows, expanded per token on the device (engine/extend.py).
         assert all(n == 1 and not r.inflight_verify
                    for r, n, d in zip(sched.reqs, sched.extend_lens, sched.from_device) if d)
-        register = [r for r, p in zip(sched.reqs, sched.prefix_lens) if p == 0]
+        register = sched.admitted  # their sampling parameters go into the device table now
         pack = ExtendPack.build(sched, register, self.vocab_size)
         meta = to_device(pack.meta, dev)
         v = pack.views(meta)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ..core import ForwardBatch, SamplingBatch
+from ..core import ForwardBatch, SamplingBatch, to_device
 
 
 class NgramDrafter:
@@ -43,6 +43,15 @@ class NgramDrafter:
     def _propose_for(self, req_slots: torch.Tensor, max_len: int) -> None:
         width = min(max_len, self.table.shape[1])
         self.drafts[req_slots] = self.propose(self.table[req_slots, :width], self.lens[req_slots])
+
+    def fill_history(self, hits) -> None:
+        """Requests that reuse a cached prefix ((req, length) pairs) never feed its tokens: write them into their
+        history rows here (one copy), so that their drafts are what they would be without the cache."""
+        rows = torch.cat([torch.full((m,), req.req_slot, dtype=torch.int64) for req, m in hits])
+        cols = torch.cat([torch.arange(m, dtype=torch.int64) for _, m in hits])
+        vals = torch.cat([req.token_tensor(0, m) for req, m in hits])
+        packed = to_device(torch.stack([rows, cols, vals]), self.table.device)
+        self.table[packed[0], packed[1]] = packed[2]
 
     def after_prefill(self, worker, batch: ForwardBatch, hidden, next_ids: torch.Tensor, tok_idx: torch.Tensor,
                       row_idx: torch.Tensor, sb: SamplingBatch, max_seq_len: int) -> None:

@@ -92,6 +92,8 @@ class SpecWorker:
 
     def _prefill(self, sched: ScheduledBatch) -> StepResult:
         tw = self.target
+        if sched.hits and hasattr(self.drafter, "fill_history"):  # prefix-cache hits: the drafter's token history
+            self.drafter.fill_history(sched.hits)
         batch = tw.build_batch(sched)
         hidden = tw.forward_hidden(batch)
         ends = (torch.tensor(sched.extend_lens).cumsum(0) - 1).tolist()  # host lists, no device read

@@ -1,0 +1,151 @@
+"""Hybrid prefix caching: a conversation's next turn, and requests sharing a system prompt, reuse the KV and the
+linear-attention state the engine already computed, exactly (the same tokens as with the cache off) under the
+overlap loop, speculation, preemption, eviction and tensor parallelism; everything goes back when all ends."""
+
+import pytest
+
+from hylo import LLM, SamplingParams
+from hylo.config import EngineConfig
+from hylo.engine.engine import Engine
+from hylo.spec.setup import SpecSetup
+
+from helpers import all_freed, random_prompts, vocab_of
+
+
+def _engine(path, cache=True, spec=None, **opts):
+    ec = EngineConfig(verbose=False, enable_prefix_caching=cache, chunk_size=16,
+                      **({"speculative": spec, "num_speculative_tokens": 3} if spec else {}), **opts)
+    return Engine(path, engine_config=ec, spec_setup=SpecSetup(spec) if spec else None)
+
+
+def _run(eng, prompts, params):
+    rids = [eng.add_request(p, params) for p in prompts]
+    while eng.has_unfinished():
+        eng.step()
+    return [eng.pop_finished(r) for r in rids]
+
+
+def _conversation(on, off, vocab, turns, params, seed):
+    """Turn t's prompt is turn t-1's prompt and output plus a new user message; returns each turn's outputs with
+    the cache on and off."""
+    users = random_prompts(vocab, [7, 3, 11, 5, 9][:turns], seed=seed)
+    prompt, got = [], []
+    for user in users:
+        prompt = prompt + user
+        a, b = _run(on, [prompt], params)[0], _run(off, [prompt], params)[0]
+        got.append((prompt, a, b))
+        prompt = prompt + a.token_ids
+    return got
+
+
+GREEDY = SamplingParams(max_tokens=9, temperature=0, ignore_eos=True)
+SEEDED = SamplingParams(max_tokens=9, temperature=0.9, top_p=0.95, seed=17, ignore_eos=True)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_conversation_reuses_everything_computed_and_is_exact(ckpt_a, params, overlap):
+    on, off = _engine(ckpt_a, overlap=overlap), _engine(ckpt_a, cache=False, overlap=overlap)
+    turns = _conversation(on, off, vocab_of(ckpt_a), 4, params, seed=1)
+    for i, (prompt, a, b) in enumerate(turns):
+        assert a.token_ids == b.token_ids, i
+        assert b.num_cached_tokens == 0
+        if i:  # everything the previous turn computed: its prompt and output but the last, never-fed token
+            prev_prompt, prev, _ = turns[i - 1]
+            assert a.num_cached_tokens == len(prev_prompt) + len(prev.token_ids) - 1, i
+    assert on.prefix_cache.stats.hit_tokens == sum(a.num_cached_tokens for _, a, _ in turns)
+    assert all_freed(on) and all_freed(off)
+
+
+@pytest.mark.parametrize("spec", ["ngram", "mtp"])
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_conversation_under_speculation_is_exact(ckpt_a_mtp, spec, params):
+    """With MTP or n-gram drafts the outputs are those of the same speculative engine with the cache off (seeded
+    sampling too: the drafts after a hit are the ones without it), and each turn reuses at least its previous
+    prompt (the previous output too where the last verify did not run past the output's end)."""
+    on, off = _engine(ckpt_a_mtp, spec=spec), _engine(ckpt_a_mtp, cache=False, spec=spec)
+    turns = _conversation(on, off, vocab_of(ckpt_a_mtp), 4, params, seed=2)
+    for i, (prompt, a, b) in enumerate(turns):
+        assert a.token_ids == b.token_ids, i
+        if i:
+            assert a.num_cached_tokens >= len(turns[i - 1][0]), i
+    assert all_freed(on)
+
+
+def test_shared_system_prompt_is_reused_whole(ckpt_b):
+    """The second request computes from the last snapshot inside the shared system prompt and keeps one where its
+    tokens leave the first request's; every later request reuses the whole system prompt."""
+    vocab = vocab_of(ckpt_b)
+    system = random_prompts(vocab, [37], seed=3)[0]
+    users = random_prompts(vocab, [5, 9, 4, 12, 6], seed=4)
+    on, off = _engine(ckpt_b), _engine(ckpt_b, cache=False)
+    outs = [_run(on, [system + u], GREEDY)[0] for u in users]
+    ref = _run(off, [system + u for u in users], GREEDY)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    assert outs[0].num_cached_tokens == 0
+    assert outs[1].num_cached_tokens == 32  # the chunk-end snapshot (chunk_size 16) inside the system prompt
+    assert [o.num_cached_tokens for o in outs[2:]] == [37, 37, 37]
+    assert all_freed(on)
+
+
+def test_eviction_keeps_results_exact(ckpt_a):
+    """A small KV pool and few snapshots: many distinct prompts push an old conversation out (least recently used
+    first); asking it again is still exact, and the pools come back whole."""
+    vocab = vocab_of(ckpt_a)
+    on = _engine(ckpt_a, kv_cache_tokens=220, max_model_len=100, prefix_snapshots=3, max_num_seqs=2)
+    off = _engine(ckpt_a, cache=False, kv_cache_tokens=220, max_model_len=100, max_num_seqs=2)
+    convo = random_prompts(vocab, [30], seed=5)[0]
+    first = _run(on, [convo], GREEDY)[0]
+    assert first.token_ids == _run(off, [convo], GREEDY)[0].token_ids
+    others = random_prompts(vocab, [25 + i % 9 for i in range(12)], seed=6)
+    assert [o.token_ids for o in _run(on, others, GREEDY)] == [o.token_ids for o in _run(off, others, GREEDY)]
+    stats = on.prefix_cache.stats
+    assert stats.kv_evicted > 0 and stats.snapshots_evicted > 0
+    assert on.prefix_cache.num_snapshots <= 3
+    again = convo + first.token_ids + [1, 2, 3]
+    assert _run(on, [again], GREEDY)[0].token_ids == _run(off, [again], GREEDY)[0].token_ids
+    assert all_freed(on)
+
+
+def test_preempted_request_resumes_from_its_cached_prefix(ckpt_a):
+    """KV runs out mid-decode: the newest request is preempted, its computed tokens go into the cache, and it
+    resumes from there when readmitted; the outputs are the roomy engine's."""
+    vocab = vocab_of(ckpt_a)
+    prompts = random_prompts(vocab, [20, 25, 18, 22], seed=9)
+    params = SamplingParams(max_tokens=20, temperature=0.8, seed=5)
+    ref = LLM(ckpt_a, verbose=False, enable_prefix_caching=False).generate(prompts, params, use_tqdm=False)
+    tight = LLM(ckpt_a, kv_cache_tokens=70, max_model_len=50, chunk_size=32, verbose=False)
+    outs = tight.generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    assert sum(o.num_preemptions for o in outs) > 0
+    assert tight.engine.prefix_cache.stats.resumed_tokens > 0  # a readmission reused its own computed tokens
+    assert all_freed(tight.engine)
+
+
+def test_cache_off_and_prompt_logits(ckpt_a):
+    """``enable_prefix_caching=False`` builds no cache; prompt_logits always computes every position."""
+    off = _engine(ckpt_a, cache=False)
+    assert off.prefix_cache is None
+    on = _engine(ckpt_a)
+    prompt = random_prompts(vocab_of(ckpt_a), [40], seed=10)[0]
+    _run(on, [prompt], GREEDY)
+    assert (on.prompt_logits(prompt) - off.prompt_logits(prompt)).abs().max().item() < 1e-5
+    assert on.prompt_logits(prompt).shape[0] == 40
+
+
+def test_tensor_parallel_ranks_cache_the_same(ckpt_a):
+    """Two ranks (gloo) with the cache on: each caches its own shard by the same decisions; a second turn hits
+    and gives one rank's tokens."""
+    vocab = vocab_of(ckpt_a)
+    first = random_prompts(vocab, [21], seed=12)[0]
+    one = LLM(ckpt_a, verbose=False, enable_prefix_caching=False)
+    two = LLM(ckpt_a, verbose=False, tensor_parallel_size=2)
+    try:
+        a = two.generate([first], GREEDY, use_tqdm=False)[0]
+        assert a.token_ids == one.generate([first], GREEDY, use_tqdm=False)[0].token_ids
+        nxt = first + a.token_ids + [4, 5]
+        b = two.generate([nxt], GREEDY, use_tqdm=False)[0]
+        assert b.num_cached_tokens == len(first) + len(a.token_ids) - 1
+        assert b.token_ids == one.generate([nxt], GREEDY, use_tqdm=False)[0].token_ids
+    finally:
+        two.close()
