@@ -121,10 +121,21 @@ def append_mtp(src: str, dst: str, seed: int = 0) -> str:
 
 
 # ---- traffic: requests arriving, finishing and being aborted at given steps ------------------------------------
-def traffic(vocab, n, seed, max_steps_between=3, abort_frac=0.2, max_tokens=(1, 24)):
-    """n requests: prompt, params, arrival step, and an abort step (or None)."""
+def traffic(vocab, n, seed, max_steps_between=3, abort_frac=0.2, max_tokens=(1, 24), shared=0):
+    """n requests: prompt, params, arrival step, and an abort step (or None). With ``shared``, about half the
+    prompts start with one of ``shared`` common prefixes, or with an earlier prompt (prefix-cache hits)."""
     rng = random.Random(seed)
     prompts = random_prompts(vocab, [rng.randint(1, 40) for _ in range(n)], seed=seed)
+    if shared:
+        prefixes = random_prompts(vocab, [rng.randint(10, 30) for _ in range(shared)], seed=seed + 1)
+        for i in range(n):
+            r = rng.random()
+            if r < 0.3:
+                prompts[i] = prefixes[rng.randrange(shared)] + prompts[i]
+            elif r < 0.5 and i:
+                base = prompts[rng.randrange(i)]
+                if len(base) < 60:
+                    prompts[i] = base + prompts[i][:rng.randint(1, 8)]
     step, reqs = 0, []
     for i, p in enumerate(prompts):
         step += rng.randint(0, max_steps_between)

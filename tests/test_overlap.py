@@ -99,7 +99,9 @@ def _poison_on_free(eng):
 @pytest.mark.parametrize("spec", [None, "mtp"])
 def test_stress_random_traffic_never_reads_freed_memory(ckpt_b_mtp, spec):
     vocab = vocab_of(ckpt_b_mtp)
-    work = traffic(vocab, 450, seed=11 if spec else 12, max_steps_between=5, abort_frac=0.25, max_tokens=(1, 30))
+    # shared prefixes: prefix-cache hits, snapshots and evictions under the same poisoned frees
+    work = traffic(vocab, 450, seed=11 if spec else 12, max_steps_between=5, abort_frac=0.25, max_tokens=(1, 30),
+                   shared=4)
     # a small KV pool: admissions wait and running requests get preempted
     opts = dict(chunk_size=16, max_num_seqs=6, kv_cache_tokens=160)
     eng = _engine(ckpt_b_mtp, spec, overlap=True, **opts)
@@ -107,9 +109,12 @@ def test_stress_random_traffic_never_reads_freed_memory(ckpt_b_mtp, spec):
     outs, steps = drive(eng, work)
     assert steps >= 1000
     clean = [(p, params, at, None) for p, params, at, _ in work]
-    ref, _ = drive(_engine(ckpt_b_mtp, spec, overlap=False, chunk_size=16, max_num_seqs=8), clean)
+    ref, _ = drive(_engine(ckpt_b_mtp, spec, overlap=False, chunk_size=16, max_num_seqs=8,
+                           enable_prefix_caching=False), clean)
     assert check_against(outs, ref, work) > 20
     assert sum(o.num_preemptions for o in outs.values()) > 0
+    stats = eng.prefix_cache.stats
+    assert stats.hit_tokens > 200 and stats.kv_evicted > 0 and stats.snapshots_evicted > 0, stats
     # everything went back, each exactly once (the free lists assert against double frees), the prefix cache's
     # share once it is dropped
     assert all_freed(eng)
