@@ -12,7 +12,9 @@ from .config import EngineConfig
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="Qwen3-Next checkpoint directory (default: embedded default model)")
+    g.add_argument("--model", default=None,
+                   help="checkpoint directory of a supported family: Qwen3-Next, Qwen3.5, Qwen3.5-MoE (default: the "
+                        "embedded default model)")
     g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
     g.add_argument("--dtype", default="auto", help="auto (CPU float32, CUDA bfloat16), float32, bfloat16, float16")
     d = EngineConfig()
@@ -35,6 +37,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="read each step's results before launching the next (default: overlap them)")
     g.add_argument("--simulate-accept-length", type=float, default=None,
                    help="benchmarks only: force this mean accept length (breaks losslessness)")
+    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="do not reuse the KV and linear-attention state of earlier requests' tokens (default: reuse)")
+    g.add_argument("--prefix-state-interval", type=int, default=None,
+                   help="keep a state snapshot every N prefill tokens of a long prompt (default: --chunk-size)")
+    g.add_argument("--prefix-snapshots", type=int, default=None,
+                   help="state slots the prefix cache may hold (default: up to 2 per request slot, within a "
+                        "quarter of the cache budget)")
 
 
 def _engine_options(args) -> dict:
@@ -43,7 +52,8 @@ def _engine_options(args) -> dict:
                 state_dtype=args.state_dtype, speculative=args.speculative,
                 num_speculative_tokens=args.num_speculative_tokens, spec_commit=args.spec_commit,
                 simulate_accept_length=args.simulate_accept_length, overlap=args.overlap,
-                tensor_parallel_size=args.tensor_parallel_size)
+                tensor_parallel_size=args.tensor_parallel_size, enable_prefix_caching=args.enable_prefix_caching,
+                prefix_state_interval=args.prefix_state_interval, prefix_snapshots=args.prefix_snapshots)
 
 
 def _generate(args) -> int:

@@ -38,3 +38,28 @@ def test_image_audio_and_video_content_is_refused_by_name(http, part):
     r = http.post("/v1/chat/completions", json={**body, "messages": [{"role": "user", "content": [
         {"type": "text", "text": "what "}, {"type": "text", "text": "is this?"}]}]})
     assert r.status_code == 200
+
+
+def test_cached_prompt_tokens_are_reported(http):
+    """The second turn of a conversation reuses the first's computed tokens: usage says how many
+    (prompt_tokens_details.cached_tokens, streamed too), and /metrics counts them."""
+    first = [5, 6, 7, 8, 9, 10, 11, 12, 13]
+    body = {"max_tokens": 6, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    r = http.post("/v1/completions", json={**body, "prompt": first}).json()
+    assert r["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert r["choices"][0]["prompt_token_ids"] == first
+    out = r["choices"][0]["token_ids"]
+    assert len(out) == r["usage"]["completion_tokens"] == 6
+    second = first + out + [20, 21]
+    r2 = http.post("/v1/completions", json={**body, "prompt": second}).json()
+    assert r2["usage"]["prompt_tokens_details"]["cached_tokens"] == len(first) + len(out) - 1
+    with http.stream("POST", "/v1/completions", json={**body, "prompt": second + [22], "stream": True,
+                                                      "stream_options": {"include_usage": True}}) as s:
+        import json as _json
+
+        chunks = [_json.loads(ln[6:]) for ln in s.iter_lines() if ln.startswith("data: {")]
+    assert chunks[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(second) - 1
+    metrics = http.get("/metrics").text
+    hit = [ln for ln in metrics.splitlines() if ln.startswith("hylo_prefix_cache_hit_tokens_total ")]
+    assert hit and float(hit[0].split()[1]) >= len(first) + len(out) - 1
+    assert "hylo_prefix_cache_snapshots " in metrics and "hylo_prefix_cache_bytes " in metrics

@@ -205,7 +205,8 @@ async def _serve(request: Request, runner: EngineThread, id_prefix: str, obj: st
     prompt_tokens = sum(len(p) for p in prompts)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(_stream(runner, rid, created, model, obj, queues, prompt_tokens, include_usage, chat),
+        return StreamingResponse(_stream(runner, rid, created, model, obj, queues, prompt_tokens, include_usage, chat,
+                                         len(params)),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     collect = asyncio.ensure_future(asyncio.gather(*(_collect(q) for q in queues.values())))
     watcher = asyncio.ensure_future(_watch_disconnect(request))
@@ -229,13 +230,23 @@ async def _serve(request: Request, runner: EngineThread, id_prefix: str, obj: st
     choices = []
     for index, r in zip(queues, results):
         if chat:
-            choices.append({"index": index, "message": {"role": "assistant", "content": r.text}, "logprobs": None,
-                            "finish_reason": r.finish_reason})
+            choice = {"index": index, "message": {"role": "assistant", "content": r.text}, "logprobs": None,
+                      "finish_reason": r.finish_reason}
         else:
-            choices.append({"index": index, "text": r.text, "logprobs": None, "finish_reason": r.finish_reason})
+            choice = {"index": index, "text": r.text, "logprobs": None, "finish_reason": r.finish_reason}
+            if body.return_token_ids:
+                choice["prompt_token_ids"] = prompts[index // len(params)]
+        if body.return_token_ids:
+            choice["token_ids"] = r.token_ids
+        choices.append(choice)
     completion_tokens = sum(r.completion_tokens for r in results)
-    return {"id": rid, "object": obj, "created": created, "model": model, "choices": choices,
-            "usage": usage(prompt_tokens, completion_tokens)}
+    # each prompt counts once (its first choice), as prompt_tokens does
+    cached = sum(r.cached_tokens for index, r in zip(queues, results) if index % len(params) == 0)
+    response = {"id": rid, "object": obj, "created": created, "model": model, "choices": choices,
+                "usage": usage(prompt_tokens, completion_tokens, cached)}
+    if chat and body.return_token_ids:
+        response["prompt_token_ids"] = prompts[0]
+    return response
 
 
 async def _collect(q: asyncio.Queue) -> Delta:
@@ -245,6 +256,7 @@ async def _collect(q: asyncio.Queue) -> Delta:
         total.text += d.text
         total.token_ids += d.token_ids
         total.completion_tokens = d.completion_tokens or total.completion_tokens
+        total.cached_tokens = d.cached_tokens or total.cached_tokens
         if d.error:
             total.error, total.status = d.error, d.status
             return total
@@ -254,7 +266,7 @@ async def _collect(q: asyncio.Queue) -> Delta:
 
 
 async def _stream(runner: EngineThread, rid: str, created: int, model: str, obj: str, queues: dict,
-                  prompt_tokens: int, include_usage: bool, chat: bool):
+                  prompt_tokens: int, include_usage: bool, chat: bool, choices_per_prompt: int):
     """Server-sent events in OpenAI's chunk format; aborts every unfinished choice if the client goes away."""
     merged: asyncio.Queue = asyncio.Queue()
 
@@ -268,7 +280,7 @@ async def _stream(runner: EngineThread, rid: str, created: int, model: str, obj:
     chunk_obj = obj + ".chunk" if chat else obj
     tasks = [asyncio.ensure_future(forward(i, q)) for i, q in queues.items()]
     open_choices = set(queues)
-    completion_tokens = 0
+    completion_tokens = cached = 0
 
     def chunk(choices, extra=None):
         data = {"id": rid, "object": chunk_obj, "created": created, "model": model, "choices": choices}
@@ -291,6 +303,7 @@ async def _stream(runner: EngineThread, rid: str, created: int, model: str, obj:
             if d.finish_reason is not None:
                 open_choices.discard(index)
                 completion_tokens += d.completion_tokens
+                cached += d.cached_tokens if index % choices_per_prompt == 0 else 0
             if d.text or d.finish_reason is not None:
                 if chat:
                     delta = {"content": d.text} if d.text else {}
@@ -300,7 +313,7 @@ async def _stream(runner: EngineThread, rid: str, created: int, model: str, obj:
                     yield chunk([{"index": index, "text": d.text, "logprobs": None,
                                   "finish_reason": d.finish_reason}])
         if include_usage:
-            yield chunk([], {"usage": usage(prompt_tokens, completion_tokens)})
+            yield chunk([], {"usage": usage(prompt_tokens, completion_tokens, cached)})
         yield "data: [DONE]\n\n"
     finally:
         for t in tasks:

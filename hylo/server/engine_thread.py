@@ -31,6 +31,7 @@ class Delta:
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens reused from the prefix cache
     error: str | None = None
     status: int = 400  # the HTTP status of ``error``: 400 for a request the engine refused, 500 for its own failure
 
@@ -56,6 +57,12 @@ class EngineThread:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="hylo-engine", daemon=True)
         self.error: str | None = None  # set if the loop died: /health reports it
+        self.metrics.prefix = getattr(engine, "prefix_cache", None)
+        caches = getattr(engine, "caches", None)
+        if caches is not None:
+            kv = caches.kv_pool
+            self.metrics.prefix_slot_bytes = caches.slot_bytes
+            self.metrics.prefix_kv_token_bytes = kv.bytes // max(kv.num_tokens + 1, 1)
 
     # ---- called from the event loop ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -163,7 +170,8 @@ class EngineThread:
         if not req.finished and req.params.stop_strings:  # hold back what may still become a stop string
             safe = max(stream.sent_chars, len(text) - max(len(s) for s in req.params.stop_strings) + 1)
         delta = Delta(text=text[stream.sent_chars:safe], token_ids=list(new_tokens),
-                      prompt_tokens=len(req.prompt_ids), completion_tokens=len(req.output_ids))
+                      prompt_tokens=len(req.prompt_ids), completion_tokens=len(req.output_ids),
+                      cached_tokens=req.num_cached_tokens)
         stream.sent_tokens = len(req.output_ids)
         stream.sent_chars = max(stream.sent_chars, safe)
         if req.error is not None:

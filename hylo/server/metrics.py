@@ -44,6 +44,8 @@ class Metrics:
         self.finish_reasons: Counter = Counter()
         self.spec_verify_steps = 0
         self.spec_emitted_tokens = 0
+        self.prefix = None  # the engine's prefix cache (cache.prefix_cache.PrefixCache), read at render time
+        self.prefix_slot_bytes = self.prefix_kv_token_bytes = 0
         self.ttft = Histogram((0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
         self.token_latency = Histogram((0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5))
 
@@ -84,6 +86,22 @@ class Metrics:
         accept = self.spec_emitted_tokens / self.spec_verify_steps if self.spec_verify_steps else 0.0
         metric("spec_accept_length", "gauge", "Mean tokens emitted per verify step (bonus token included).",
                f"{accept:.6f}")
+        pc = self.prefix
+        if pc is not None:
+            st = pc.stats
+            metric("prefix_cache_queried_tokens_total", "counter", "Prompt tokens looked up in the prefix cache.",
+                   st.queried_tokens)
+            metric("prefix_cache_hit_tokens_total", "counter", "Prompt tokens reused from the prefix cache.",
+                   st.hit_tokens)
+            metric("prefix_cache_snapshots", "gauge", "Linear-attention state snapshots the prefix cache holds.",
+                   pc.num_snapshots)
+            metric("prefix_cache_kv_tokens", "gauge", "KV positions the prefix cache holds.", pc.kv_tokens)
+            metric("prefix_cache_bytes", "gauge", "Device bytes the prefix cache holds (snapshots and KV).",
+                   pc.num_snapshots * self.prefix_slot_bytes + pc.kv_tokens * self.prefix_kv_token_bytes)
+            metric("prefix_cache_evicted_tokens_total", "counter", "KV positions evicted from the prefix cache.",
+                   st.kv_evicted)
+            metric("prefix_cache_evicted_snapshots_total", "counter", "State snapshots evicted from the prefix cache.",
+                   st.snapshots_evicted)
         lines += self.ttft.lines(f"{p}_time_to_first_token_seconds", "Time from arrival to the first token.")
         lines += self.token_latency.lines(f"{p}_time_per_output_token_seconds",
                                           "Time between output tokens of one request.")

@@ -59,6 +59,8 @@ class _SamplingFields(BaseModel):
     stop: Union[str, list[str], None] = None
     stop_token_ids: list[Count] | None = Field(None, description="hylo extension: token ids that end the output")
     ignore_eos: bool = Field(False, description="hylo extension: keep going past the end-of-sequence token")
+    return_token_ids: bool = Field(False, description="vLLM extension: each choice's token_ids and its prompt's "
+                                                      "prompt_token_ids in the response")
     n: Annotated[int, Field(ge=1, le=128)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -201,9 +203,11 @@ def now() -> int:
     return int(time.time())
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage object; ``prompt_tokens_details.cached_tokens``: prompt tokens reused from the prefix cache."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def openai_finish_reason(reason: str | None) -> str | None:
