@@ -95,6 +95,11 @@ def _bench(args) -> int:
 
         run_tp_bench(args.model_name, args.tensor_parallel_size, out_dir=args.out, quick=args.quick)
         return 0
+    if args.prefix_replay:
+        from .bench.prefix import run_prefix_bench
+
+        run_prefix_bench(args.model_name, out_dir=args.out, quick=args.quick)
+        return 0
     from .bench.run import run_bench
 
     run_bench(args.model_name, vs_hf=args.vs_hf, quick=args.quick, out_dir=args.out, pdl=args.pdl, short=args.short)
@@ -153,6 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--short", action="store_true",
                    help="the core records only: prefill 8192, decode at batch 1 / 8 / 64 (and from 32k at 1 and 8), "
                         "MTP k=3 at accept 3.0 (what a large model's one-GPU run fits)")
+    b.add_argument("--prefix-replay", action="store_true",
+                   help="instead: multi-turn conversations sharing a system prompt, replayed with the prefix cache on "
+                        "and off (hit rate against the ideal, first-token times, decode step on against off)")
     b.add_argument("--pdl", action="store_true",
                    help="also time decode with programmatic dependent launch off, and on with its L2 weight prefetch "
                         "(HYLO_PDL, HYLO_PDL_PREFETCH; PDL is on by default on Hopper+) in the same run")
