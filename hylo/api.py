@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 
 from tqdm.auto import tqdm
@@ -68,7 +69,9 @@ class LLM:
         eng = self.engine
         rids = [eng.add_request(prompt, p) for prompt, p in zip(prompts, params)]
         pending = set(rids)
-        bar = tqdm(total=len(rids), desc="generating", unit="req", disable=not use_tqdm or len(rids) < 2)
+        # a live bar on a terminal only: on a log its carriage-return updates would run into the lines
+        bar = tqdm(total=len(rids), desc="generating", unit="req",
+                   disable=not use_tqdm or len(rids) < 2 or not sys.stderr.isatty())
         try:
             while pending:
                 for req in eng.step():

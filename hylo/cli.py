@@ -18,11 +18,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
     g.add_argument("--dtype", default="auto", help="auto (CPU float32, CUDA bfloat16), float32, bfloat16, float16")
     d = EngineConfig()
-    g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="concurrent requests")
-    g.add_argument("--max-model-len", type=int, default=None, help="context limit per request")
-    g.add_argument("--chunk-size", type=int, default=d.chunk_size, help="prefill tokens per step")
-    g.add_argument("--kv-cache-tokens", type=int, default=None, help="KV pool size in tokens")
-    g.add_argument("--memory-budget-gb", type=float, default=None, help="cache memory budget in GiB")
+    g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="concurrent requests (default %(default)s)")
+    g.add_argument("--max-model-len", type=int, default=None, help="context limit per request (default: the model's, or what the KV pool holds)")
+    g.add_argument("--chunk-size", type=int, default=d.chunk_size, help="prefill tokens per step (default %(default)s)")
+    g.add_argument("--kv-cache-tokens", type=int, default=None, help="KV pool size in tokens (default: from the memory budget)")
+    g.add_argument("--memory-budget-gb", type=float, default=None, help="cache memory budget in GiB (default: CPU 2, CUDA 90%% of free memory less 2)")
     g.add_argument("--state-dtype", default=d.state_dtype, help="GDN recurrent state dtype (default float32)")
     g.add_argument("--speculative", choices=["mtp", "ngram"], default=None,
                    help="speculative decoding: the checkpoint's MTP head, or n-gram prompt lookup")
@@ -32,7 +32,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="how a verify's accepted GDN state reaches the slot: replay the kept step inputs (default; "
                    "less state traffic and memory) or copy the per-step state checkpoint")
     g.add_argument("--tensor-parallel-size", type=int, default=1,
-                   help="shard the model across N processes (one GPU each on CUDA)")
+                   help="shard the model across N processes (one GPU each on CUDA; default %(default)s)")
     g.add_argument("--no-overlap", dest="overlap", action="store_false",
                    help="read each step's results before launching the next (default: overlap them)")
     g.add_argument("--simulate-accept-length", type=float, default=None,
@@ -116,6 +116,7 @@ def _serve(args) -> int:
         return 2
     from .launch import create_engine
 
+    _check_port(args.host, args.port)  # before the model loads: a busy or bad port should not cost a load
     if args.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"[hylo] warning: serving on {args.host} without --api-key: anyone who can reach it can use it",
               file=sys.stderr)
@@ -128,6 +129,25 @@ def _serve(args) -> int:
     return 0
 
 
+def _check_port(host: str, port: int) -> None:
+    """Refuse a port out of range, or one another process listens on, with a ValueError naming it."""
+    import socket
+
+    if not 0 < port < 65536:
+        raise ValueError(f"port {port} is out of range (1-65535)")
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise ValueError(f"host {host!r} cannot be resolved: {e}") from None
+    family, kind, proto, _, addr = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(addr)
+        except OSError as e:
+            raise ValueError(f"port {port} on {host} is in use or not available ({e.strerror})") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
@@ -136,15 +156,19 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate a completion for one prompt")
     g.add_argument("text", nargs="?", default=None, help="the prompt (or use --prompt / --prompt-file)")
-    g.add_argument("--prompt", default=None)
-    g.add_argument("--prompt-file", default=None)
-    g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--prompt", default=None, help="the prompt, as an option instead of the positional TEXT")
+    g.add_argument("--prompt-file", default=None, help="read the prompt from this file")
+    g.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most (default %(default)s)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default %(default)s)")
+    g.add_argument("--top-p", type=float, default=1.0,
+                   help="sample from the smallest set of tokens whose probability reaches P (default %(default)s: "
+                        "all)")
+    g.add_argument("--top-k", type=int, default=0,
+                   help="sample from the K most likely tokens (default %(default)s: all)")
+    g.add_argument("--seed", type=int, default=None,
+                   help="seed of the sampling noise: the same seed gives the same output (default: drawn)")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
     _add_engine_args(g)
     g.set_defaults(func=_generate)
     b = sub.add_parser("bench", help="benchmark on the GPU (random-weight benchmark model, no checkpoint)")
@@ -168,11 +192,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.set_defaults(func=_bench)
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--port", type=int, default=8000, help="TCP port (default %(default)s)")
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
     s.add_argument("--served-model-name", default=None, help="model id clients use (default: the directory name)")
     s.add_argument("--max-body-bytes", type=int, default=4 << 20, help="largest request body (default 4 MiB)")
-    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="the HTTP server's log level (default %(default)s)")
     _add_engine_args(s)
     s.set_defaults(func=_serve)
     return parser

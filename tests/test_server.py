@@ -307,3 +307,35 @@ def test_speculative_server_reports_accept_length():
     finally:
         proc.terminate()
         proc.wait(timeout=15)
+
+
+def test_clients_that_leave_leave_no_tracebacks_in_the_log():
+    """Non-streaming and streaming clients that disconnect: their requests are aborted, and the server's log has
+    no traceback and no 'never retrieved' task once it stops."""
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([sys.executable, "-m", "hylo", "serve", "--model", MODEL, "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 120
+        while True:
+            assert proc.poll() is None and time.time() < deadline, "server did not start"
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        for _ in range(3):
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 3000, "ignore_eos": True},
+                           timeout=httpx.Timeout(30, read=0.3))
+            with httpx.stream("POST", f"{url}/v1/completions", timeout=30,
+                              json={"prompt": "y", "max_tokens": 3000, "ignore_eos": True, "stream": True}) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        break
+        _wait_idle(url, timeout=20)
+    finally:
+        proc.terminate()
+        log = proc.communicate(timeout=30)[0]
+    assert "Traceback" not in log and "never retrieved" not in log, log[-3000:]

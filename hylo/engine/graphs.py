@@ -28,9 +28,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
-from tqdm.auto import tqdm
 
 from ..core import ForwardBatch, ForwardMode, pin
+from ..progress import progress
 
 
 def default_capture_sizes(max_bs: int) -> list[int]:
@@ -159,8 +159,8 @@ class GraphRunner:
         gc_was_on = gc.isenabled()
         gc.disable()
         try:
-            for bs in tqdm(list(reversed(self.sizes)), desc=f"capturing {name}", disable=not self.verbose,
-                           leave=False):
+            for bs in progress(list(reversed(self.sizes)), f"capturing {name}", enabled=self.verbose,
+                               unit="sizes"):
                 st.replays[bs] = _Replay(make_run(bs), self.device, self.pool)
                 if cuda and self.pool is None:
                     self.pool = st.replays[bs].graph.pool()

@@ -11,7 +11,6 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
-from tqdm.auto import tqdm
 
 from ..backends.gdn import GDNShape
 from ..config import ModelConfig
@@ -23,6 +22,7 @@ from ..layers.norm import RMSNorm
 from ..layers.weights import TensorReader, copy_into
 from ..ops.norm import add_rms_norm
 from ..parallel.group import SINGLE, TPGroup
+from ..progress import progress as progress_of
 
 # (reader, tensor prefix of the layer's mixer, its shape, hidden size) -> the fused [q | k | v | z | b | a] rows
 InProjReader = Callable[[TensorReader, str, GDNShape, int], torch.Tensor]
@@ -127,7 +127,6 @@ class HybridForCausalLM(nn.Module):
         copy_into(self.embed, r.get(f"{p}.embed_tokens.weight", shape))
         if not mc.tie_word_embeddings:
             copy_into(self.lm_head, r.get("lm_head.weight", shape))
-        for i, layer in enumerate(tqdm(self.layers, desc="loading layers", unit="layer", leave=False,
-                                       disable=not progress)):
+        for i, layer in enumerate(progress_of(self.layers, "loading layers", enabled=progress, unit="layers")):
             layer.load(r, f"{p}.layers.{i}", self.read_in_proj)
         copy_into(self.norm.weight, r.get(f"{p}.norm.weight", (mc.hidden_size,)))

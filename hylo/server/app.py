@@ -209,15 +209,18 @@ async def _serve(request: Request, runner: EngineThread, id_prefix: str, obj: st
                                          len(params)),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     collect = asyncio.ensure_future(asyncio.gather(*(_collect(q) for q in queues.values())))
+    collect.add_done_callback(_retrieved)
     watcher = asyncio.ensure_future(_watch_disconnect(request))
+    watcher.add_done_callback(_retrieved)
     try:
         await asyncio.wait({collect, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:  # the server gave up on the handler (the client went away, or shutdown)
+        _abandon(runner, rid, queues, collect)
+        raise
     finally:
         watcher.cancel()
     if not collect.done():  # the client left: free its slots now
-        collect.cancel()
-        for index in queues:
-            runner.abort(f"{rid}-{index}")
+        _abandon(runner, rid, queues, collect)
         return JSONResponse(error_body("client disconnected"), status_code=499)
     results = collect.result()
     failed = [r for r in results if r.error]
@@ -247,6 +250,19 @@ async def _serve(request: Request, runner: EngineThread, id_prefix: str, obj: st
     if chat and body.return_token_ids:
         response["prompt_token_ids"] = prompts[0]
     return response
+
+
+def _retrieved(future: asyncio.Future) -> None:
+    """A done callback that takes a finished task's exception, so that none is logged as 'never retrieved'."""
+    if not future.cancelled():
+        future.exception()
+
+
+def _abandon(runner: EngineThread, rid: str, queues: dict, collect: asyncio.Future) -> None:
+    """Stop waiting for a response nobody will read, and free its requests' slots."""
+    collect.cancel()
+    for index in queues:
+        runner.abort(f"{rid}-{index}")
 
 
 async def _collect(q: asyncio.Queue) -> Delta:

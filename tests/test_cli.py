@@ -1,0 +1,32 @@
+"""The command line's own edges: every option documented, bad ports refused before the model loads."""
+
+import socket
+import subprocess
+import sys
+
+from hylo.cli import build_parser
+
+
+def test_every_option_has_help_text():
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    for name, p in sub.choices.items():
+        for action in p._actions:
+            if action.dest in ("help",):
+                continue
+            assert action.help and action.help.strip(), (name, action.option_strings or action.dest)
+
+
+def test_bad_and_busy_ports_are_refused_before_loading():
+    out = subprocess.run([sys.executable, "-m", "hylo", "serve", "--port", "99999"], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "port 99999" in out.stderr and "[hylo] model" not in out.stderr
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        out = subprocess.run([sys.executable, "-m", "hylo", "serve", "--port", str(port)], capture_output=True,
+                             text=True, timeout=60)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert f"port {port}" in out.stderr and "in use" in out.stderr and "[hylo] model" not in out.stderr
