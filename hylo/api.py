@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+import random
 import sys
 from collections.abc import Sequence
 
 from tqdm.auto import tqdm
 
 from .config import EngineConfig
-from .core import RequestOutput, SamplingParams
+from .core import CompletionOutput, RequestOutput, SamplingParams
 from .launch import create_engine
 
 
@@ -64,10 +66,21 @@ class LLM:
                     raise ValueError(f"sampling params must be SamplingParams, got {type(p).__name__}")
                 p.validate()
                 self.engine.encode_prompt(prompt)
+                vocab = self.engine.model_config.vocab_size
+                bad = [t for t in (p.logit_bias or ()) if t >= vocab] + [t for t in p.stop_token_ids or () if t >= vocab]
+                if bad:
+                    raise ValueError(f"token id {bad[0]} (logit_bias / stop_token_ids) is outside the vocabulary "
+                                     f"[0, {vocab})")
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
         eng = self.engine
-        rids = [eng.add_request(prompt, p) for prompt, p in zip(prompts, params)]
+        # n samples of a prompt are n requests, sample i seeded with seed + i (drawn once when the seed is None)
+        groups = []
+        for prompt, p in zip(prompts, params):
+            base = p.seed if p.seed is not None else random.getrandbits(62)
+            choices = [p] if p.n == 1 else [dataclasses.replace(p, n=1, seed=base + i) for i in range(p.n)]
+            groups.append([eng.add_request(prompt, c) for c in choices])
+        rids = [r for g in groups for r in g]
         pending = set(rids)
         # a live bar on a terminal only: on a log its carriage-return updates would run into the lines
         bar = tqdm(total=len(rids), desc="generating", unit="req",
@@ -88,7 +101,15 @@ class LLM:
             bar.close()
         if eng.scheduler.num_unfinished == 0:
             eng.drain()  # a failed request's launched step: read it, so that its slots are free again
-        outputs = [eng.pop_finished(rid) for rid in rids]
+        outputs = []
+        for i, group in enumerate(groups):
+            done = [eng.pop_finished(rid) for rid in group]
+            first = done[0]
+            if len(done) > 1:
+                first.outputs = [CompletionOutput(j, o.token_ids, o.text, o.finish_reason, o.stop_reason, o.logprobs)
+                                 for j, o in enumerate(done)]
+            first.error = next((o.error for o in done if o.error), None)
+            outputs.append(first)
         failed = [f"prompt {i}: {o.error}" for i, o in enumerate(outputs) if o.error]
         if failed:  # logged with its traceback by the engine
             raise RuntimeError("generation failed: " + "; ".join(failed))

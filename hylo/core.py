@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+MAX_LOGPROBS = 20  # the most alternatives a request may ask for per token (OpenAI's bound)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -25,6 +26,15 @@ class SamplingParams:
     ``temperature == 0`` is greedy. ``top_k <= 0`` (or -1) and ``top_p == 1`` disable those filters. ``seed`` makes
     the sample reproducible whatever else runs in the same batch. ``stop`` strings end the output before the match
     (the match itself is not returned); ``stop_token_ids`` end it after the token (also not returned in ``text``).
+
+    The logits are changed before temperature, top-k and top-p, in this order: ``logit_bias`` (token id -> added
+    value, in [-100, 100]), ``min_tokens`` (the stop tokens are masked until that many tokens were generated),
+    ``repetition_penalty`` (tokens of the prompt or output: a positive logit divided by it, a negative one
+    multiplied), ``frequency_penalty`` (minus it times the token's count in the output) and ``presence_penalty``
+    (minus it once a token is in the output), OpenAI's and vLLM's formulas. ``logprobs=N`` returns each generated
+    token's log probability and the N most likely alternatives, ``prompt_logprobs=N`` the same for the prompt's
+    tokens; both from the model's raw distribution (log_softmax of the logits before any change above). ``n``
+    (offline API): that many samples of each prompt, choice i seeded with seed + i.
     """
 
     max_tokens: int = 16
@@ -35,6 +45,14 @@ class SamplingParams:
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    n: int = 1
 
     def __post_init__(self):
         self.validate()
@@ -71,6 +89,39 @@ class SamplingParams:
         ids = self.stop_token_ids or []
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
             raise ValueError(f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}")
+        for name, low, high in (("min_tokens", 0, None), ("n", 1, 128), ("logprobs", 0, MAX_LOGPROBS),
+                                ("prompt_logprobs", 0, MAX_LOGPROBS)):
+            value = getattr(self, name)
+            if value is None and name in ("logprobs", "prompt_logprobs"):
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None
+                                                                                        and value > high):
+                bound = f"between {low} and {high}" if high is not None else f"an integer >= {low}"
+                raise ValueError(f"{name} must be {bound}, got {value!r}")
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        for name in ("presence_penalty", "frequency_penalty"):
+            _num(name, getattr(self, name))
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be between -2 and 2, got {getattr(self, name)}")
+        _num("repetition_penalty", self.repetition_penalty)
+        if not 0 < self.repetition_penalty <= 100:
+            raise ValueError(f"repetition_penalty must be in (0, 100], got {self.repetition_penalty}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must map token ids to values, got {type(self.logit_bias).__name__}")
+            for tok, bias in self.logit_bias.items():
+                if isinstance(tok, bool) or not isinstance(tok, int) or tok < 0:
+                    raise ValueError(f"logit_bias: key {tok!r} is not a token id")
+                _num(f"logit_bias[{tok}]", bias)
+                if not -100.0 <= bias <= 100.0:
+                    raise ValueError(f"logit_bias[{tok}] must be between -100 and 100, got {bias}")
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the logits are changed before sampling (a bias, a penalty or min_tokens)."""
+        return bool(self.logit_bias or self.min_tokens or self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0)
 
     @property
     def stop_strings(self) -> list[str]:
@@ -149,6 +200,7 @@ class Req:
     last_snapshot: int = 0  # position of this request's latest snapshot
     branch_point: int = 0  # where its tokens leave the cached ones: a prefill chunk ends there, with a snapshot
     use_prefix_cache: bool = True  # False: neither reuses nor adds (Engine.prompt_logits computes every position)
+    logprobs: list["TokenLogprobs"] = field(default_factory=list)  # one per output token, when asked for
 
     @property
     def num_tokens(self) -> int:
@@ -262,6 +314,9 @@ class SamplingBatch:
     any_greedy: bool
     need_top_k: bool
     need_top_p: bool
+    slots: torch.Tensor | None = None  # [B] the rows' request slots (the penalty tables' rows)
+    penalized: bool = False  # some row's logits change before sampling (ops.logits.apply_penalties)
+    logprobs: int | None = None  # the most alternatives a row asked for; None: no row wants log probabilities
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -287,8 +342,30 @@ class SpecStats:
 
 
 @dataclass
+class TokenLogprobs:
+    """One token's log probability under the model's raw distribution, and the most likely alternatives there:
+    ``top`` is a list of (token id, log probability), most likely first."""
+
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class CompletionOutput:
+    """One sample of a prompt (``SamplingParams.n`` of them in ``RequestOutput.outputs``)."""
+
+    index: int
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+    logprobs: list[TokenLogprobs] | None = None
+
+
+@dataclass
 class RequestOutput:
-    """What a request produced so far (``finished`` tells whether it is complete)."""
+    """What a request produced so far (``finished`` tells whether it is complete). The flat fields are its first
+    sample; ``outputs`` holds every one (``SamplingParams.n`` of them)."""
 
     request_id: str
     prompt: str | None
@@ -302,6 +379,14 @@ class RequestOutput:
     num_preemptions: int = 0
     error: str | None = None  # an internal error ended this request (finish_reason "abort"); see Req.error
     num_cached_tokens: int = 0  # prompt tokens whose KV and state came from the prefix cache
+    logprobs: list[TokenLogprobs] | None = None  # one per generated token, with SamplingParams(logprobs=N)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # per prompt token (the first: None)
+    outputs: list[CompletionOutput] = field(default_factory=list)
+
+    def __post_init__(self):
+        if not self.outputs:
+            self.outputs = [CompletionOutput(0, self.token_ids, self.text, self.finish_reason, self.stop_reason,
+                                             self.logprobs)]
 
 
 # ---------------------------------------------------------------------------------------------------------------

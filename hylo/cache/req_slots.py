@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from ..core import to_device
+from .penalty_tables import PenaltyTables
 
 
 class ReqSlots:
@@ -32,6 +35,14 @@ class ReqSlots:
         self.sampling_f = torch.ones(max_num_seqs + 1, 2, dtype=torch.float32, device=device)
         self.sampling_i = torch.zeros(max_num_seqs + 1, 3, dtype=torch.int64, device=device)
         self._free = list(range(max_num_seqs, 0, -1))  # pop() hands out 1, 2, ...
+        self.penalties: PenaltyTables | None = None  # allocated when a request first asks for penalties or bias
+
+    def ensure_penalties(self, vocab: int) -> PenaltyTables:
+        if self.penalties is None:
+            self.penalties = PenaltyTables(self.max_num_seqs, vocab, self.req_to_token.device)
+            print(f"[hylo] penalty tables allocated for {self.max_num_seqs} request slots "
+                  f"({self.penalties.bytes / 2 ** 20:.1f} MiB)", file=sys.stderr)
+        return self.penalties
 
     @property
     def num_free(self) -> int:

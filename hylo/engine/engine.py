@@ -19,7 +19,7 @@ import torch
 from ..cache.memory import allocate_caches
 from ..cache.prefix_cache import PrefixCache
 from ..config import EngineConfig, ModelConfig
-from ..core import ForwardMode, Req, RequestOutput, SamplingParams, SpecStats
+from ..core import ForwardMode, Req, RequestOutput, SamplingParams, SpecStats, TokenLogprobs
 from ..layers.weights import DictReader, TensorReader
 from ..models.default import (DEFAULT_MODEL_NAME, DEFAULT_SEED, TRAINED_DEFAULT_NAME, default_model_config,
                               trained_default_path)
@@ -106,6 +106,17 @@ def load_model(path: str | None, dtype: torch.dtype, device: torch.device, progr
     return LoadedModel(name, mc, model, reader, tokenizer, is_random, local)
 
 
+def _unpack_logprobs(bits: list[int], width: int, top_n: int, wanted: int) -> list[TokenLogprobs]:
+    """A row's log probabilities from the host view's float32 bits: per token (its log probability, the ``wanted``
+    most likely (id, log probability) pairs)."""
+    vals = torch.tensor(bits, dtype=torch.int64).to(torch.int32).view(torch.float32).view(width, 1 + 2 * top_n)
+    out = []
+    for r in vals.tolist():
+        top = [(int(r[1 + top_n + j]), r[1 + j]) for j in range(wanted)]
+        out.append(TokenLogprobs(r[0], top))
+    return out
+
+
 @dataclass
 class _Launched:
     plan: ScheduledBatch
@@ -165,6 +176,7 @@ class Engine:
         self._inflight: _Launched | None = None  # the overlap loop's launched, unread step
         self._failed: list[Req] = []  # requests failed by an internal error, reported by the next step()
         self.eos_ids = set(self.model_config.eos_token_ids)
+        self.model_worker.eos_ids = self.eos_ids
         self.load_seconds = time.perf_counter() - t0
         if self.ec.verbose:
             kind = ("embedded default, RANDOM WEIGHTS (output is noise)" if self.is_random else
@@ -207,10 +219,15 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         params.validate()
+        if params.n != 1:
+            raise ValueError(f"n={params.n}: an engine request is one sample (LLM.generate and the server submit n)")
         vocab = self.model_config.vocab_size
         for t in params.stop_token_ids or ():
             if t >= vocab:
                 raise ValueError(f"stop_token_ids: token id {t} is outside the vocabulary [0, {vocab})")
+        for t in params.logit_bias or ():
+            if t >= vocab:
+                raise ValueError(f"logit_bias: token id {t} is outside the vocabulary [0, {vocab})")
         ids = self.encode_prompt(prompt)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self._reqs:
@@ -250,7 +267,8 @@ class Engine:
             token_ids=list(req.output_ids), text=req.text if self.tokenizer is not None else None,
             finish_reason=req.finish_reason, finished=req.finished, stop_reason=req.stop_reason,
             spec=req.spec, num_preemptions=req.num_preemptions, error=req.error,
-            num_cached_tokens=req.num_cached_tokens)
+            num_cached_tokens=req.num_cached_tokens,
+            logprobs=list(req.logprobs) if req.params.logprobs is not None else None)
 
     def pop_finished(self, request_id: str) -> RequestOutput:
         req = self._reqs.pop(request_id)
@@ -303,17 +321,23 @@ class Engine:
         sched = launched.plan
         rows = iter(launched.read.wait())
         verify = sched.mode is ForwardMode.TARGET_VERIFY
+        width = self.ec.spec_tokens + 1 if verify else 1  # tokens per row; a verify row's count follows them
+        top_n = max((r.params.logprobs for r, keep in zip(sched.reqs, sched.sample)
+                     if keep and r.params.logprobs is not None), default=None)
         updated = []
         for i, (req, n, keep) in enumerate(zip(sched.reqs, sched.extend_lens, sched.sample)):
             committed = n
             if keep:
                 row = next(rows)
-                new, count = (row[:-1], row[-1]) if verify else (row, 1)
+                new, count = row[:width], (row[width] if verify else 1)
                 # a verify row commits its last token and the accepted drafts: count - 1 of them
                 committed = count if verify else n
+                lps = None
+                if top_n is not None and req.params.logprobs is not None:
+                    lps = _unpack_logprobs(row[width + verify:], width, top_n, req.params.logprobs)
                 if not req.finished:
                     try:
-                        self._apply_row(req, new, count, verify)
+                        self._apply_row(req, new, count, verify, lps)
                     except Exception as e:  # noqa: BLE001 - one request's host-side failure ends that request only
                         self._fail(req, e)
                     updated.append(req)
@@ -322,9 +346,11 @@ class Engine:
             self.scheduler.step_done(sched, i, committed)
         return updated
 
-    def _apply_row(self, req: Req, new: list[int], count: int, verify: bool) -> None:
+    def _apply_row(self, req: Req, new: list[int], count: int, verify: bool, lps: list | None = None) -> None:
         appended = 0
         for tok in new[:count]:
+            if lps is not None:
+                req.logprobs.append(lps[appended])
             appended += 1
             if self._append_token(req, tok):
                 # the rest were computed all the same (their state is in the slot): the prefix cache needs them

@@ -12,6 +12,7 @@ from ..backends.hybrid import HybridBackend
 from ..cache.memory import Caches
 from ..core import ForwardBatch, ForwardMode, SamplingBatch, to_device
 from ..models.hybrid import HybridForCausalLM
+from ..ops.logits import apply_penalties, token_logprobs
 from ..ops.sampling import sample
 from ..ops.triton_utils import use_triton
 from .extend import ExtendPack, expand
@@ -22,26 +23,42 @@ from .scheduler import ScheduledBatch
 @dataclass
 class StepResult:
     """Tokens of one step's sampling rows, on the device: ``tokens[i, :counts[i]]`` are row i's new tokens
-    (``counts`` None means one each)."""
+    (``counts`` None means one each); ``logprobs`` [S, W, 1 + 2N] float32 when some row asked for them: each
+    token's log probability, then the N most likely ids' log probabilities, then those ids (exact in float32)."""
 
     tokens: torch.Tensor  # [S, W] int64
     counts: torch.Tensor | None = None  # [S] int64
     packed: torch.Tensor | None = None  # [S, W + 1]: tokens then counts, when the step wrote them as one tensor
+    logprobs: torch.Tensor | None = None
 
     @classmethod
     def from_packed(cls, packed: torch.Tensor) -> "StepResult":
         return cls(packed[:, :-1], packed[:, -1], packed)
 
     def host_view(self) -> torch.Tensor:
-        """What the host reads back, as one tensor: the tokens, the counts in an extra column (when there are)."""
+        """What the host reads back, as one int64 tensor: the tokens, the counts in an extra column (when there
+        are), the log probabilities' float32 bits after them (when there are)."""
         if self.packed is not None:
-            return self.packed
-        return self.tokens if self.counts is None else torch.cat([self.tokens, self.counts[:, None]], dim=1)
+            view = self.packed
+        else:
+            view = self.tokens if self.counts is None else torch.cat([self.tokens, self.counts[:, None]], dim=1)
+        if self.logprobs is None:
+            return view
+        bits = self.logprobs.contiguous().view(torch.int32).to(torch.int64).view(view.shape[0], -1)
+        return torch.cat([view, bits], dim=1)
 
 
 def all_greedy(reqs) -> bool:
-    """Whether every request decodes greedily (temperature 0)."""
-    return all(r.params.temperature == 0 for r in reqs)
+    """Whether every request decodes greedily (temperature 0) with nothing else to do with its logits: no
+    penalty or bias changes them and none asks for log probabilities (the graphs' greedy token is then final)."""
+    return all(r.params.temperature == 0 and not r.params.penalized and r.params.logprobs is None for r in reqs)
+
+
+def pack_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top_n: int) -> torch.Tensor:
+    """[B, W, 1 + 2N] float32: the tokens' log probabilities under the raw ``logits`` [B * W, V], the top N."""
+    rows, width = tokens.shape
+    chosen, ids, vals = token_logprobs(logits.reshape(rows * width, -1), tokens.reshape(-1), top_n)
+    return torch.cat([chosen[:, None], vals, ids.float()], dim=1).view(rows, width, 1 + 2 * top_n)
 
 
 def _dev(values, device, dtype=torch.int64) -> torch.Tensor:
@@ -58,6 +75,7 @@ class ModelWorker:
         self.backend = HybridBackend(AttentionBackend(caches.kv_pool, caches.req_slots),
                                      GDNBackend(caches.state_pool), model.config.layer_types, extra_attn_layers)
         self.graphs: GraphRunner | None = None
+        self.eos_ids: set[int] = set()  # the model's stop ids (min_tokens masks them); the engine sets them
 
     def build_batch(self, sched: ScheduledBatch, input_ids: torch.Tensor | None = None,
                     drafts: torch.Tensor | None = None) -> ForwardBatch:
@@ -82,6 +100,7 @@ class ModelWorker:
         assert all(n == 1 and not r.inflight_verify
                    for r, n, d in zip(sched.reqs, sched.extend_lens, sched.from_device) if d)
         register = sched.admitted  # their sampling parameters go into the device table now
+        self.register_penalties(register)
         pack = ExtendPack.build(sched, register, self.vocab_size)
         meta = to_device(pack.meta, dev)
         v = pack.views(meta)
@@ -193,12 +212,37 @@ class ModelWorker:
         temps = [r.params.temperature for r in reqs]
         greedy = [t == 0 for t in temps]
         v = self.vocab_size
+        wanted = [r.params.logprobs for r in reqs if r.params.logprobs is not None]
         return SamplingBatch(
             temperatures=f[:, 0], top_p=f[:, 1], top_k=i[:, 0], seeds=i[:, 1],
             steps=seq_lens - (batch.tokens_per_row - 1) - i[:, 2],
             all_greedy=all(greedy), any_greedy=any(greedy),
             need_top_k=any(0 < r.params.top_k < v for r, g in zip(reqs, greedy) if not g),
-            need_top_p=any(r.params.top_p < 1.0 for r, g in zip(reqs, greedy) if not g))
+            need_top_p=any(r.params.top_p < 1.0 for r, g in zip(reqs, greedy) if not g),
+            slots=slots, penalized=any(r.params.penalized for r in reqs), logprobs=max(wanted, default=None))
+
+    def choose(self, logits: torch.Tensor, sb: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The next token of each row ([B]) from its logits [B, V]: penalties and bias first where a row has them
+        (counting the token it picks), then greedy or a seeded draw; and the log probabilities of the raw logits
+        where a row asked for them ([B, 1, 1 + 2N], else None)."""
+        tables = self.caches.req_slots.penalties
+        processed = apply_penalties(logits, tables, sb.slots, sb.steps) if sb.penalized else logits
+        tokens = sample(processed, sb)
+        if sb.penalized:
+            tables.count(sb.slots, tokens[:, None])
+        lp = pack_logprobs(logits, tokens[:, None], sb.logprobs) if sb.logprobs is not None else None
+        return tokens, lp
+
+    def register_penalties(self, reqs) -> None:
+        """Requests whose logits change before sampling: their rows of the penalty tables (allocated on first
+        use), written when their prefill starts."""
+        reqs = [r for r in reqs if r.params.penalized]
+        if not reqs:
+            return
+        tables = self.caches.req_slots.ensure_penalties(self.vocab_size)
+        for r in reqs:
+            stops = set(r.params.stop_token_ids or ()) | (set() if r.params.ignore_eos else self.eos_ids)
+            tables.register(r.req_slot, r.prompt_ids, r.output_ids, r.params, stops)
 
     def capture_graphs(self, capture_sizes: list[int], verbose: bool = True) -> None:
         """Capture the DECODE pass at these batch sizes: the model forward, the LM head, and the greedy token of
@@ -238,9 +282,9 @@ class ModelWorker:
             out, batch = self.run_staged("decode", sched)  # records the greedy tokens and the new lengths itself
             if all_greedy(sched.reqs):
                 return StepResult(out["greedy"][:, None])
-            tokens = sample(out["logits"], self.sampling_batch(sched, batch))
+            tokens, lp = self.choose(out["logits"], self.sampling_batch(sched, batch))
             self.caches.req_slots.record(batch.req_slots, batch.seq_lens, batch.req_slots, tokens)
-            return StepResult(tokens[:, None])
+            return StepResult(tokens[:, None], logprobs=lp)
         batch = self.build_batch(sched)
         hidden = self.forward_hidden(batch)
         sampled = [r for r, keep in zip(sched.reqs, sched.sample) if keep]
@@ -252,7 +296,7 @@ class ModelWorker:
             self.caches.req_slots.record(batch.req_slots, batch.seq_lens)
             return StepResult(torch.empty(0, 1, dtype=torch.int64, device=self.device))
         logits = self.model.compute_logits(last)
-        tokens = sample(logits, self.sampling_batch(sched, batch, rows, sampled))
+        tokens, lp = self.choose(logits, self.sampling_batch(sched, batch, rows, sampled))
         self.caches.req_slots.record(batch.req_slots, batch.seq_lens,
                                      batch.req_slots if rows is None else batch.req_slots[rows], tokens)
-        return StepResult(tokens[:, None])
+        return StepResult(tokens[:, None], logprobs=lp)

@@ -14,7 +14,8 @@ import torch
 from ..core import ForwardMode, SamplingBatch
 from ..engine.scheduler import ScheduledBatch
 from ..engine.graphs import GraphRunner
-from ..engine.worker import ModelWorker, StepResult, _dev, all_greedy
+from ..engine.worker import ModelWorker, StepResult, _dev, all_greedy, pack_logprobs
+from ..ops.logits import apply_penalties, verify_extra_counts
 from ..ops.sampling import greedy_tokens, sample, sampling_probs, uniform_noise
 from ..ops.triton_utils import use_triton
 from .verify import greedy_accept, rejection_accept
@@ -104,8 +105,11 @@ class SpecWorker:
         tok_idx, row_idx = batch.sample_idx, batch.sample_rows  # in the batch's one copy
         sampled_reqs = [r for r, keep in zip(sched.reqs, sched.sample) if keep]
         sb = tw.sampling_batch(sched, batch, row_idx, sampled_reqs)
-        tokens = (sample(tw.model.compute_logits(hidden[tok_idx]), sb) if sampled_reqs
-                  else torch.empty(0, dtype=torch.int64, device=dev))
+        lp = None
+        if sampled_reqs:
+            tokens, lp = tw.choose(tw.model.compute_logits(hidden[tok_idx]), sb)
+        else:
+            tokens = torch.empty(0, dtype=torch.int64, device=dev)
         tw.caches.req_slots.record(batch.req_slots, batch.seq_lens, batch.req_slots[row_idx], tokens)
         next_ids = batch.input_ids.roll(-1)
         end_vals = _dev(next_host, dev)
@@ -114,7 +118,7 @@ class SpecWorker:
         max_len = max([p + n for p, n, keep in zip(sched.prefix_lens, sched.extend_lens, sched.sample) if keep],
                       default=1)
         self.drafter.after_prefill(tw, batch, hidden, next_ids, tok_idx, row_idx, sb, max_len)
-        return StepResult(tokens[:, None], None)
+        return StepResult(tokens[:, None], None, logprobs=lp)
 
     def _fused_drafter(self) -> bool:
         """Whether the drafter can run inside the fused greedy step (the MTP head: all on the device)."""
@@ -180,7 +184,15 @@ class SpecWorker:
             hidden = tw.forward_hidden(batch)
             logits = tw.model.compute_logits(hidden)
         logits = logits.view(bs, k + 1, -1)
+        raw = logits
         sb = tw.sampling_batch(sched, batch)
+        tables = tw.caches.req_slots.penalties
+        if sb.penalized:  # position i is penalised by the tokens before it, this step's drafts 1..i included
+            per_pos = _repeat(sb, k + 1)
+            steps = per_pos.steps + torch.arange(k + 1, device=logits.device).repeat(bs)
+            extra = verify_extra_counts(drafts, logits.shape[-1]).view(bs * (k + 1), -1)
+            logits = apply_penalties(logits.reshape(bs * (k + 1), -1), tables, per_pos.slots, steps,
+                                     extra).view(bs, k + 1, -1)
         emitted, accepted = greedy_accept(drafts, logits)
         if not sb.all_greedy:
             p = sampling_probs(logits.reshape(bs * (k + 1), -1), _repeat(sb, k + 1)).view(bs, k + 1, -1)
@@ -190,8 +202,12 @@ class SpecWorker:
             emitted = torch.where(sampled[:, None], s_emitted, emitted)
             accepted = torch.where(sampled, s_accepted, accepted)
         emitted, accepted = self._commit(batch, drafts, emitted, accepted)
+        if sb.penalized:
+            valid = torch.arange(k + 1, device=emitted.device)[None, :] <= accepted[:, None]
+            tables.count(sb.slots, emitted, valid)
         self.drafter.after_verify(tw, batch, hidden, emitted, accepted, sb)
-        return StepResult(emitted, accepted + 1)
+        lp = pack_logprobs(raw, emitted, sb.logprobs) if sb.logprobs is not None else None
+        return StepResult(emitted, accepted + 1, logprobs=lp)
 
     def _simulate(self, drafts, emitted, accepted, batch):
         """Force a mean accept length (benchmarks on random weights): a drafts accepted, with a drawn so that
@@ -215,4 +231,5 @@ def _repeat(sb: SamplingBatch, times: int) -> SamplingBatch:
     """The same per-row parameters for every verify position of the row."""
     rep = lambda t: t.repeat_interleave(times)  # noqa: E731
     return SamplingBatch(rep(sb.temperatures), rep(sb.top_p), rep(sb.top_k), rep(sb.seeds), rep(sb.steps),
-                         sb.all_greedy, sb.any_greedy, sb.need_top_k, sb.need_top_p)
+                         sb.all_greedy, sb.any_greedy, sb.need_top_k, sb.need_top_p,
+                         slots=rep(sb.slots), penalized=sb.penalized, logprobs=sb.logprobs)

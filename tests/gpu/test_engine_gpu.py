@@ -86,7 +86,11 @@ def test_decode_graph_equals_eager_and_padding_touches_only_dummies(gpu_ckpt, n)
     free_slots = [s for s in range(1, c.state_pool.num_slots + 1) if s not in used_slots]
     c.state_pool.recurrent[:, free_slots] = float("nan")
     c.state_pool.conv[:, free_slots] = float("nan")
-    owned = torch.cat([loc for r in eng.scheduler.running for loc in r.kv_locs]).to(c.kv_pool.k.device)
+    # a request's locations: the cached prefix it shares (in its req_to_token row) and its own, this step's new ones
+    # included (they reach req_to_token only when the step runs)
+    r2t = c.req_slots.req_to_token
+    owned = torch.cat([r2t[r.req_slot, :r.prefix_len].cpu() for r in eng.scheduler.running]
+                      + [loc for r in eng.scheduler.running for loc in r.kv_locs]).to(c.kv_pool.k.device)
     mask = torch.ones(c.kv_pool.k.shape[1], dtype=torch.bool, device=owned.device)
     mask[owned] = False
     mask[0] = False
