@@ -201,6 +201,7 @@ class Req:
     branch_point: int = 0  # where its tokens leave the cached ones: a prefill chunk ends there, with a snapshot
     use_prefix_cache: bool = True  # False: neither reuses nor adds (Engine.prompt_logits computes every position)
     logprobs: list["TokenLogprobs"] = field(default_factory=list)  # one per output token, when asked for
+    prompt_logprobs: list["TokenLogprobs | None"] = field(default_factory=list)  # per prompt token, when asked for
 
     @property
     def num_tokens(self) -> int:

@@ -122,3 +122,21 @@ def test_offline_n_samples_each_prompt_n_times(ckpt_a):
         for i, c in enumerate(o.outputs):  # choice i is the request seeded seed + i
             alone = llm.generate([p], SamplingParams(max_tokens=6, temperature=1.0, seed=9 + i), use_tqdm=False)
             assert c.token_ids == alone[0].token_ids
+
+
+@pytest.mark.parametrize("spec", [None, "mtp"])
+def test_prompt_logprobs_over_chunks(ckpt_a_mtp, spec):
+    """prompt_logprobs=N: every prompt token after the first, across prefill chunks of 16, against a float64
+    log_softmax of the prompt's logits; the first prompt token has None."""
+    eng = _engine(ckpt_a_mtp, spec)
+    ref = _engine(ckpt_a_mtp)
+    prompts = random_prompts(vocab_of(ckpt_a_mtp), [37, 2, 1], seed=43)
+    outs = _run(eng, prompts, SamplingParams(max_tokens=3, temperature=0, prompt_logprobs=3, logprobs=1))
+    for p, o in zip(prompts, outs):
+        assert len(o.prompt_logprobs) == len(p) and o.prompt_logprobs[0] is None
+        full = ref.prompt_logits(p).double().log_softmax(-1)
+        for i in range(1, len(p)):
+            lp = o.prompt_logprobs[i]
+            assert abs(lp.logprob - full[i - 1, p[i]].item()) < 1e-4
+            assert [t for t, _ in lp.top] == full[i - 1].topk(3).indices.tolist()
+        assert len(o.logprobs) == len(o.token_ids)

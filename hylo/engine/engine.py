@@ -35,7 +35,7 @@ from ..ops.triton_utils import use_triton
 from .graphs import default_capture_sizes
 from .host_reads import HostReads, PendingRead
 from .scheduler import ScheduledBatch, Scheduler
-from .worker import ModelWorker
+from .worker import ModelWorker, prompt_logprob_spans
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -121,6 +121,7 @@ def _unpack_logprobs(bits: list[int], width: int, top_n: int, wanted: int) -> li
 class _Launched:
     plan: ScheduledBatch
     read: PendingRead
+    prompt_read: PendingRead | None = None
 
 
 class Engine:
@@ -235,6 +236,8 @@ class Engine:
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         req = Req(rid=rid, prompt_ids=ids, params=params, seed=seed,
                   prompt=prompt if isinstance(prompt, str) else None,
+                  # prompt log probabilities need every prompt position computed: no cached prefix
+                  use_prefix_cache=params.prompt_logprobs is None,
                   spec=SpecStats() if self.ec.speculative else None, prompt_tensor=torch.tensor(ids, dtype=torch.int64))
         self._reqs[rid] = req
         self.scheduler.add(req)
@@ -268,7 +271,9 @@ class Engine:
             finish_reason=req.finish_reason, finished=req.finished, stop_reason=req.stop_reason,
             spec=req.spec, num_preemptions=req.num_preemptions, error=req.error,
             num_cached_tokens=req.num_cached_tokens,
-            logprobs=list(req.logprobs) if req.params.logprobs is not None else None)
+            logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
+            prompt_logprobs=((list(req.prompt_logprobs) or [None]) if req.params.prompt_logprobs is not None
+                             else None))
 
     def pop_finished(self, request_id: str) -> RequestOutput:
         req = self._reqs.pop(request_id)
@@ -313,8 +318,10 @@ class Engine:
             return None
         self.host_reads.note_launch()
         read = self.host_reads.start(res.host_view())  # one copy for everything the host needs
+        # prompt log probabilities (rare: requests that asked) come back by a second copy of their own
+        prompt_read = self.host_reads.start(res.prompt_logprobs) if res.prompt_logprobs is not None else None
         self.scheduler.step_launched(sched)
-        return _Launched(sched, read)
+        return _Launched(sched, read, prompt_read)
 
     def _complete(self, launched: "_Launched") -> list[Req]:
         """Read a launched step's results (waiting on its event) and apply them: tokens, stop rules, freeing."""
@@ -325,6 +332,8 @@ class Engine:
         top_n = max((r.params.logprobs for r, keep in zip(sched.reqs, sched.sample)
                      if keep and r.params.logprobs is not None), default=None)
         updated = []
+        if launched.prompt_read is not None:
+            self._apply_prompt_logprobs(sched, launched.prompt_read.wait())
         for i, (req, n, keep) in enumerate(zip(sched.reqs, sched.extend_lens, sched.sample)):
             committed = n
             if keep:
@@ -345,6 +354,21 @@ class Engine:
                     req.extra_ids.extend(new[:count])
             self.scheduler.step_done(sched, i, committed)
         return updated
+
+    @staticmethod
+    def _apply_prompt_logprobs(sched: ScheduledBatch, values: list[list[float]]) -> None:
+        """Each prefill chunk's prompt log probabilities into its request's list (the first prompt token has
+        none: nothing precedes it)."""
+        at = 0
+        for i, _, count in prompt_logprob_spans(sched):
+            req, wanted = sched.reqs[i], sched.reqs[i].params.prompt_logprobs
+            top_n = max(sched.reqs[j].params.prompt_logprobs for j, _, _ in prompt_logprob_spans(sched))
+            if not req.prompt_logprobs:
+                req.prompt_logprobs.append(None)
+            for r in values[at:at + count]:
+                req.prompt_logprobs.append(TokenLogprobs(r[0], [(int(r[1 + top_n + j]), r[1 + j])
+                                                                for j in range(wanted)]))
+            at += count
 
     def _apply_row(self, req: Req, new: list[int], count: int, verify: bool, lps: list | None = None) -> None:
         appended = 0

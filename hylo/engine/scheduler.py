@@ -366,6 +366,7 @@ class Scheduler:
             req.status = ReqStatus.RUNNING
             req.num_computed = req.num_kv = req.prefix_len = req.state_len = req.last_snapshot = 0
             req.extra_ids = []
+            req.prompt_logprobs = []  # computed again from the first position (after a preemption too)
             req.decoding = False
             req.arrival = self._arrivals
             self._arrivals += 1

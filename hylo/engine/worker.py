@@ -30,6 +30,8 @@ class StepResult:
     counts: torch.Tensor | None = None  # [S] int64
     packed: torch.Tensor | None = None  # [S, W + 1]: tokens then counts, when the step wrote them as one tensor
     logprobs: torch.Tensor | None = None
+    # prompt log probabilities of the EXTEND rows that asked for them, [P, 1 + 2N] (``ModelWorker.prompt_logprobs``)
+    prompt_logprobs: torch.Tensor | None = None
 
     @classmethod
     def from_packed(cls, packed: torch.Tensor) -> "StepResult":
@@ -52,6 +54,19 @@ def all_greedy(reqs) -> bool:
     """Whether every request decodes greedily (temperature 0) with nothing else to do with its logits: no
     penalty or bias changes them and none asks for log probabilities (the graphs' greedy token is then final)."""
     return all(r.params.temperature == 0 and not r.params.penalized and r.params.logprobs is None for r in reqs)
+
+
+def prompt_logprob_spans(sched: ScheduledBatch) -> list[tuple[int, int, int]]:
+    """(row, first position, positions) of the fed prompt positions whose next token is a prompt token, for the
+    prefill rows of requests that asked for prompt log probabilities."""
+    out = []
+    for i, (req, n, p, dev) in enumerate(zip(sched.reqs, sched.extend_lens, sched.prefix_lens, sched.from_device)):
+        if dev or req.params.prompt_logprobs is None:
+            continue
+        count = min(p + n, len(req.prompt_ids) - 1) - p
+        if count > 0:
+            out.append((i, p, count))
+    return out
 
 
 def pack_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top_n: int) -> torch.Tensor:
@@ -233,6 +248,21 @@ class ModelWorker:
         lp = pack_logprobs(logits, tokens[:, None], sb.logprobs) if sb.logprobs is not None else None
         return tokens, lp
 
+    def prompt_logprobs(self, sched: ScheduledBatch, hidden: torch.Tensor) -> torch.Tensor | None:
+        """For the prefill rows whose requests asked for prompt log probabilities: at every fed position that is
+        followed by another prompt token, that token's log probability and the top N ([P, 1 + 2N] in row order,
+        ``prompt_logprob_spans`` says which rows and positions). None when no row asked."""
+        spans = prompt_logprob_spans(sched)
+        if not spans:
+            return None
+        top_n = max(sched.reqs[i].params.prompt_logprobs for i, _, _ in spans)
+        starts = [sum(sched.extend_lens[:i]) for i in range(len(sched.reqs))]
+        idx = torch.cat([torch.arange(starts[i], starts[i] + n) for i, _, n in spans])
+        targets = torch.cat([sched.reqs[i].token_tensor(p + 1, p + 1 + n) for i, p, n in spans])
+        dev_idx = to_device(torch.stack([idx, targets]), self.device)
+        logits = self.model.compute_logits(hidden[dev_idx[0]])
+        return pack_logprobs(logits, dev_idx[1][:, None], top_n)[:, 0]
+
     def register_penalties(self, reqs) -> None:
         """Requests whose logits change before sampling: their rows of the penalty tables (allocated on first
         use), written when their prefill starts."""
@@ -287,6 +317,7 @@ class ModelWorker:
             return StepResult(tokens[:, None], logprobs=lp)
         batch = self.build_batch(sched)
         hidden = self.forward_hidden(batch)
+        prompt_lp = self.prompt_logprobs(sched, hidden) if batch.mode is ForwardMode.EXTEND else None
         sampled = [r for r, keep in zip(sched.reqs, sched.sample) if keep]
         if batch.mode is ForwardMode.DECODE:
             last, rows = hidden, None
@@ -294,9 +325,9 @@ class ModelWorker:
             last, rows = hidden[batch.sample_idx], batch.sample_rows
         if not sampled:
             self.caches.req_slots.record(batch.req_slots, batch.seq_lens)
-            return StepResult(torch.empty(0, 1, dtype=torch.int64, device=self.device))
+            return StepResult(torch.empty(0, 1, dtype=torch.int64, device=self.device), prompt_logprobs=prompt_lp)
         logits = self.model.compute_logits(last)
         tokens, lp = self.choose(logits, self.sampling_batch(sched, batch, rows, sampled))
         self.caches.req_slots.record(batch.req_slots, batch.seq_lens,
                                      batch.req_slots if rows is None else batch.req_slots[rows], tokens)
-        return StepResult(tokens[:, None], logprobs=lp)
+        return StepResult(tokens[:, None], logprobs=lp, prompt_logprobs=prompt_lp)

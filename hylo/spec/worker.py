@@ -118,7 +118,7 @@ class SpecWorker:
         max_len = max([p + n for p, n, keep in zip(sched.prefix_lens, sched.extend_lens, sched.sample) if keep],
                       default=1)
         self.drafter.after_prefill(tw, batch, hidden, next_ids, tok_idx, row_idx, sb, max_len)
-        return StepResult(tokens[:, None], None, logprobs=lp)
+        return StepResult(tokens[:, None], None, logprobs=lp, prompt_logprobs=tw.prompt_logprobs(sched, hidden))
 
     def _fused_drafter(self) -> bool:
         """Whether the drafter can run inside the fused greedy step (the MTP head: all on the device)."""
