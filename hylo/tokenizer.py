@@ -18,8 +18,10 @@ CHATML_TEMPLATE = (
 class _TemplateMixin:
     chat_template: str | None = None
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Render chat messages to a prompt string with the tokenizer's template (ChatML if it has none)."""
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            extra: dict | None = None) -> str:
+        """Render chat messages to a prompt string with the tokenizer's template (ChatML if it has none);
+        ``extra``: more template variables (a request's ``chat_template_kwargs``, e.g. ``enable_thinking``)."""
         import jinja2
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -30,8 +32,9 @@ class _TemplateMixin:
         env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: \
             json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
         template = env.from_string(self.chat_template or CHATML_TEMPLATE)
-        return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                               bos_token="", eos_token="")
+        values = dict(extra or {})
+        values.update(messages=messages, add_generation_prompt=add_generation_prompt, bos_token="", eos_token="")
+        return template.render(**values)
 
 
 def _raise(message):
@@ -57,6 +60,17 @@ class HFTokenizer(_TemplateMixin):
 
     def token_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (a byte-level BPE token may be part of a UTF-8 character)."""
+        piece = self._tok.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if token_id in self.special_ids:
+            return piece.encode("utf-8")
+        if all(c in _UNICODE_TO_BYTE for c in piece):  # the byte-level alphabet: one character per byte
+            return bytes(_UNICODE_TO_BYTE[c] for c in piece)
+        return self._tok.decode([token_id], skip_special_tokens=False).encode("utf-8")
 
 
 class ByteTokenizer(_TemplateMixin):
@@ -87,6 +101,27 @@ class ByteTokenizer(_TemplateMixin):
 
     def token_id(self, token: str) -> int | None:
         return 256 + BYTE_SPECIALS.index(token) if token in BYTE_SPECIALS else None
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return bytes([token_id]) if token_id < 256 else BYTE_SPECIALS[token_id - 256].encode("utf-8")
+
+
+def _byte_alphabet() -> dict[str, int]:
+    """Byte-level BPE's map from the printable characters it writes bytes as back to the bytes (GPT-2's scheme:
+    printable bytes stand for themselves, the others for the characters from U+0100 on, in order)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    out, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            out[chr(b)] = b
+        else:
+            out[chr(256 + extra)] = b
+            extra += 1
+    return out
+
+
+_UNICODE_TO_BYTE = _byte_alphabet()
 
 
 def _read_chat_template(path: str) -> str | None:

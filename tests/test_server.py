@@ -159,7 +159,14 @@ def test_bad_requests_get_error_objects(server):
         (json.dumps({"prompt": "y" * 5000}).encode(), 400, "prompt"),
         (json.dumps({"prompt": 5}).encode(), 400, "prompt"),
         (json.dumps({"prompt": "x", "n": 0}).encode(), 400, "n"),
-        (json.dumps({"prompt": "x", "logprobs": 3}).encode(), 400, "logprobs"),
+        (json.dumps({"prompt": "x", "logprobs": 21}).encode(), 400, "logprobs"),
+        (json.dumps({"prompt": "x", "response_format": {"type": "json_object"}}).encode(), 400, "response_format"),
+        (json.dumps({"prompt": "x", "use_beam_search": True}).encode(), 400, "use_beam_search"),
+        (json.dumps({"prompt": "x", "stop_regex": ["a+"]}).encode(), 400, "stop_regex"),
+        (json.dumps({"prompt": "x", "frobnicate": 1}).encode(), 400, "frobnicate"),
+        (json.dumps({"prompt": "x", "stream_options": {"include_usage": True}}).encode(), 400, "stream_options"),
+        (json.dumps({"prompt": "x", "logit_bias": {"abc": 1}}).encode(), 400, "logit_bias"),
+        (json.dumps({"prompt": "x", "max_tokens": 10 ** 6}).encode(), 400, "max_tokens"),
         (json.dumps({"prompt": "x", "model": "gpt-4"}).encode(), 404, "model"),
         (json.dumps({"prompt": "x" * (2 << 20)}).encode(), 413, None),
     ]
@@ -194,7 +201,7 @@ def test_32_concurrent_streams_with_disconnects_and_bad_requests(server):
         return n, usage.completion_tokens
 
     async def quitter(i):
-        body = {"prompt": f"leaving {i}", "max_tokens": 5000, "stream": True, "ignore_eos": True}
+        body = {"prompt": f"leaving {i}", "max_tokens": 4000, "stream": True, "ignore_eos": True}
         async with httpx.AsyncClient(timeout=30) as http:
             async with http.stream("POST", f"{server}/v1/completions", json=body,
                                    headers={"Authorization": f"Bearer {KEY}"}) as r:
@@ -249,7 +256,8 @@ def test_openapi_schema_validates_the_requests(server):
     for schema, body in accepted:
         jsonschema.validate(body, schema)
         path = "/v1/completions" if schema is completion else "/v1/chat/completions"
-        r = httpx.post(f"{server}{path}", json={**body, "stream": False, "max_tokens": 2}, headers=h)
+        plain = {k: v for k, v in body.items() if k != "stream_options"}  # only allowed with stream: true
+        r = httpx.post(f"{server}{path}", json={**plain, "stream": False, "max_tokens": 2}, headers=h)
         assert r.status_code == 200, r.text
     for schema, body in [(completion, {"prompt": 5}), (chat, {"messages": "hi"}), (completion, {"max_tokens": 2})]:
         with pytest.raises(jsonschema.ValidationError):

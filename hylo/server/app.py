@@ -7,21 +7,22 @@ or while waiting for a full response) has its requests aborted at once, which fr
 
 from __future__ import annotations
 
-import asyncio
+import dataclasses
 import json
 import secrets
 from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.engine import Engine
-from .engine_thread import Delta, EngineThread
+from .engine_thread import EngineThread
 from .metrics import Metrics
-from .protocol import (DEFAULT_COMPLETION_MAX_TOKENS, APIError, ChatCompletionRequest, CompletionRequest, error_body,
-                       new_id, now, usage)
+from .protocol import (DEFAULT_COMPLETION_MAX_TOKENS, APIError, ChatCompletionRequest, CompletionRequest,
+                       DetokenizeRequest, TokenizeRequest, error_body)
+from .serving import Formatter, serve
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 
@@ -89,10 +90,13 @@ def create_app(engine: Engine, api_key: str | None = None, served_model_name: st
     # ---- errors ---------------------------------------------------------------------------------------------------
     @app.exception_handler(APIError)
     async def _api_error(request, exc: APIError):
+        if exc.status not in (401, 403) and exc.status < 500:
+            metrics.rejected += 1
         return JSONResponse(exc.body(), status_code=exc.status)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request, exc: RequestValidationError):
+        metrics.rejected += 1
         errors = exc.errors()
         err = errors[0] if errors else {}
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
@@ -142,33 +146,94 @@ def create_app(engine: Engine, api_key: str | None = None, served_model_name: st
     async def get_metrics():
         return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
 
+    def model_card() -> dict:
+        return {"id": model_name, "object": "model", "created": 0, "owned_by": "hylo",
+                "max_model_len": engine.max_model_len}
+
     @app.get("/v1/models", dependencies=[Depends(authorize)])
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "hylo",
-                                            "max_model_len": engine.max_model_len}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}", dependencies=[Depends(authorize)])
+    async def model(model_id: str):
+        check_model(model_id)
+        return model_card()
+
+    @app.get("/version")
+    async def version():
+        return {"version": _version()}
+
+    def tokenizer():
+        if engine.tokenizer is None:
+            raise APIError("this model has no tokenizer", param="model")
+        return engine.tokenizer
+
+    def chat_prompt(body: ChatCompletionRequest) -> str:
+        try:
+            return tokenizer().apply_chat_template(body.rendered_messages(),
+                                                   add_generation_prompt=body.add_generation_prompt,
+                                                   extra=body.chat_template_kwargs)
+        except APIError:
+            raise
+        except Exception as e:  # a template may raise on messages it does not accept
+            raise APIError(f"the chat template rejected the messages: {e}", param="messages") from None
+
+    @app.post("/tokenize", dependencies=[Depends(authorize)])
+    async def tokenize(body: TokenizeRequest):
+        check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError("give either 'prompt' or 'messages'", param="prompt")
+        if body.messages is not None:
+            text = chat_prompt(ChatCompletionRequest(messages=body.messages,
+                                                     add_generation_prompt=body.add_generation_prompt))
+        else:
+            text = body.prompt
+        ids = tokenizer().encode(text)
+        out = {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
+        if body.return_token_strs:
+            out["token_strs"] = [tokenizer().token_bytes(t).decode("utf-8", errors="replace") for t in ids]
+        return out
+
+    @app.post("/detokenize", dependencies=[Depends(authorize)])
+    async def detokenize(body: DetokenizeRequest):
+        check_model(body.model)
+        vocab = engine.model_config.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})", param="tokens")
+        return {"prompt": tokenizer().decode(body.tokens)}
 
     @app.post("/v1/completions", dependencies=[Depends(authorize)])
     async def completions(body: CompletionRequest, request: Request):
         check_model(body.model)
-        prompts = [_encode(engine, p) for p in body.prompts()]
+        raw = body.prompts()
+        prompts = [_encode(engine, p) for p in raw]
         params = body.choice_params(DEFAULT_COMPLETION_MAX_TOKENS)
-        return await _serve(request, runner, "cmpl", "text_completion", model_name, prompts, params, body, chat=False)
+        for p in prompts:
+            _check_room(engine, p, params[0].max_tokens, explicit=body.max_tokens is not None)
+        if body.max_tokens is None:  # OpenAI's default of 16, within the room the shortest prompt leaves
+            room = min(engine.max_model_len - len(p) for p in prompts)
+            params = [dataclasses.replace(sp, max_tokens=min(sp.max_tokens, room)) for sp in params]
+        echo = None
+        if body.echo:
+            echo = [p if isinstance(p, str) else (engine.tokenizer.decode(ids) if engine.tokenizer else "")
+                    for p, ids in zip(raw, prompts)]
+        return await serve(request, runner, "cmpl", "text_completion", model_name, prompts, params, body,
+                           chat=False, fmt=Formatter(engine.tokenizer, body.return_tokens_as_token_ids),
+                           echo_texts=echo)
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_model(body.model)
         if engine.tokenizer is None:
             raise APIError("this model has no tokenizer, which chat needs", param="messages")
-        try:
-            text = engine.tokenizer.apply_chat_template(body.rendered_messages(), add_generation_prompt=True)
-        except APIError:
-            raise
-        except Exception as e:  # a template may raise on messages it does not accept
-            raise APIError(f"the chat template rejected the messages: {e}", param="messages") from None
-        prompt = _encode(engine, text)
-        params = body.choice_params(engine.max_model_len)
-        return await _serve(request, runner, "chatcmpl", "chat.completion", model_name, [prompt], params, body,
-                            chat=True)
+        prompt = _encode(engine, chat_prompt(body))
+        room = engine.max_model_len - len(prompt)
+        given = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        _check_room(engine, prompt, given if given is not None else room, explicit=given is not None)
+        params = body.choice_params(room)  # without max_tokens: the room the prompt leaves
+        return await serve(request, runner, "chatcmpl", "chat.completion", model_name, [prompt], params, body,
+                           chat=True, fmt=Formatter(engine.tokenizer, body.return_tokens_as_token_ids))
 
     if max_body_bytes:
         app.add_middleware(BodyLimit, limit=max_body_bytes)
@@ -181,6 +246,15 @@ def _version() -> str:
     return __version__
 
 
+def _check_room(engine: Engine, prompt: list[int], max_tokens: int, explicit: bool) -> None:
+    """A max_tokens the context cannot hold is refused, naming both numbers (never clamped silently)."""
+    room = engine.max_model_len - len(prompt)
+    if explicit and max_tokens > room:
+        raise APIError(f"max_tokens is {max_tokens}, but the prompt has {len(prompt)} tokens and the context limit "
+                       f"(max_model_len) is {engine.max_model_len}: at most {room} tokens fit",
+                       param="max_tokens", code="context_length_exceeded")
+
+
 def _encode(engine: Engine, prompt) -> list[int]:
     try:
         return engine.encode_prompt(prompt)
@@ -188,151 +262,3 @@ def _encode(engine: Engine, prompt) -> list[int]:
         msg = str(e)
         code = "context_length_exceeded" if "context limit" in msg else None
         raise APIError(msg, param="prompt", code=code) from None
-
-
-async def _watch_disconnect(request: Request) -> None:
-    while not await request.is_disconnected():
-        await asyncio.sleep(0.05)
-
-
-async def _serve(request: Request, runner: EngineThread, id_prefix: str, obj: str, model: str,
-                 prompts: list[list[int]], params: list, body, chat: bool):
-    """Submit one request per (prompt, choice) and answer with one response or a stream."""
-    rid = new_id(id_prefix)
-    created = now()
-    jobs = [(i * len(params) + j, prompt, p) for i, prompt in enumerate(prompts) for j, p in enumerate(params)]
-    queues = {index: runner.submit(f"{rid}-{index}", prompt, p) for index, prompt, p in jobs}
-    prompt_tokens = sum(len(p) for p in prompts)
-    if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(_stream(runner, rid, created, model, obj, queues, prompt_tokens, include_usage, chat,
-                                         len(params)),
-                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-    collect = asyncio.ensure_future(asyncio.gather(*(_collect(q) for q in queues.values())))
-    collect.add_done_callback(_retrieved)
-    watcher = asyncio.ensure_future(_watch_disconnect(request))
-    watcher.add_done_callback(_retrieved)
-    try:
-        await asyncio.wait({collect, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:  # the server gave up on the handler (the client went away, or shutdown)
-        _abandon(runner, rid, queues, collect)
-        raise
-    finally:
-        watcher.cancel()
-    if not collect.done():  # the client left: free its slots now
-        _abandon(runner, rid, queues, collect)
-        return JSONResponse(error_body("client disconnected"), status_code=499)
-    results = collect.result()
-    failed = [r for r in results if r.error]
-    if failed:
-        for index in queues:
-            runner.abort(f"{rid}-{index}")
-        worst = max(failed, key=lambda r: r.status)
-        raise APIError(worst.error, status=worst.status,
-                       type="server_error" if worst.status >= 500 else "invalid_request_error")
-    choices = []
-    for index, r in zip(queues, results):
-        if chat:
-            choice = {"index": index, "message": {"role": "assistant", "content": r.text}, "logprobs": None,
-                      "finish_reason": r.finish_reason}
-        else:
-            choice = {"index": index, "text": r.text, "logprobs": None, "finish_reason": r.finish_reason}
-            if body.return_token_ids:
-                choice["prompt_token_ids"] = prompts[index // len(params)]
-        if body.return_token_ids:
-            choice["token_ids"] = r.token_ids
-        choices.append(choice)
-    completion_tokens = sum(r.completion_tokens for r in results)
-    # each prompt counts once (its first choice), as prompt_tokens does
-    cached = sum(r.cached_tokens for index, r in zip(queues, results) if index % len(params) == 0)
-    response = {"id": rid, "object": obj, "created": created, "model": model, "choices": choices,
-                "usage": usage(prompt_tokens, completion_tokens, cached)}
-    if chat and body.return_token_ids:
-        response["prompt_token_ids"] = prompts[0]
-    return response
-
-
-def _retrieved(future: asyncio.Future) -> None:
-    """A done callback that takes a finished task's exception, so that none is logged as 'never retrieved'."""
-    if not future.cancelled():
-        future.exception()
-
-
-def _abandon(runner: EngineThread, rid: str, queues: dict, collect: asyncio.Future) -> None:
-    """Stop waiting for a response nobody will read, and free its requests' slots."""
-    collect.cancel()
-    for index in queues:
-        runner.abort(f"{rid}-{index}")
-
-
-async def _collect(q: asyncio.Queue) -> Delta:
-    total = Delta()
-    while True:
-        d: Delta = await q.get()
-        total.text += d.text
-        total.token_ids += d.token_ids
-        total.completion_tokens = d.completion_tokens or total.completion_tokens
-        total.cached_tokens = d.cached_tokens or total.cached_tokens
-        if d.error:
-            total.error, total.status = d.error, d.status
-            return total
-        if d.finish_reason is not None:
-            total.finish_reason = d.finish_reason
-            return total
-
-
-async def _stream(runner: EngineThread, rid: str, created: int, model: str, obj: str, queues: dict,
-                  prompt_tokens: int, include_usage: bool, chat: bool, choices_per_prompt: int):
-    """Server-sent events in OpenAI's chunk format; aborts every unfinished choice if the client goes away."""
-    merged: asyncio.Queue = asyncio.Queue()
-
-    async def forward(index, q):
-        while True:
-            d = await q.get()
-            await merged.put((index, d))
-            if d.error or d.finish_reason is not None:
-                return
-
-    chunk_obj = obj + ".chunk" if chat else obj
-    tasks = [asyncio.ensure_future(forward(i, q)) for i, q in queues.items()]
-    open_choices = set(queues)
-    completion_tokens = cached = 0
-
-    def chunk(choices, extra=None):
-        data = {"id": rid, "object": chunk_obj, "created": created, "model": model, "choices": choices}
-        if include_usage:
-            data["usage"] = None
-        data.update(extra or {})
-        return f"data: {json.dumps(data)}\n\n"
-
-    try:
-        if chat:  # the role comes first, as OpenAI sends it
-            yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                          "finish_reason": None} for i in queues])
-        while open_choices:
-            index, d = await merged.get()
-            if d.error:
-                kind = "server_error" if d.status >= 500 else "invalid_request_error"
-                yield f"data: {json.dumps(error_body(d.error, type=kind))}\n\n"
-                open_choices.discard(index)
-                continue
-            if d.finish_reason is not None:
-                open_choices.discard(index)
-                completion_tokens += d.completion_tokens
-                cached += d.cached_tokens if index % choices_per_prompt == 0 else 0
-            if d.text or d.finish_reason is not None:
-                if chat:
-                    delta = {"content": d.text} if d.text else {}
-                    yield chunk([{"index": index, "delta": delta, "logprobs": None,
-                                  "finish_reason": d.finish_reason}])
-                else:
-                    yield chunk([{"index": index, "text": d.text, "logprobs": None,
-                                  "finish_reason": d.finish_reason}])
-        if include_usage:
-            yield chunk([], {"usage": usage(prompt_tokens, completion_tokens, cached)})
-        yield "data: [DONE]\n\n"
-    finally:
-        for t in tasks:
-            t.cancel()
-        for index in open_choices:  # the client went away mid-stream: free the slots now
-            runner.abort(f"{rid}-{index}")

@@ -32,6 +32,8 @@ class Delta:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens reused from the prefix cache
+    logprobs: list = field(default_factory=list)  # TokenLogprobs of ``token_ids``, when the request asked
+    prompt_logprobs: list | None = None  # on the first delta of a request that asked for them
     error: str | None = None
     status: int = 400  # the HTTP status of ``error``: 400 for a request the engine refused, 500 for its own failure
 
@@ -45,6 +47,7 @@ class _Stream:
     sent_chars: int = 0
     started: float = 0.0
     last_token_at: float | None = None
+    sent_prompt: bool = False  # its prompt log probabilities went out
 
 
 class EngineThread:
@@ -171,7 +174,12 @@ class EngineThread:
             safe = max(stream.sent_chars, len(text) - max(len(s) for s in req.params.stop_strings) + 1)
         delta = Delta(text=text[stream.sent_chars:safe], token_ids=list(new_tokens),
                       prompt_tokens=len(req.prompt_ids), completion_tokens=len(req.output_ids),
-                      cached_tokens=req.num_cached_tokens)
+                      cached_tokens=req.num_cached_tokens,
+                      logprobs=req.logprobs[stream.sent_tokens:len(req.output_ids)] if req.params.logprobs is not None
+                      else [])
+        if req.params.prompt_logprobs is not None and not stream.sent_prompt and (new_tokens or req.finished):
+            delta.prompt_logprobs = list(req.prompt_logprobs) or [None]
+            stream.sent_prompt = True
         stream.sent_tokens = len(req.output_ids)
         stream.sent_chars = max(stream.sent_chars, safe)
         if req.error is not None:

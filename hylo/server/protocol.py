@@ -43,6 +43,30 @@ def error_body(message: str, type: str = "invalid_request_error", param: str | N
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = Field(False, description="vLLM extension: usage in every chunk")
+
+
+# Fields of OpenAI's and vLLM's request schemas that hylo does not implement, with the values that mean "not used":
+# a request that sets one to anything else is refused by name (a 400), never silently served without it.
+NOT_IMPLEMENTED = {
+    "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type") in (None, "text")),
+    "structured_outputs": lambda v: v is None,
+    "guided_json": lambda v: v is None, "guided_regex": lambda v: v is None, "guided_choice": lambda v: v is None,
+    "guided_grammar": lambda v: v is None, "guided_decoding_backend": lambda v: v is None,
+    "use_beam_search": lambda v: v in (None, False), "length_penalty": lambda v: v in (None, 1, 1.0),
+    "stop_regex": lambda v: not v, "continue_final_message": lambda v: v in (None, False),
+    "tools": lambda v: not v, "tool_choice": lambda v: v in (None, "none"), "functions": lambda v: not v,
+    "function_call": lambda v: v in (None, "none"), "parallel_tool_calls": lambda v: True,
+    "min_p": lambda v: v in (None, 0, 0.0), "truncate_prompt_tokens": lambda v: v is None,
+    "include_stop_str_in_output": lambda v: v in (None, False), "skip_special_tokens": lambda v: v in (None, True),
+    "spaces_between_special_tokens": lambda v: v in (None, True), "chat_template": lambda v: v is None,
+    "documents": lambda v: not v, "add_special_tokens": lambda v: v in (None, False), "suffix": lambda v: not v,
+    "reasoning_effort": lambda v: v is None, "modalities": lambda v: v in (None, ["text"]),
+    "audio": lambda v: v is None, "prediction": lambda v: v is None, "web_search_options": lambda v: v is None,
+    "bad_words": lambda v: not v, "allowed_token_ids": lambda v: v is None,
+}
+# accepted and without effect on the output (OpenAI's bookkeeping fields)
+IGNORED = {"user", "store", "metadata", "service_tier", "request_id", "priority"}
 
 
 class _SamplingFields(BaseModel):
@@ -54,46 +78,69 @@ class _SamplingFields(BaseModel):
     temperature: float | None = None
     top_p: float | None = None
     top_k: Annotated[int, Field(ge=-1, le=INT64_MAX)] | None = Field(
-        None, description="hylo extension: sample from the k most likely tokens (0 or -1: all)")
+        None, description="vLLM extension: sample from the k most likely tokens (0 or -1: all)")
     seed: Int64 | None = None
     stop: Union[str, list[str], None] = None
-    stop_token_ids: list[Count] | None = Field(None, description="hylo extension: token ids that end the output")
-    ignore_eos: bool = Field(False, description="hylo extension: keep going past the end-of-sequence token")
+    stop_token_ids: list[Count] | None = Field(None, description="vLLM extension: token ids that end the output")
+    ignore_eos: bool = Field(False, description="vLLM extension: keep going past the end-of-sequence token")
+    min_tokens: Count = Field(0, description="vLLM extension: no stop before this many tokens")
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = Field(None, description="vLLM extension: divide the logits of tokens seen "
+                                                                "in the prompt or output (1: none)")
+    logit_bias: dict[str, float] | None = None
+    prompt_logprobs: Annotated[int, Field(ge=0, le=20)] | None = Field(
+        None, description="vLLM extension: the prompt tokens' log probabilities and this many alternatives")
     return_token_ids: bool = Field(False, description="vLLM extension: each choice's token_ids and its prompt's "
                                                       "prompt_token_ids in the response")
+    return_tokens_as_token_ids: bool = Field(False, description="vLLM extension: logprob tokens as 'token_id:ID'")
     n: Annotated[int, Field(ge=1, le=128)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    # accepted at their neutral values only
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logprobs: Union[bool, Annotated[int, Field(ge=0, le=20)], None] = None
-    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
-    logit_bias: dict[str, float] | None = None
-    user: str | None = None
 
-    def _check_unsupported(self) -> None:
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            if value not in (None, 0, 0.0):
-                raise APIError(f"{name} is not supported by hylo (only 0)", param=name, code="unsupported_parameter")
-        if self.logprobs not in (None, False, 0):
-            raise APIError("logprobs are not supported by hylo", param="logprobs", code="unsupported_parameter")
-        if self.top_logprobs not in (None, 0):
-            raise APIError("top_logprobs is not supported by hylo", param="top_logprobs",
-                           code="unsupported_parameter")
-        if self.logit_bias:
-            raise APIError("logit_bias is not supported by hylo", param="logit_bias", code="unsupported_parameter")
+    def check_fields(self) -> None:
+        """Refuse what hylo does not implement, by name: unknown fields and the not-implemented ones set."""
+        for name, value in (self.model_extra or {}).items():
+            if name in IGNORED:
+                continue
+            if name in NOT_IMPLEMENTED:
+                if not NOT_IMPLEMENTED[name](value):
+                    raise APIError(f"{name} is not supported by hylo", param=name, code="unsupported_parameter")
+                continue
+            raise APIError(f"unknown field {name!r}", param=name, code="unknown_parameter")
+        if self.stream_options is not None and not self.stream:
+            raise APIError("stream_options is only allowed with stream: true", param="stream_options")
+
+    def logprobs_n(self) -> int | None:
+        """How many alternatives per generated token the request wants (None: no log probabilities)."""
+        raise NotImplementedError
 
     def choice_params(self, default_max_tokens: int) -> list[SamplingParams]:
         """Sampling parameters for each of the ``n`` choices (a seeded request gives choice i the seed + i, so
         that the choices differ and the whole response is reproducible)."""
-        self._check_unsupported()
+        self.check_fields()
         return [self._sampling_params(default_max_tokens, i) for i in range(self.n)]
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        if not self.logit_bias:
+            return None
+        out = {}
+        for key, value in self.logit_bias.items():
+            try:
+                tok = int(key)
+            except ValueError:
+                raise APIError(f"logit_bias: key {key!r} is not a token id", param="logit_bias") from None
+            if tok < 0:
+                raise APIError(f"logit_bias: key {key!r} is not a token id", param="logit_bias")
+            if not (math.isfinite(value) and -100 <= value <= 100):
+                raise APIError(f"logit_bias[{key!r}] must be between -100 and 100, got {value}", param="logit_bias")
+            out[tok] = float(value)
+        return out
 
     def _sampling_params(self, default_max_tokens: int, n_index: int) -> SamplingParams:
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        for name, value in (("temperature", self.temperature), ("top_p", self.top_p)):
+        for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            value = getattr(self, name)
             if value is not None and not math.isfinite(value):
                 raise APIError(f"{name} must be a finite number, got {value}", param=name)
         if self.temperature is not None and self.temperature > 2.0 + 1e-9:
@@ -108,10 +155,21 @@ class _SamplingFields(BaseModel):
                 stop=self.stop or None,
                 stop_token_ids=self.stop_token_ids,
                 ignore_eos=self.ignore_eos,
+                min_tokens=self.min_tokens,
+                presence_penalty=self.presence_penalty or 0.0,
+                frequency_penalty=self.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+                logit_bias=self._logit_bias(),
+                logprobs=self.logprobs_n(),
+                prompt_logprobs=self.prompt_logprobs_n(),
             )
         except ValueError as e:
             msg = str(e)
-            raise APIError(msg, param=msg.split(" ", 1)[0]) from None
+            param = msg.split(" ", 1)[0].split("[", 1)[0].rstrip(":")
+            raise APIError(msg, param=param) from None
+
+    def prompt_logprobs_n(self) -> int | None:
+        return self.prompt_logprobs
 
 
 def _wrap_int64(value: int) -> int:
@@ -122,15 +180,21 @@ def _wrap_int64(value: int) -> int:
 class CompletionRequest(_SamplingFields):
     prompt: Union[str, list[str], list[int], list[list[int]]]
     echo: bool = False
-    suffix: str | None = None
     best_of: int | None = None
+    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+
+    def logprobs_n(self) -> int | None:
+        return self.logprobs
+
+    def prompt_logprobs_n(self) -> int | None:
+        # echo with logprobs scores the prompt too
+        if self.echo and self.logprobs is not None:
+            return max(self.logprobs, self.prompt_logprobs or 0)
+        return self.prompt_logprobs
 
     def prompts(self) -> list:
         """The prompts, each a string or a list of token ids."""
-        if self.echo:
-            raise APIError("echo is not supported by hylo", param="echo", code="unsupported_parameter")
-        if self.suffix:
-            raise APIError("suffix is not supported by hylo", param="suffix", code="unsupported_parameter")
+        self.check_fields()
         if self.best_of not in (None, 1, self.n):
             raise APIError("best_of is not supported by hylo", param="best_of", code="unsupported_parameter")
         p = self.prompt
@@ -186,12 +250,40 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(..., min_length=1)
-    tools: list | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    add_generation_prompt: bool = Field(True, description="vLLM extension: end the prompt with the assistant's turn")
+    chat_template_kwargs: dict | None = Field(None, description="vLLM extension: extra variables for the chat "
+                                                                "template (e.g. enable_thinking)")
+
+    def logprobs_n(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def rendered_messages(self) -> list[dict]:
-        if self.tools:
-            raise APIError("tools are not supported by hylo", param="tools", code="unsupported_parameter")
+        self.check_fields()
         return [{"role": m.role, "content": m.text(i)} for i, m in enumerate(self.messages)]
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's ``/tokenize``: a prompt, or chat messages rendered with the chat template first."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    tokens: list[Int64]
 
 
 # ---- responses -------------------------------------------------------------------------------------------------

@@ -1,0 +1,277 @@
+"""Serving one completions or chat request: its choices submitted to the engine thread, then one response or a
+stream of chunks in OpenAI's shapes, log probabilities included. A client that goes away has its requests aborted
+at once (their slots freed), and no task of it is left with an exception nobody reads."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from .engine_thread import Delta, EngineThread
+from .protocol import APIError, error_body, new_id, now, usage
+
+NEG_INF_LOGPROB = -9999.0  # a log probability of -inf, as JSON can carry it (vLLM's convention)
+
+
+class Formatter:
+    """Token strings and log-probability objects for one request's responses."""
+
+    def __init__(self, tokenizer, as_ids: bool):
+        self.tokenizer, self.as_ids = tokenizer, as_ids
+
+    def token(self, token_id: int) -> str:
+        if self.as_ids or self.tokenizer is None:
+            return f"token_id:{token_id}"
+        return self.token_bytes(token_id).decode("utf-8", errors="replace")
+
+    def token_bytes(self, token_id: int) -> bytes:
+        if self.tokenizer is None:
+            return b""
+        return self.tokenizer.token_bytes(token_id)
+
+    @staticmethod
+    def value(lp: float) -> float:
+        return max(lp, NEG_INF_LOGPROB)
+
+    def chat(self, token_ids: list[int], lps: list) -> dict:
+        """``choices[].logprobs`` of a chat response (or chunk)."""
+        content = []
+        for tok, lp in zip(token_ids, lps):
+            content.append({"token": self.token(tok), "logprob": self.value(lp.logprob),
+                            "bytes": list(self.token_bytes(tok)),
+                            "top_logprobs": [{"token": self.token(t), "logprob": self.value(v),
+                                              "bytes": list(self.token_bytes(t))} for t, v in lp.top]})
+        return {"content": content}
+
+    def completion(self, token_ids: list[int], lps: list, offset: int) -> dict:
+        """``choices[].logprobs`` of a completions response (or chunk): ``lps`` entries may be None (an echoed
+        prompt's first token)."""
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for tok, lp in zip(token_ids, lps):
+            text = self.token(tok)
+            out["tokens"].append(text)
+            out["text_offset"].append(offset)
+            offset += len(text)
+            if lp is None:
+                out["token_logprobs"].append(None)
+                out["top_logprobs"].append(None)
+            else:
+                out["token_logprobs"].append(self.value(lp.logprob))
+                out["top_logprobs"].append({self.token(t): self.value(v) for t, v in lp.top})
+        return out
+
+    def prompt(self, prompt_ids: list[int], lps: list) -> list:
+        """vLLM's ``prompt_logprobs``: per prompt token None (the first) or {id: {logprob, rank, decoded_token}}
+        for the token itself and the top alternatives (rank: its place among them, null where it is not one)."""
+        out = []
+        for tok, lp in zip(prompt_ids, lps):
+            if lp is None:
+                out.append(None)
+                continue
+            entry = {str(t): {"logprob": self.value(v), "rank": r + 1, "decoded_token": self.token(t)}
+                     for r, (t, v) in enumerate(lp.top)}
+            entry.setdefault(str(tok), {"logprob": self.value(lp.logprob), "rank": None,
+                                        "decoded_token": self.token(tok)})
+            out.append(entry)
+        return out
+
+
+async def _watch_disconnect(request: Request) -> None:
+    while not await request.is_disconnected():
+        await asyncio.sleep(0.05)
+
+
+def _retrieved(future: asyncio.Future) -> None:
+    """A done callback that takes a finished task's exception, so that none is logged as 'never retrieved'."""
+    if not future.cancelled():
+        future.exception()
+
+
+def _abandon(runner: EngineThread, rid: str, queues: dict, collect: asyncio.Future) -> None:
+    """Stop waiting for a response nobody will read, and free its requests' slots."""
+    collect.cancel()
+    for index in queues:
+        runner.abort(f"{rid}-{index}")
+
+
+async def serve(request: Request, runner: EngineThread, id_prefix: str, obj: str, model: str,
+                prompts: list[list[int]], params: list, body, chat: bool, fmt: Formatter,
+                echo_texts: list[str] | None = None):
+    """Submit one request per (prompt, choice) and answer with one response or a stream. ``echo_texts``: the
+    prompts' texts, returned before each choice's completion (completions with ``echo``)."""
+    rid = new_id(id_prefix)
+    created = now()
+    jobs = [(i * len(params) + j, prompt, p) for i, prompt in enumerate(prompts) for j, p in enumerate(params)]
+    queues = {index: runner.submit(f"{rid}-{index}", prompt, p) for index, prompt, p in jobs}
+    prompt_tokens = sum(len(p) for p in prompts)
+    if body.stream:
+        return StreamingResponse(_stream(runner, rid, created, model, obj, queues, prompts, len(params), body, chat,
+                                         fmt, echo_texts),
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    collect = asyncio.ensure_future(asyncio.gather(*(_collect(q) for q in queues.values())))
+    collect.add_done_callback(_retrieved)
+    watcher = asyncio.ensure_future(_watch_disconnect(request))
+    watcher.add_done_callback(_retrieved)
+    try:
+        await asyncio.wait({collect, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:  # the server gave up on the handler (the client went away, or shutdown)
+        _abandon(runner, rid, queues, collect)
+        raise
+    finally:
+        watcher.cancel()
+    if not collect.done():  # the client left: free its slots now
+        _abandon(runner, rid, queues, collect)
+        return JSONResponse(error_body("client disconnected"), status_code=499)
+    results = collect.result()
+    failed = [r for r in results if r.error]
+    if failed:
+        for index in queues:
+            runner.abort(f"{rid}-{index}")
+        worst = max(failed, key=lambda r: r.status)
+        raise APIError(worst.error, status=worst.status,
+                       type="server_error" if worst.status >= 500 else "invalid_request_error")
+    n = len(params)
+    choices = []
+    for index, r in zip(queues, results):
+        prompt = prompts[index // n]
+        choices.append(_choice(index, r, prompt, body, chat, fmt, echo_texts[index // n] if echo_texts else None))
+    completion_tokens = sum(r.completion_tokens for r in results)
+    # each prompt counts once (its first choice), as prompt_tokens does
+    cached = sum(r.cached_tokens for index, r in zip(queues, results) if index % n == 0)
+    response = {"id": rid, "object": obj, "created": created, "model": model, "choices": choices,
+                "usage": usage(prompt_tokens, completion_tokens, cached)}
+    if chat and body.return_token_ids:
+        response["prompt_token_ids"] = prompts[0]
+    if chat and body.prompt_logprobs is not None:
+        response["prompt_logprobs"] = fmt.prompt(prompts[0], results[0].prompt_logprobs or [])
+    return response
+
+
+def _choice(index: int, r: Delta, prompt: list[int], body, chat: bool, fmt: Formatter, echo: str | None) -> dict:
+    want_lp = body.logprobs_n() is not None
+    if chat:
+        choice = {"index": index, "message": {"role": "assistant", "content": r.text},
+                  "logprobs": fmt.chat(r.token_ids, r.logprobs) if want_lp else None,
+                  "finish_reason": r.finish_reason}
+    else:
+        text, lp = r.text, None
+        if want_lp:
+            ids, lps = r.token_ids, r.logprobs
+            if echo is not None:
+                ids, lps = prompt + ids, (r.prompt_logprobs or [None] * len(prompt)) + lps
+            lp = fmt.completion(ids, lps, 0)
+        if echo is not None:
+            text = echo + text
+        choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": r.finish_reason}
+        if body.return_token_ids:
+            choice["prompt_token_ids"] = prompt
+        if body.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = fmt.prompt(prompt, r.prompt_logprobs or [])
+    if body.return_token_ids:
+        choice["token_ids"] = r.token_ids
+    return choice
+
+
+async def _collect(q: asyncio.Queue) -> Delta:
+    total = Delta()
+    while True:
+        d: Delta = await q.get()
+        total.text += d.text
+        total.token_ids += d.token_ids
+        total.logprobs += d.logprobs
+        if d.prompt_logprobs is not None:
+            total.prompt_logprobs = d.prompt_logprobs
+        total.completion_tokens = d.completion_tokens or total.completion_tokens
+        total.cached_tokens = d.cached_tokens or total.cached_tokens
+        if d.error:
+            total.error, total.status = d.error, d.status
+            return total
+        if d.finish_reason is not None:
+            total.finish_reason = d.finish_reason
+            return total
+
+
+async def _stream(runner: EngineThread, rid: str, created: int, model: str, obj: str, queues: dict,
+                  prompts: list[list[int]], choices_per_prompt: int, body, chat: bool, fmt: Formatter,
+                  echo_texts: list[str] | None):
+    """Server-sent events in OpenAI's chunk format; aborts every unfinished choice if the client goes away."""
+    merged: asyncio.Queue = asyncio.Queue()
+    opts = body.stream_options
+    include_usage = bool(opts and opts.include_usage)
+    continuous = bool(opts and opts.continuous_usage_stats)
+    want_lp = body.logprobs_n() is not None
+    prompt_tokens = sum(len(p) for p in prompts)
+
+    async def forward(index, q):
+        while True:
+            d = await q.get()
+            await merged.put((index, d))
+            if d.error or d.finish_reason is not None:
+                return
+
+    chunk_obj = obj + ".chunk" if chat else obj
+    tasks = [asyncio.ensure_future(forward(i, q)) for i, q in queues.items()]
+    for t in tasks:
+        t.add_done_callback(_retrieved)
+    open_choices = set(queues)
+    completion = {i: 0 for i in queues}
+    cached = {i: 0 for i in queues}
+    offsets = {i: 0 for i in queues}
+
+    def current_usage():
+        done = sum(completion.values())
+        return usage(prompt_tokens, done, sum(v for i, v in cached.items() if i % choices_per_prompt == 0))
+
+    def chunk(choices, extra=None):
+        data = {"id": rid, "object": chunk_obj, "created": created, "model": model, "choices": choices}
+        if include_usage or continuous:
+            data["usage"] = current_usage() if continuous else None
+        data.update(extra or {})
+        return f"data: {json.dumps(data)}\n\n"
+
+    try:
+        if chat:  # each choice's role first, in a chunk of its own, as OpenAI sends them
+            for i in queues:
+                yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None}])
+        elif echo_texts:
+            for i in queues:
+                prompt = prompts[i // choices_per_prompt]
+                text = echo_texts[i // choices_per_prompt]
+                offsets[i] = len(text)
+                yield chunk([{"index": i, "text": text, "logprobs": None, "finish_reason": None}])
+        while open_choices:
+            index, d = await merged.get()
+            completion[index] = d.completion_tokens or completion[index]
+            cached[index] = d.cached_tokens or cached[index]
+            if d.error:
+                kind = "server_error" if d.status >= 500 else "invalid_request_error"
+                yield f"data: {json.dumps(error_body(d.error, type=kind))}\n\n"
+                open_choices.discard(index)
+                continue
+            if d.finish_reason is not None:
+                open_choices.discard(index)
+            if d.text or d.token_ids or d.finish_reason is not None:
+                if chat:
+                    delta = {"content": d.text} if d.text else {}
+                    c = {"index": index, "delta": delta,
+                         "logprobs": fmt.chat(d.token_ids, d.logprobs) if want_lp and d.token_ids else None,
+                         "finish_reason": d.finish_reason}
+                else:
+                    lp = fmt.completion(d.token_ids, d.logprobs, offsets[index]) if want_lp and d.token_ids else None
+                    offsets[index] += len(d.text)
+                    c = {"index": index, "text": d.text, "logprobs": lp, "finish_reason": d.finish_reason}
+                if body.return_token_ids and d.token_ids:
+                    c["token_ids"] = d.token_ids
+                yield chunk([c])
+        if include_usage:
+            yield chunk([], {"usage": current_usage()})
+        yield "data: [DONE]\n\n"
+    finally:
+        for t in tasks:
+            t.cancel()
+        for index in open_choices:  # the client went away mid-stream: free the slots now
+            runner.abort(f"{rid}-{index}")
