@@ -63,3 +63,98 @@ def test_cached_prompt_tokens_are_reported(http):
     hit = [ln for ln in metrics.splitlines() if ln.startswith("hylo_prefix_cache_hit_tokens_total ")]
     assert hit and float(hit[0].split()[1]) >= len(first) + len(out) - 1
     assert "hylo_prefix_cache_snapshots " in metrics and "hylo_prefix_cache_bytes " in metrics
+
+
+def test_completion_logprobs_and_echo(http):
+    # tokens as ids: byte tokens that are parts of a character would share the string "\ufffd" as a key
+    body = {"prompt": [5, 6, 7, 8], "max_tokens": 4, "temperature": 0, "ignore_eos": True, "logprobs": 2,
+            "return_token_ids": True, "return_tokens_as_token_ids": True}
+    r = http.post("/v1/completions", json=body).json()
+    c = r["choices"][0]
+    lp = c["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(c["token_ids"]) == 4
+    assert all(len(t) == 2 for t in lp["top_logprobs"]) and lp["text_offset"][0] == 0
+    assert all(lp["text_offset"][i] <= lp["text_offset"][i + 1] for i in range(3))
+    # greedy: the chosen token is the most likely, its logprob the top one
+    for tok, top in zip(lp["token_logprobs"], lp["top_logprobs"]):
+        assert abs(tok - max(top.values())) < 1e-5
+    echo = http.post("/v1/completions", json={**body, "echo": True}).json()["choices"][0]
+    assert echo["logprobs"]["token_logprobs"][0] is None and echo["logprobs"]["top_logprobs"][0] is None
+    assert len(echo["logprobs"]["tokens"]) == 4 + 4
+    assert echo["logprobs"]["token_logprobs"][4:] == lp["token_logprobs"]
+    assert lp["tokens"] == [f"token_id:{t}" for t in c["token_ids"]]
+    text = http.post("/v1/completions", json={**body, "return_tokens_as_token_ids": False}).json()
+    assert len(text["choices"][0]["logprobs"]["tokens"]) == 4
+
+
+def test_chat_logprobs_streamed_and_not(http):
+    import json as _json
+
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "temperature": 0, "ignore_eos": True,
+            "logprobs": True, "top_logprobs": 3}
+    full = http.post("/v1/chat/completions", json=body).json()["choices"][0]["logprobs"]["content"]
+    assert len(full) == 5 and all(len(e["top_logprobs"]) == 3 and isinstance(e["bytes"], list) for e in full)
+    with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as s:
+        chunks = [_json.loads(ln[6:]) for ln in s.iter_lines() if ln.startswith("data: {")]
+    streamed = [e for ch in chunks for c in ch["choices"] if c.get("logprobs") for e in c["logprobs"]["content"]]
+    assert [(e["token"], e["logprob"]) for e in streamed] == [(e["token"], e["logprob"]) for e in full]
+    r = http.post("/v1/chat/completions", json={**body, "logprobs": False})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
+
+
+def test_chat_stream_sends_one_role_chunk_per_choice_and_usage_in_every_chunk(http):
+    import json as _json
+
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "n": 3, "stream": True,
+            "temperature": 1.0, "seed": 5, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    with http.stream("POST", "/v1/chat/completions", json=body) as s:
+        chunks = [_json.loads(ln[6:]) for ln in s.iter_lines() if ln.startswith("data: {")]
+    roles = [ch for ch in chunks[:3]]
+    assert [len(ch["choices"]) for ch in roles] == [1, 1, 1]
+    assert sorted(ch["choices"][0]["index"] for ch in roles) == [0, 1, 2]
+    assert all(ch["choices"][0]["delta"]["role"] == "assistant" for ch in roles)
+    assert all(ch["usage"] is not None for ch in chunks)
+    assert chunks[-1]["usage"]["completion_tokens"] == 9
+
+
+def test_penalties_and_room(http):
+    base = {"prompt": [5, 6, 7, 5, 6, 7], "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    plain = http.post("/v1/completions", json=base).json()["choices"][0]["token_ids"]
+    banned = http.post("/v1/completions", json={**base, "logit_bias": {str(plain[0]): -100}}).json()
+    assert plain[0] not in banned["choices"][0]["token_ids"]
+    r = http.post("/v1/completions", json={**base, "presence_penalty": 2.5})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "presence_penalty"
+    r = http.post("/v1/completions", json={**base, "max_tokens": 5000})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "max_tokens" and "5000" in err["message"]
+    assert "4096" in err["message"] and "6 tokens" in err["message"]
+    # chat without max_tokens may use all the room the prompt leaves
+    r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "max_tokens": None,
+                                                "temperature": 0})
+    assert r.status_code == 200
+
+
+def test_tokenize_detokenize_version_and_model_retrieve(http):
+    r = http.post("/tokenize", json={"prompt": "hello", "return_token_strs": True}).json()
+    assert r["count"] == len(r["tokens"]) == 5 and r["token_strs"] == list("hello")
+    assert http.post("/detokenize", json={"tokens": r["tokens"]}).json() == {"prompt": "hello"}
+    chat = http.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
+    assert chat["count"] > 2
+    r = http.post("/detokenize", json={"tokens": [10 ** 7]})
+    assert r.status_code == 400 and "outside the vocabulary" in r.json()["error"]["message"]
+    assert http.get("/version").json()["version"]
+    m = http.get(f"/v1/models/{MODEL}").json()
+    assert m["id"] == MODEL and m["object"] == "model"
+    assert http.get("/v1/models/nope").status_code == 404
+
+
+def test_rejected_requests_are_counted(http):
+    def rejected():
+        line = [ln for ln in http.get("/metrics").text.splitlines() if ln.startswith("hylo_requests_rejected_total")]
+        return float(line[0].split()[1])
+
+    before = rejected()
+    for bad in ({"prompt": "x", "n": 0}, {"prompt": "x", "seed": 1 << 64}, {"prompt": "x", "bogus": 1}):
+        assert http.post("/v1/completions", json=bad).status_code == 400
+    assert rejected() == before + 3
