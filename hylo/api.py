@@ -65,7 +65,12 @@ class LLM:
                 if not isinstance(p, SamplingParams):
                     raise ValueError(f"sampling params must be SamplingParams, got {type(p).__name__}")
                 p.validate()
-                self.engine.encode_prompt(prompt)
+                ids = self.engine.encode_prompt(prompt)
+                room = self.engine.max_model_len - len(ids)
+                if p.max_tokens > room:
+                    raise ValueError(f"max_tokens is {p.max_tokens}, but the prompt has {len(ids)} tokens and the "
+                                     f"context limit (max_model_len) is {self.engine.max_model_len}: at most {room} "
+                                     f"tokens fit")
                 vocab = self.engine.model_config.vocab_size
                 bad = [t for t in (p.logit_bias or ()) if t >= vocab] + [t for t in p.stop_token_ids or () if t >= vocab]
                 if bad:

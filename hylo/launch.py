@@ -25,6 +25,7 @@ import torch
 from .config import EngineConfig
 from .engine.engine import Engine, LoadedModel
 from .models.default import DEFAULT_MODEL_NAME, default_model_config, trained_default_path
+from .models.hub import resolve as resolve_model
 from .models.registry import read_config
 from .parallel.group import TPGroup
 from .parallel.sharding import check_divisible
@@ -53,9 +54,7 @@ def _config_of(model):
         model = trained_default_path()
     if model is None or (model == DEFAULT_MODEL_NAME and not os.path.isdir(model)):
         return default_model_config()
-    if not os.path.isdir(model):
-        raise FileNotFoundError(f"model directory {model!r} does not exist")
-    return read_config(model)
+    return read_config(resolve_model(model))
 
 
 def _free_port() -> int:

@@ -77,6 +77,9 @@ def allocate_caches(mc: ModelConfig, ec: EngineConfig, dtype: torch.dtype, devic
                      else min(SNAPSHOTS_PER_SEQ * ec.max_num_seqs, share))
     state_bytes = ec.max_num_seqs * (slot_bytes + verify_bytes) + snapshots * slot_bytes
     kv_bytes_per_token = 2 * n_attn * mc.num_key_value_heads * mc.head_dim * torch.finfo(dtype).bits // 8
+    if ec.max_model_len is not None and ec.max_model_len > mc.max_position_embeddings:
+        raise ValueError(f"max_model_len={ec.max_model_len} is more than the model's limit "
+                         f"(max_position_embeddings={mc.max_position_embeddings})")
     len_limit = min(ec.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
 
     if ec.kv_cache_tokens is not None:

@@ -23,6 +23,7 @@ from ..core import ForwardMode, Req, RequestOutput, SamplingParams, SpecStats, T
 from ..layers.weights import DictReader, TensorReader
 from ..models.default import (DEFAULT_MODEL_NAME, DEFAULT_SEED, TRAINED_DEFAULT_NAME, default_model_config,
                               trained_default_path)
+from ..models.hub import looks_like_repo_id, resolve as resolve_model
 from ..models.hybrid import HybridForCausalLM
 from ..models.loader import SafetensorsReader
 from ..models.random_init import random_checkpoint
@@ -90,11 +91,12 @@ def load_model(path: str | None, dtype: torch.dtype, device: torch.device, progr
         reader: TensorReader = DictReader(random_checkpoint(mc, seed=DEFAULT_SEED))
         name, tokenizer, is_random = DEFAULT_MODEL_NAME, ByteTokenizer(), True
     else:
-        if not os.path.isdir(path):
-            raise FileNotFoundError(f"model directory {path!r} does not exist")
+        # a Hub id is the model's name as clients know it (vLLM serves it so); a directory its last part
+        name = path if looks_like_repo_id(path) else os.path.basename(os.path.normpath(path))
+        path = resolve_model(path)  # a directory, or a Hub id through the local cache (a download when online)
         mc = read_config(path)
         reader = SafetensorsReader(path)
-        name = display_name or os.path.basename(os.path.normpath(path))
+        name = display_name or name
         tokenizer, is_random = load_tokenizer(path), False
     local = local_config(mc, tp.size)
     if tp.size > 1:  # each rank reads only its slice of every tensor
