@@ -32,10 +32,23 @@ class LLM:
         self.engine = create_engine(model, device, dtype, ec)
 
     def close(self) -> None:
-        """Stop the tensor-parallel follower processes, if any (also done when the LLM is garbage-collected)."""
-        close = getattr(self.engine, "close", None)
-        if close is not None:
-            close()
+        """Give the engine's memory back now (its CUDA graphs, caches and weights) and stop the tensor-parallel
+        follower processes, if any. Also done when the LLM is dropped (``del llm``) or its ``with`` block ends."""
+        engine = self.__dict__.pop("engine", None)
+        if engine is not None:
+            engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - at interpreter exit the modules it needs may be gone
+            pass
 
     @property
     def tokenizer(self):

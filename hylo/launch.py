@@ -165,6 +165,9 @@ class LeaderEngine:
 
     def close(self) -> None:
         self._finalizer()
+        engine = self.__dict__.pop("_engine", None)
+        if engine is not None:
+            engine.close()
 
     @staticmethod
     def _shutdown(procs, conns) -> None:

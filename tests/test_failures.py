@@ -153,3 +153,24 @@ def test_a_failed_request_leaves_nothing_behind():
     a = _run(eng, [[5, 6, 7]], SamplingParams(max_tokens=5, temperature=1.0, seed=3))[0].token_ids
     fresh = Engine(MODEL, device="cpu", engine_config=EngineConfig(verbose=False, max_num_seqs=1))
     assert a == _run(fresh, [[5, 6, 7]], SamplingParams(max_tokens=5, temperature=1.0, seed=3))[0].token_ids
+
+
+def test_dropping_an_llm_gives_its_memory_back():
+    """``del llm`` (or ``close()``, or the end of a ``with`` block) frees the engine's caches at once, without
+    waiting for a garbage collection (on a GPU the graphs' reference cycles held them)."""
+    import gc
+    import weakref
+
+    gc.disable()  # nothing may rely on the collector
+    try:
+        llm = LLM(MODEL, device="cpu", verbose=False)
+        llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
+        kv = weakref.ref(llm.engine.caches.kv_pool.k)
+        del llm
+        assert kv() is None
+        with LLM(MODEL, device="cpu", verbose=False) as llm:
+            state = weakref.ref(llm.engine.caches.state_pool.recurrent)
+        assert state() is None
+        llm.close()  # twice is fine
+    finally:
+        gc.enable()

@@ -6,6 +6,7 @@ and never reaches (or harms) the requests already running.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import os
 import sys
@@ -252,6 +253,23 @@ class Engine:
             return False
         self.scheduler.finish(req, "abort")
         return True
+
+    def close(self) -> None:
+        """Give the engine's device memory back now: its CUDA graphs, caches and model. The graph runner and the
+        workers refer to each other (captured closures), so without this their memory would wait for a garbage
+        collection. The engine cannot run afterwards."""
+        if getattr(self, "_closed", False):
+            return
+        self._closed = True
+        for worker in (getattr(self, "worker", None), getattr(self, "model_worker", None)):
+            if worker is not None and getattr(worker, "graphs", None) is not None:
+                worker.graphs = None
+        for name in ("worker", "model_worker", "scheduler", "caches", "model", "prefix_cache", "reader",
+                     "_inflight", "_reqs"):
+            setattr(self, name, None)
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached prefix (KV and state snapshots go back to the pools). Only on an idle engine: returns
