@@ -86,6 +86,25 @@ def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
     return out_tokens
 
 
+def spec_engine(path, spec=None, **opts):
+    """An engine on ``path`` with chunk size 16, plain or speculative (k = 3), quiet; ``opts`` go to EngineConfig."""
+    from hylo.config import EngineConfig
+    from hylo.engine.engine import Engine
+    from hylo.spec.setup import SpecSetup
+
+    opts.setdefault("chunk_size", 16)
+    ec = EngineConfig(verbose=False, **({"speculative": spec, "num_speculative_tokens": 3} if spec else {}), **opts)
+    return Engine(path, engine_config=ec, spec_setup=SpecSetup(spec) if spec else None)
+
+
+def run_all(eng, prompts, params):
+    """Add the prompts, step until everything ended, return the outputs in order."""
+    rids = [eng.add_request(p, params) for p in prompts]
+    while eng.has_unfinished():
+        eng.step()
+    return [eng.pop_finished(r) for r in rids]
+
+
 def all_freed(engine) -> bool:
     """Everything ended: no request holds a cached prefix, and once the prefix cache is dropped every slot and KV
     location is back in its pool."""

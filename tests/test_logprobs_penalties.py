@@ -6,36 +6,20 @@ import pytest
 import torch
 
 from hylo import LLM, SamplingParams
-from hylo.config import EngineConfig
-from hylo.engine.engine import Engine
-from hylo.spec.setup import SpecSetup
 
-from helpers import random_prompts, vocab_of
-
-
-def _engine(path, spec=None, **opts):
-    ec = EngineConfig(verbose=False, chunk_size=16, **({"speculative": spec, "num_speculative_tokens": 3}
-                                                       if spec else {}), **opts)
-    return Engine(path, engine_config=ec, spec_setup=SpecSetup(spec) if spec else None)
-
-
-def _run(eng, prompts, params):
-    rids = [eng.add_request(p, params) for p in prompts]
-    while eng.has_unfinished():
-        eng.step()
-    return [eng.pop_finished(r) for r in rids]
+from helpers import random_prompts, run_all, spec_engine, vocab_of
 
 
 @pytest.mark.parametrize("spec", [None, "ngram", "mtp"])
 def test_logprobs_are_the_raw_distributions(ckpt_a_mtp, spec):
     """Each generated token's log probability and its top 4 alternatives equal a float64 log_softmax of the
     model's logits at that position (temperature and top-p do not change them), with and without speculation."""
-    ref_eng = _engine(ckpt_a_mtp)
-    eng = _engine(ckpt_a_mtp, spec)
+    ref_eng = spec_engine(ckpt_a_mtp)
+    eng = spec_engine(ckpt_a_mtp, spec)
     prompts = random_prompts(vocab_of(ckpt_a_mtp), [5, 23, 11], seed=40)
     for params in (SamplingParams(max_tokens=9, temperature=0, logprobs=4),
                    SamplingParams(max_tokens=9, temperature=0.8, top_p=0.7, seed=3, logprobs=4)):
-        for p, o in zip(prompts, _run(eng, prompts, params)):
+        for p, o in zip(prompts, run_all(eng, prompts, params)):
             assert len(o.logprobs) == len(o.token_ids)
             full = ref_eng.prompt_logits(p + o.token_ids[:-1]).double().log_softmax(-1)[len(p) - 1:]
             for i, (tok, lp) in enumerate(zip(o.token_ids, o.logprobs)):
@@ -88,10 +72,10 @@ def _reference(eng, prompt, params, stop_ids, steps):
 @pytest.mark.parametrize("spec", [None, "ngram", "mtp"])
 def test_penalties_and_bias_match_a_reference_loop(ckpt_a_mtp, spec):
     vocab = vocab_of(ckpt_a_mtp)
-    ref_eng = _engine(ckpt_a_mtp)
-    eng = _engine(ckpt_a_mtp, spec)
+    ref_eng = spec_engine(ckpt_a_mtp)
+    eng = spec_engine(ckpt_a_mtp, spec)
     prompts = random_prompts(vocab, [6, 17], seed=41)
-    plain = _run(ref_eng, prompts, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    plain = run_all(ref_eng, prompts, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
     cases = [
         SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, repetition_penalty=1.6),
         SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, frequency_penalty=1.5, presence_penalty=0.8),
@@ -102,7 +86,7 @@ def test_penalties_and_bias_match_a_reference_loop(ckpt_a_mtp, spec):
                        stop_token_ids=[plain[0].token_ids[0]], repetition_penalty=1.2),
     ]
     for params in cases:
-        outs = _run(eng, prompts, params)
+        outs = run_all(eng, prompts, params)
         for p, o in zip(prompts, outs):
             stop_ids = set(params.stop_token_ids or ())
             want = _reference(ref_eng, p, params, stop_ids, len(o.token_ids))
@@ -128,10 +112,10 @@ def test_offline_n_samples_each_prompt_n_times(ckpt_a):
 def test_prompt_logprobs_over_chunks(ckpt_a_mtp, spec):
     """prompt_logprobs=N: every prompt token after the first, across prefill chunks of 16, against a float64
     log_softmax of the prompt's logits; the first prompt token has None."""
-    eng = _engine(ckpt_a_mtp, spec)
-    ref = _engine(ckpt_a_mtp)
+    eng = spec_engine(ckpt_a_mtp, spec)
+    ref = spec_engine(ckpt_a_mtp)
     prompts = random_prompts(vocab_of(ckpt_a_mtp), [37, 2, 1], seed=43)
-    outs = _run(eng, prompts, SamplingParams(max_tokens=3, temperature=0, prompt_logprobs=3, logprobs=1))
+    outs = run_all(eng, prompts, SamplingParams(max_tokens=3, temperature=0, prompt_logprobs=3, logprobs=1))
     for p, o in zip(prompts, outs):
         assert len(o.prompt_logprobs) == len(p) and o.prompt_logprobs[0] is None
         full = ref.prompt_logits(p).double().log_softmax(-1)

@@ -5,24 +5,8 @@ overlap loop, speculation, preemption, eviction and tensor parallelism; everythi
 import pytest
 
 from hylo import LLM, SamplingParams
-from hylo.config import EngineConfig
-from hylo.engine.engine import Engine
-from hylo.spec.setup import SpecSetup
 
-from helpers import all_freed, random_prompts, vocab_of
-
-
-def _engine(path, cache=True, spec=None, **opts):
-    ec = EngineConfig(verbose=False, enable_prefix_caching=cache, chunk_size=16,
-                      **({"speculative": spec, "num_speculative_tokens": 3} if spec else {}), **opts)
-    return Engine(path, engine_config=ec, spec_setup=SpecSetup(spec) if spec else None)
-
-
-def _run(eng, prompts, params):
-    rids = [eng.add_request(p, params) for p in prompts]
-    while eng.has_unfinished():
-        eng.step()
-    return [eng.pop_finished(r) for r in rids]
+from helpers import all_freed, random_prompts, run_all, spec_engine, vocab_of
 
 
 def _conversation(on, off, vocab, turns, params, seed):
@@ -32,10 +16,14 @@ def _conversation(on, off, vocab, turns, params, seed):
     prompt, got = [], []
     for user in users:
         prompt = prompt + user
-        a, b = _run(on, [prompt], params)[0], _run(off, [prompt], params)[0]
+        a, b = run_all(on, [prompt], params)[0], run_all(off, [prompt], params)[0]
         got.append((prompt, a, b))
         prompt = prompt + a.token_ids
     return got
+
+
+def _cached_engine(path, cache=True, spec=None, **opts):
+    return spec_engine(path, spec, enable_prefix_caching=cache, **opts)
 
 
 GREEDY = SamplingParams(max_tokens=9, temperature=0, ignore_eos=True)
@@ -45,7 +33,7 @@ SEEDED = SamplingParams(max_tokens=9, temperature=0.9, top_p=0.95, seed=17, igno
 @pytest.mark.parametrize("overlap", [True, False])
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 def test_conversation_reuses_everything_computed_and_is_exact(ckpt_a, params, overlap):
-    on, off = _engine(ckpt_a, overlap=overlap), _engine(ckpt_a, cache=False, overlap=overlap)
+    on, off = _cached_engine(ckpt_a, overlap=overlap), _cached_engine(ckpt_a, cache=False, overlap=overlap)
     turns = _conversation(on, off, vocab_of(ckpt_a), 4, params, seed=1)
     for i, (prompt, a, b) in enumerate(turns):
         assert a.token_ids == b.token_ids, i
@@ -63,7 +51,7 @@ def test_conversation_under_speculation_is_exact(ckpt_a_mtp, spec, params):
     """With MTP or n-gram drafts the outputs are those of the same speculative engine with the cache off (seeded
     sampling too: the drafts after a hit are the ones without it), and each turn reuses at least its previous
     prompt (the previous output too where the last verify did not run past the output's end)."""
-    on, off = _engine(ckpt_a_mtp, spec=spec), _engine(ckpt_a_mtp, cache=False, spec=spec)
+    on, off = _cached_engine(ckpt_a_mtp, spec=spec), _cached_engine(ckpt_a_mtp, cache=False, spec=spec)
     turns = _conversation(on, off, vocab_of(ckpt_a_mtp), 4, params, seed=2)
     for i, (prompt, a, b) in enumerate(turns):
         assert a.token_ids == b.token_ids, i
@@ -78,9 +66,9 @@ def test_shared_system_prompt_is_reused_whole(ckpt_b):
     vocab = vocab_of(ckpt_b)
     system = random_prompts(vocab, [37], seed=3)[0]
     users = random_prompts(vocab, [5, 9, 4, 12, 6], seed=4)
-    on, off = _engine(ckpt_b), _engine(ckpt_b, cache=False)
-    outs = [_run(on, [system + u], GREEDY)[0] for u in users]
-    ref = _run(off, [system + u for u in users], GREEDY)
+    on, off = _cached_engine(ckpt_b), _cached_engine(ckpt_b, cache=False)
+    outs = [run_all(on, [system + u], GREEDY)[0] for u in users]
+    ref = run_all(off, [system + u for u in users], GREEDY)
     assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
     assert outs[0].num_cached_tokens == 0
     assert outs[1].num_cached_tokens == 32  # the chunk-end snapshot (chunk_size 16) inside the system prompt
@@ -92,18 +80,18 @@ def test_eviction_keeps_results_exact(ckpt_a):
     """A small KV pool and few snapshots: many distinct prompts push an old conversation out (least recently used
     first); asking it again is still exact, and the pools come back whole."""
     vocab = vocab_of(ckpt_a)
-    on = _engine(ckpt_a, kv_cache_tokens=220, max_model_len=100, prefix_snapshots=3, max_num_seqs=2)
-    off = _engine(ckpt_a, cache=False, kv_cache_tokens=220, max_model_len=100, max_num_seqs=2)
+    on = _cached_engine(ckpt_a, kv_cache_tokens=220, max_model_len=100, prefix_snapshots=3, max_num_seqs=2)
+    off = _cached_engine(ckpt_a, cache=False, kv_cache_tokens=220, max_model_len=100, max_num_seqs=2)
     convo = random_prompts(vocab, [30], seed=5)[0]
-    first = _run(on, [convo], GREEDY)[0]
-    assert first.token_ids == _run(off, [convo], GREEDY)[0].token_ids
+    first = run_all(on, [convo], GREEDY)[0]
+    assert first.token_ids == run_all(off, [convo], GREEDY)[0].token_ids
     others = random_prompts(vocab, [25 + i % 9 for i in range(12)], seed=6)
-    assert [o.token_ids for o in _run(on, others, GREEDY)] == [o.token_ids for o in _run(off, others, GREEDY)]
+    assert [o.token_ids for o in run_all(on, others, GREEDY)] == [o.token_ids for o in run_all(off, others, GREEDY)]
     stats = on.prefix_cache.stats
     assert stats.kv_evicted > 0 and stats.snapshots_evicted > 0
     assert on.prefix_cache.num_snapshots <= 3
     again = convo + first.token_ids + [1, 2, 3]
-    assert _run(on, [again], GREEDY)[0].token_ids == _run(off, [again], GREEDY)[0].token_ids
+    assert run_all(on, [again], GREEDY)[0].token_ids == run_all(off, [again], GREEDY)[0].token_ids
     assert all_freed(on)
 
 
@@ -124,11 +112,11 @@ def test_preempted_request_resumes_from_its_cached_prefix(ckpt_a):
 
 def test_cache_off_and_prompt_logits(ckpt_a):
     """``enable_prefix_caching=False`` builds no cache; prompt_logits always computes every position."""
-    off = _engine(ckpt_a, cache=False)
+    off = _cached_engine(ckpt_a, cache=False)
     assert off.prefix_cache is None
-    on = _engine(ckpt_a)
+    on = _cached_engine(ckpt_a)
     prompt = random_prompts(vocab_of(ckpt_a), [40], seed=10)[0]
-    _run(on, [prompt], GREEDY)
+    run_all(on, [prompt], GREEDY)
     assert (on.prompt_logits(prompt) - off.prompt_logits(prompt)).abs().max().item() < 1e-5
     assert on.prompt_logits(prompt).shape[0] == 40
 

@@ -60,6 +60,17 @@ def client(server):
     return openai.OpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0)
 
 
+def _wait_healthy(proc, url, timeout=120.0) -> None:
+    deadline = time.time() + timeout
+    while True:
+        assert proc.poll() is None and time.time() < deadline, "server did not start"
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            time.sleep(0.2)
+
+
 def _metrics(url) -> dict:
     text = httpx.get(f"{url}/metrics").text
     out = {}
@@ -294,14 +305,7 @@ def test_speculative_server_reports_accept_length():
                              "--speculative", "ngram", "--num-speculative-tokens", "3", "--log-level", "warning"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.time() + 120
-        while True:
-            assert proc.poll() is None and time.time() < deadline, "server did not start"
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
+        _wait_healthy(proc, url)
         from hylo import LLM, SamplingParams
 
         prompt = "abcabcabcabcabcabc"
@@ -325,14 +329,7 @@ def test_clients_that_leave_leave_no_tracebacks_in_the_log():
     proc = subprocess.Popen([sys.executable, "-m", "hylo", "serve", "--model", MODEL, "--port", str(port)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.time() + 120
-        while True:
-            assert proc.poll() is None and time.time() < deadline, "server did not start"
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
+        _wait_healthy(proc, url)
         for _ in range(3):
             with pytest.raises(httpx.ReadTimeout):
                 httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 3000, "ignore_eos": True},
