@@ -344,3 +344,26 @@ def test_clients_that_leave_leave_no_tracebacks_in_the_log():
         proc.terminate()
         log = proc.communicate(timeout=30)[0]
     assert "Traceback" not in log and "never retrieved" not in log, log[-3000:]
+
+
+def test_official_client_reads_logprobs_models_and_usage(client):
+    """The openai client parses what hylo sends: completions and chat log probabilities, models.retrieve, cached
+    prompt tokens in usage."""
+    out = client.completions.create(model=MODEL, prompt="def f(x):", max_tokens=4, temperature=0, logprobs=2,
+                                    echo=True, extra_body={"ignore_eos": True})
+    lp = out.choices[0].logprobs
+    assert lp.token_logprobs[0] is None and len(lp.tokens) == len("def f(x):".encode()) + 4
+    assert all(v <= 0 for v in lp.token_logprobs[1:]) and out.choices[0].text.startswith("def f(x):")
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+                                          temperature=0, logprobs=True, top_logprobs=2,
+                                          extra_body={"ignore_eos": True})
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 3 and len(content[0].top_logprobs) == 2 and isinstance(content[0].bytes, list)
+    first = client.completions.create(model=MODEL, prompt=[7, 8, 9, 10, 11], max_tokens=3, temperature=0,
+                                      extra_body={"ignore_eos": True, "return_token_ids": True})
+    ids = first.choices[0].model_extra["token_ids"]  # vLLM's return_token_ids, an extra field for the client
+    nxt = client.completions.create(model=MODEL, prompt=[7, 8, 9, 10, 11] + ids + [12], max_tokens=2, temperature=0)
+    assert nxt.usage.prompt_tokens_details.cached_tokens == 5 + 3 - 1  # the first turn, its last token excepted
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("other-model")
