@@ -49,14 +49,15 @@ def test_conversation_reuses_everything_computed_and_is_exact(ckpt_a, params, ov
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 def test_conversation_under_speculation_is_exact(ckpt_a_mtp, spec, params):
     """With MTP or n-gram drafts the outputs are those of the same speculative engine with the cache off (seeded
-    sampling too: the drafts after a hit are the ones without it), and each turn reuses at least its previous
-    prompt (the previous output too where the last verify did not run past the output's end)."""
+    sampling too: the drafts after a hit are the ones without it), and each turn reuses everything the previous one
+    computed but its last token: no verify accepts a draft past a request's end (its max_tokens here)."""
     on, off = _cached_engine(ckpt_a_mtp, spec=spec), _cached_engine(ckpt_a_mtp, cache=False, spec=spec)
     turns = _conversation(on, off, vocab_of(ckpt_a_mtp), 4, params, seed=2)
     for i, (prompt, a, b) in enumerate(turns):
         assert a.token_ids == b.token_ids, i
         if i:
-            assert a.num_cached_tokens >= len(turns[i - 1][0]), i
+            prev_prompt, prev, _ = turns[i - 1]
+            assert a.num_cached_tokens == len(prev_prompt) + len(prev.token_ids) - 1, i
     assert all_freed(on)
 
 

@@ -85,9 +85,10 @@ def test_forced_full_acceptance_and_full_rejection(ckpt_a_mtp, reference_a, long
         for o in outs:
             s = o.spec
             if correct:
-                # every draft accepted: k + 1 tokens per verify (the last verify may be cut by max_tokens)
-                assert s.accepted_tokens == s.draft_tokens
+                # every draft accepted: k + 1 tokens per verify, but none past max_tokens (the last verify's are cut
+                # there: the request's state then holds exactly its output)
                 assert s.verify_steps == -(-(14 - 1) // (k + 1))
+                assert s.accepted_tokens == (14 - 1) - s.verify_steps
             else:
                 assert s.accepted_tokens == 0 and s.mean_accept_length == 1.0 and s.verify_steps == 13
 

@@ -9,6 +9,8 @@ import torch
 from ..core import to_device
 from .penalty_tables import PenaltyTables
 
+SAMPLING_INTS = 5  # the columns of ReqSlots.sampling_i
+
 
 class ReqSlots:
     """``req_to_token[slot, pos]`` is the KV pool location of position ``pos``; ``req_to_state[slot]`` the state slot.
@@ -31,9 +33,10 @@ class ReqSlots:
         self.last_token = torch.zeros(max_num_seqs + 1, dtype=torch.int64, device=device)
         self.seq_len = torch.zeros(max_num_seqs + 1, dtype=torch.int64, device=device)
         # each request's sampling parameters, written once when its prefill starts: (temperature, top_p) and
-        # (top_k, seed, prompt length); a step gathers its rows' instead of copying them from the host
+        # (top_k, seed, prompt length, max_tokens, 1 if the model's end-of-sequence ids stop it); a step gathers its
+        # rows' instead of copying them from the host
         self.sampling_f = torch.ones(max_num_seqs + 1, 2, dtype=torch.float32, device=device)
-        self.sampling_i = torch.zeros(max_num_seqs + 1, 3, dtype=torch.int64, device=device)
+        self.sampling_i = torch.zeros(max_num_seqs + 1, SAMPLING_INTS, dtype=torch.int64, device=device)
         self._free = list(range(max_num_seqs, 0, -1))  # pop() hands out 1, 2, ...
         self.penalties: PenaltyTables | None = None  # allocated when a request first asks for penalties or bias
 
@@ -81,7 +84,7 @@ class ReqSlots:
         self.sampling_i[idx] = to_device(torch.tensor(ints, dtype=torch.int64), dev)
 
     def write_sampling_rows(self, slots: torch.Tensor, floats: torch.Tensor, ints: torch.Tensor) -> None:
-        """:meth:`write_sampling` from tensors already on the device: slots [S], floats [S, 2], ints [S, 3]."""
+        """:meth:`write_sampling` from tensors already on the device: slots [S], floats [S, 2], ints [S, 5]."""
         self.sampling_f[slots] = floats
         self.sampling_i[slots] = ints
 

@@ -166,6 +166,10 @@ class Engine:
         self.scheduler = Scheduler(self.caches, self.ec, k, self.prefix_cache)
         self.model_worker = ModelWorker(self.model, self.caches, self.device, extra_kv,
                                         vocab_size=self.model_config.vocab_size)
+        # the stop ids, for min_tokens and for the verify's acceptance limit (before any graph is captured)
+        self.model_worker.eos_ids = set(self.model_config.eos_token_ids)
+        self.model_worker.eos_tensor = torch.tensor(sorted(self.model_worker.eos_ids), dtype=torch.int64,
+                                                    device=self.device)
         # the worker interface: run(ScheduledBatch) -> StepResult; a speculative worker wraps the plain one
         self.worker = (spec_setup.wrap(self.model_worker, self.ec) if spec_setup is not None else self.model_worker)
         if self.device.type == "cuda" and self.ec.cuda_graphs and use_triton(self.caches.kv_pool.k):
@@ -180,7 +184,6 @@ class Engine:
         self._inflight: _Launched | None = None  # the overlap loop's launched, unread step
         self._failed: list[Req] = []  # requests failed by an internal error, reported by the next step()
         self.eos_ids = set(self.model_config.eos_token_ids)
-        self.model_worker.eos_ids = self.eos_ids
         self.load_seconds = time.perf_counter() - t0
         if self.ec.verbose:
             kind = ("embedded default, RANDOM WEIGHTS (output is noise)" if self.is_random else

@@ -28,6 +28,14 @@ FIELDS = ("tokens", "locs", "run_slot", "run_first", "run_start", "req", "state"
 HEADER = 20
 
 
+def sampling_ints(req, vocab_size: int) -> tuple[int, ...]:
+    """A request's row of ``ReqSlots.sampling_i``: top_k (the vocabulary when off), seed, prompt length,
+    max_tokens and whether the end-of-sequence ids stop it (a verify accepts no draft past either)."""
+    p = req.params
+    return (min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size, req.seed, len(req.prompt_ids), p.max_tokens,
+            int(not p.ignore_eos))
+
+
 @dataclass
 class ExtendPack:
     """One EXTEND step's host facts as one int64 tensor ``meta`` and each field's (offset, length) in it."""
@@ -65,9 +73,7 @@ class ExtendPack:
         parts["sample_idx"] = [qsl[i + 1] - 1 for i in range(rows) if sched.sample[i]]
         parts["sample_rows"] = [i for i in range(rows) if sched.sample[i]]
         parts["reg_slots"] = [r.req_slot for r in register]
-        parts["reg_ints"] = [v for r in register
-                             for v in (r.params.top_k if r.params.top_k > 0 else vocab_size, r.seed,
-                                       len(r.prompt_ids))]
+        parts["reg_ints"] = [v for r in register for v in sampling_ints(r, vocab_size)]
         # (temperature, top_p) as float32 pairs, each pair's 8 bytes carried as one int64
         floats = torch.tensor([(float(r.params.temperature), float(r.params.top_p)) for r in register],
                               dtype=torch.float32).reshape(-1, 2)

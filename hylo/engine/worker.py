@@ -10,12 +10,13 @@ from ..backends.attention import AttentionBackend
 from ..backends.gdn import GDNBackend
 from ..backends.hybrid import HybridBackend
 from ..cache.memory import Caches
+from ..cache.req_slots import SAMPLING_INTS
 from ..core import ForwardBatch, ForwardMode, SamplingBatch, to_device
 from ..models.hybrid import HybridForCausalLM
 from ..ops.logits import apply_penalties, token_logprobs
 from ..ops.sampling import sample
 from ..ops.triton_utils import use_triton
-from .extend import ExtendPack, expand
+from .extend import ExtendPack, expand, sampling_ints
 from .graphs import GraphRunner
 from .scheduler import ScheduledBatch
 
@@ -91,6 +92,7 @@ class ModelWorker:
                                      GDNBackend(caches.state_pool), model.config.layer_types, extra_attn_layers)
         self.graphs: GraphRunner | None = None
         self.eos_ids: set[int] = set()  # the model's stop ids (min_tokens masks them); the engine sets them
+        self.eos_tensor = torch.empty(0, dtype=torch.int64, device=device)  # the same, on the device
 
     def build_batch(self, sched: ScheduledBatch, input_ids: torch.Tensor | None = None,
                     drafts: torch.Tensor | None = None) -> ForwardBatch:
@@ -121,7 +123,7 @@ class ModelWorker:
         v = pack.views(meta)
         if register:
             slots.write_sampling_rows(v["reg_slots"], v["reg_floats"].view(torch.float32).view(-1, 2),
-                                      v["reg_ints"].view(-1, 3))
+                                      v["reg_ints"].view(-1, SAMPLING_INTS))
         ids, positions, locs, token_rows, seq_lens = expand(pack, meta, slots.req_to_token, slots.last_token)
         batch = ForwardBatch(
             mode=sched.mode,
@@ -208,10 +210,9 @@ class ModelWorker:
         """Write these requests' sampling parameters into the device table (when their prefill starts)."""
         if not reqs:
             return
-        v = self.vocab_size
         self.caches.req_slots.write_sampling(
             [r.req_slot for r in reqs], [(float(r.params.temperature), float(r.params.top_p)) for r in reqs],
-            [(min(r.params.top_k, v) if r.params.top_k > 0 else v, r.seed, len(r.prompt_ids)) for r in reqs])
+            [sampling_ints(r, self.vocab_size) for r in reqs])
 
     def sampling_batch(self, sched: ScheduledBatch, batch: ForwardBatch, rows: torch.Tensor | None = None,
                        reqs=None) -> SamplingBatch:

@@ -151,11 +151,14 @@ def greedy_record(logits: torch.Tensor, req_slots: torch.Tensor, seq_lens: torch
 
 @triton.jit
 def _accept_kernel(best_ptr, ids_ptr, forced_ptr, req_ptr, lens_ptr, last_ptr, seq_len_ptr, acc_ptr, emitted_ptr,
-                   packed_ptr, B, K: tl.constexpr, BK: tl.constexpr, FORCED: tl.constexpr, BLOCK: tl.constexpr):
+                   packed_ptr, samp_ptr, eos_ptr, B, K: tl.constexpr, BK: tl.constexpr, FORCED: tl.constexpr,
+                   LIMIT: tl.constexpr, NUM_EOS: tl.constexpr, SAMP: tl.constexpr, BLOCK: tl.constexpr):
     """Rows [BLOCK] of a greedy verify: a = the drafts (the fed tokens after the first) that match the target's
-    argmax before the first mismatch, or ``forced[row]`` (simulated acceptance); the emitted tokens are the drafts
-    before position a and the target's tokens from it; then the tables (newest token best[a], committed length
-    seq_len - K + a; not for request slot 0) and the host's packed row (emitted, a + 1)."""
+    argmax before the first mismatch, or ``forced[row]`` (simulated acceptance), at most the row's limit
+    (``spec.verify.accept_limit``: its max_tokens, and the first end-of-sequence token among the emitted ones
+    unless it ignores them); the emitted tokens are the drafts before position a and the target's tokens from it;
+    then the tables (newest token best[a], committed length seq_len - K + a; not for request slot 0) and the host's
+    packed row (emitted, a + 1)."""
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = rows < B
     cols = tl.arange(0, BK)
@@ -167,24 +170,46 @@ def _accept_kernel(best_ptr, ids_ptr, forced_ptr, req_ptr, lens_ptr, last_ptr, s
     else:  # the first column that does not match (columns from K on never do)
         a = tl.min(tl.where((drafts == best) & (cols < K)[None, :], K, cols[None, :]), 1).to(tl.int64)
     emitted = tl.where(cols[None, :] < a[:, None], drafts, best)
+    # the row's limit: its max_tokens, and its first end-of-sequence token (sampling_i: top_k, seed, prompt length,
+    # max_tokens, stops on EOS); a smaller a keeps emitted[:a + 1] (the token at a is the target's then, too)
+    slot = tl.load(req_ptr + rows, mask=m, other=0)
+    lens = tl.load(lens_ptr + rows, mask=m, other=0)
+    if LIMIT:  # a = -1: the row's request had ended before this step, which then commits nothing for it
+        srow = slot.to(tl.int64) * SAMP
+        done = lens - K - tl.load(samp_ptr + srow + 2, mask=m, other=0)
+        limit = tl.minimum(tl.maximum(tl.load(samp_ptr + srow + 3, mask=m, other=0) - done - 1, -1), K)
+        if NUM_EOS > 0:
+            stops = tl.load(samp_ptr + srow + 4, mask=m, other=0) > 0
+            fed = tl.load(ids_ptr + rows.to(tl.int64) * (K + 1), mask=m, other=-1)
+            is_eos = tl.zeros([BLOCK, BK], dtype=tl.int1)
+            fed_eos = tl.zeros([BLOCK], dtype=tl.int1)
+            for j in tl.static_range(NUM_EOS):
+                e = tl.load(eos_ptr + j)
+                is_eos = is_eos | (emitted == e)
+                fed_eos = fed_eos | (fed == e)
+            is_eos = is_eos & stops[:, None] & (cols < K)[None, :]
+            limit = tl.minimum(limit, tl.min(tl.where(is_eos, cols[None, :], K), 1).to(tl.int64))
+            limit = tl.where(fed_eos & stops, -1, limit)
+        a = tl.minimum(a, limit)
     mo = m[:, None] & (cols < K + 1)[None, :]
     tl.store(emitted_ptr + r * (K + 1) + cols[None, :], emitted, mask=mo)
     tl.store(packed_ptr + r * (K + 2) + cols[None, :], emitted, mask=mo)
     tl.store(packed_ptr + rows.to(tl.int64) * (K + 2) + K + 1, a + 1, mask=m)
     tl.store(acc_ptr + rows, a, mask=m)
-    tok = tl.sum(tl.where(cols[None, :] == a[:, None], best, 0), 1)
-    slot = tl.load(req_ptr + rows, mask=m, other=0)
-    real = m & (slot != 0)
+    tok = tl.sum(tl.where(cols[None, :] == a[:, None], emitted, 0), 1)
+    real = m & (slot != 0) & (a >= 0)  # an inert row leaves its tables as they were
     tl.store(last_ptr + slot, tok, mask=real)
-    tl.store(seq_len_ptr + slot, tl.load(lens_ptr + rows, mask=m, other=0) - K + a, mask=real)
+    tl.store(seq_len_ptr + slot, lens - K + a, mask=real)
 
 
 def accept_record(best: torch.Tensor, input_ids: torch.Tensor, req_slots: torch.Tensor, seq_lens: torch.Tensor,
-                  last_token: torch.Tensor, seq_len: torch.Tensor, forced: torch.Tensor | None = None):
+                  last_token: torch.Tensor, seq_len: torch.Tensor, forced: torch.Tensor | None = None,
+                  sampling_i: torch.Tensor | None = None, eos: torch.Tensor | None = None):
     """A greedy verify's acceptance and bookkeeping in one launch, where ``greedy_accept``, the table writes of
     ``ReqSlots.record`` and the packing for the host took about a dozen. best: [B, k + 1] the target's argmax;
     input_ids: [B * (k + 1)] the fed tokens (newest, then the k drafts); seq_lens: [B] the lengths after the fed
-    tokens; ``forced``: [B] accepted counts that replace the matching (simulated acceptance). Returns (emitted
+    tokens; ``forced``: [B] accepted counts that replace the matching (simulated acceptance); ``sampling_i``
+    (``ReqSlots.sampling_i``) and ``eos`` [E]: limit each row as ``spec.verify.accept_limit`` does. Returns (emitted
     [B, k + 1], accepted [B], packed [B, k + 2]: emitted, then accepted + 1), int64."""
     rows, k1 = best.shape
     best = best.contiguous()
@@ -193,10 +218,13 @@ def accept_record(best: torch.Tensor, input_ids: torch.Tensor, req_slots: torch.
     accepted = torch.empty(rows, dtype=torch.int64, device=best.device)
     if rows:
         block = 128
+        limit = sampling_i is not None
+        eos = eos if eos is not None and limit else best
         _accept_kernel[(triton.cdiv(rows, block),)](
             best, input_ids, forced if forced is not None else accepted, req_slots, seq_lens, last_token, seq_len,
-            accepted, emitted, packed, rows, K=k1 - 1, BK=triton.next_power_of_2(k1), FORCED=forced is not None,
-            BLOCK=block, num_warps=4)
+            accepted, emitted, packed, sampling_i if limit else best, eos, rows, K=k1 - 1,
+            BK=triton.next_power_of_2(k1), FORCED=forced is not None, LIMIT=limit,
+            NUM_EOS=eos.numel() if limit else 0, SAMP=sampling_i.shape[1] if limit else 1, BLOCK=block, num_warps=4)
     return emitted, accepted, packed
 
 

@@ -28,6 +28,34 @@ def greedy_accept(drafts: torch.Tensor, target_logits: torch.Tensor):
     return best, _leading_true(drafts == best[:, :-1])
 
 
+def accept_limit(emitted: torch.Tensor, fed: torch.Tensor, req_slots: torch.Tensor, seq_lens: torch.Tensor,
+                 sampling_i: torch.Tensor, eos: torch.Tensor) -> torch.Tensor:
+    """The most drafts each verify row may accept [B], so that nothing is computed past its request's end: its
+    max_tokens (the tokens it already emitted are ``seq_lens - k - prompt length``) and, unless the request ignores
+    them, the first end-of-sequence token among the accepted ones (which is then its last emitted token). -1 marks
+    a row whose request had ended before this step (launched before the host knew: the overlap loop runs a step
+    ahead): it commits nothing at all (``inert_rows``). So a request's state holds exactly the tokens it returned,
+    which the prefix cache keeps for its next turn. emitted: [B, k + 1], the tokens a full acceptance would emit;
+    fed: [B], each row's first fed token (its newest); sampling_i: the request table (``ReqSlots.sampling_i``)."""
+    k = emitted.shape[1] - 1
+    row = sampling_i[req_slots]
+    done = seq_lens - k - row[:, 2]  # output tokens before this step
+    limit = (row[:, 3] - done - 1).clamp(min=-1, max=k)
+    if eos.numel():
+        stops = row[:, 4] > 0
+        is_eos = torch.isin(emitted[:, :k], eos) & stops[:, None]
+        first = torch.where(is_eos.any(1), is_eos.to(torch.int64).argmax(1), torch.full_like(limit, k))
+        limit = torch.where(torch.isin(fed, eos) & stops, torch.full_like(limit, -1), torch.minimum(limit, first))
+    return limit
+
+
+def inert_rows(state_slots: torch.Tensor, accepted: torch.Tensor):
+    """The commit's view of a verify whose rows may be inert (accepted -1, see ``accept_limit``): their state slot
+    becomes -1 (skipped) and their accepted count 0. Returns (state slots, accepted counts) for the commit."""
+    inert = accepted < 0
+    return torch.where(inert, torch.full_like(state_slots, -1), state_slots), accepted.clamp(min=0)
+
+
 def rejection_accept(drafts: torch.Tensor, draft_probs: torch.Tensor | None, target_probs: torch.Tensor,
                      seeds: torch.Tensor, steps: torch.Tensor):
     """Speculative sampling: accept d_i with probability min(1, p(d_i) / q(d_i)); at the first rejection draw from

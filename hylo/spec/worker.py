@@ -18,7 +18,7 @@ from ..engine.worker import ModelWorker, StepResult, _dev, all_greedy, pack_logp
 from ..ops.logits import apply_penalties, verify_extra_counts
 from ..ops.sampling import greedy_tokens, sample, sampling_probs, uniform_noise
 from ..ops.triton_utils import use_triton
-from .verify import greedy_accept, rejection_accept
+from .verify import accept_limit, greedy_accept, inert_rows, rejection_accept
 
 
 STREAM_SIMULATE = 4  # noise stream of the benchmark's simulated acceptance (0-3: ops/sampling, verify, mtp)
@@ -139,13 +139,16 @@ class SpecWorker:
             tables = self.caches.req_slots
             forced = self._forced_accepts(batch) if self.simulate_accept_length is not None else None
             emitted, accepted, packed = accept_record(greedy_tokens(logits), batch.input_ids, batch.req_slots,
-                                                      batch.seq_lens, tables.last_token, tables.seq_len, forced)
-            self.backend.commit_verified(batch.state_slots, accepted)
+                                                      batch.seq_lens, tables.last_token, tables.seq_len, forced,
+                                                      tables.sampling_i, tw.eos_tensor)
+            self.backend.commit_verified(*inert_rows(batch.state_slots, accepted))
+            accepted = accepted.clamp(min=0)  # the drafts of an inert row (an ended request) are never read
         else:
             drafts = batch.input_ids.view(bs, k + 1)[:, 1:]
             emitted, accepted = self._commit(batch, drafts, *greedy_accept(drafts, logits))
             # what the host reads back, in one piece: each row's emitted tokens, then its count (accepted + 1)
             packed = torch.cat([emitted, accepted[:, None] + 1], dim=1)
+            accepted = accepted.clamp(min=0)
         mtp_batch = replace(batch, mode=ForwardMode.DRAFT_EXTEND, input_ids=emitted.reshape(-1))
         self.drafter.draft_greedy(tw, mtp_batch, hidden, accepted)
         return {"packed": packed}
@@ -155,10 +158,18 @@ class SpecWorker:
         tokens into the request tables. Returns the final (emitted, accepted)."""
         if self.simulate_accept_length is not None:
             emitted, accepted = self._simulate(drafts, emitted, accepted, batch)
-        self.backend.commit_verified(batch.state_slots, accepted)
+        # nothing accepted past the request's end (its max_tokens, its end-of-sequence token); -1: it had ended
+        fed = batch.input_ids.view(-1, self.k + 1)[:, 0]
+        tables = self.caches.req_slots
+        accepted = torch.minimum(accepted, accept_limit(emitted, fed, batch.req_slots, batch.seq_lens,
+                                                        tables.sampling_i, self.target.eos_tensor))
+        slots, kept = inert_rows(batch.state_slots, accepted)
+        self.backend.commit_verified(slots, kept)
         rows = torch.arange(accepted.shape[0], device=accepted.device)
-        self.caches.req_slots.record(batch.req_slots, batch.seq_lens - self.k + accepted, batch.req_slots,
-                                     emitted[rows, accepted])
+        inert = accepted < 0  # an inert row leaves its tables as they were
+        lens = torch.where(inert, batch.seq_lens - self.k - 1, batch.seq_lens - self.k + accepted)
+        newest = torch.where(inert, tables.last_token[batch.req_slots], emitted[rows, kept])
+        tables.record(batch.req_slots, lens, batch.req_slots, newest)
         return emitted, accepted
 
     def _verify(self, sched: ScheduledBatch) -> StepResult:
@@ -205,7 +216,7 @@ class SpecWorker:
         if sb.penalized:
             valid = torch.arange(k + 1, device=emitted.device)[None, :] <= accepted[:, None]
             tables.count(sb.slots, emitted, valid)
-        self.drafter.after_verify(tw, batch, hidden, emitted, accepted, sb)
+        self.drafter.after_verify(tw, batch, hidden, emitted, accepted.clamp(min=0), sb)
         lp = pack_logprobs(raw, emitted, sb.logprobs) if sb.logprobs is not None else None
         return StepResult(emitted, accepted + 1, logprobs=lp)
 

@@ -157,3 +157,47 @@ def test_extend_kernels_equal_the_torch_expansion(dev, seed, big, runs):
     assert torch.equal(r2t_d.cpu(), ref_r2t)
     for name, a, e in zip(("ids", "positions", "locations", "rows", "lengths"), got, ref):
         assert torch.equal(a.cpu(), e), name
+
+
+@pytest.mark.parametrize("rows,k,simulated", [(3, 3, False), (40, 4, True), (130, 2, False)])
+def test_accept_record_stops_at_max_tokens_and_eos(dev, rows, k, simulated):
+    """With the request table and the end-of-sequence ids, the fused acceptance takes no draft past a row's
+    max_tokens or its first end-of-sequence token (unless the row ignores them): as ``accept_limit`` on top of
+    ``greedy_accept`` (or the forced counts)."""
+    from hylo.ops.tables_triton import accept_record
+    from hylo.spec.verify import accept_limit, greedy_accept
+
+    g = torch.Generator().manual_seed(rows + 100 * k)
+    n = max(12, rows)
+    t, _ = _tables(dev, n, seed=rows + 1)
+    best = torch.randint(0, 6, (rows, k + 1), generator=g)
+    drafts = torch.where(torch.rand(rows, k, generator=g) < 0.8, best[:, :k], torch.randint(0, 6, (rows, k),
+                                                                                           generator=g))
+    ids = torch.cat([torch.randint(0, 6, (rows, 1), generator=g), drafts], 1).reshape(-1)
+    req = torch.randperm(n, generator=g)[:rows] + 1
+    prompt = torch.randint(1, 20, (n + 1,), generator=g)
+    done = torch.randint(0, 10, (rows,), generator=g)  # output tokens before this step
+    lens = done + k + prompt[req]
+    ids.view(rows, k + 1)[::5, 0] = 2  # some rows' newest token is an end-of-sequence id: their request had ended
+    samp = torch.zeros(n + 1, 5, dtype=torch.int64)
+    samp[:, 2] = prompt
+    samp[:, 3] = torch.randint(1, 14, (n + 1,), generator=g)  # max_tokens (some already at their end)
+    samp[:, 4] = (torch.rand(n + 1, generator=g) < 0.7).long()  # stops at end-of-sequence ids
+    eos = torch.tensor([2, 5])
+    forced = torch.randint(0, k + 1, (rows,), generator=g) if simulated else None
+
+    emitted, accepted = greedy_accept(drafts, torch.nn.functional.one_hot(best, 6).float())
+    if simulated:
+        accepted = forced
+        emitted = torch.where(torch.arange(k + 1)[None, :] < forced[:, None],
+                              torch.cat([drafts, drafts[:, :1]], 1), best)
+    accepted = torch.minimum(accepted, accept_limit(emitted, ids.view(rows, k + 1)[:, 0], req, lens, samp, eos))
+    before = (t.last_token.clone(), t.seq_len.clone())
+    out_e, out_a, packed = accept_record(best.to(dev), ids.to(dev), req.to(dev), lens.to(dev), t.last_token,
+                                         t.seq_len, forced.to(dev) if simulated else None, samp.to(dev), eos.to(dev))
+    assert torch.equal(out_a.cpu(), accepted) and (accepted == -1).any()
+    inert = req[accepted == -1].to(t.seq_len.device)  # their tables as they were
+    assert torch.equal(t.last_token[inert], before[0][inert]) and torch.equal(t.seq_len[inert], before[1][inert])
+    assert torch.equal(packed.cpu()[:, -1], accepted + 1)
+    kept = accepted.clamp(min=0)
+    assert torch.equal(out_e.cpu()[torch.arange(rows), kept], emitted[torch.arange(rows), kept])
