@@ -158,3 +158,19 @@ def test_rejected_requests_are_counted(http):
     for bad in ({"prompt": "x", "n": 0}, {"prompt": "x", "seed": 1 << 64}, {"prompt": "x", "bogus": 1}):
         assert http.post("/v1/completions", json=bad).status_code == 400
     assert rejected() == before + 3
+
+
+def test_echo_with_max_tokens_zero_scores_the_prompt_only(http):
+    """lm-eval-harness's loglikelihood request: echo, logprobs, max_tokens 0: the prompt's tokens and their log
+    probabilities, nothing generated; the same values as the prompt part of an echo that generates."""
+    body = {"prompt": [5, 6, 7, 8, 9], "echo": True, "logprobs": 1, "max_tokens": 0, "temperature": 0,
+            "return_tokens_as_token_ids": True}
+    r = http.post("/v1/completions", json=body).json()
+    c = r["choices"][0]
+    assert r["usage"]["completion_tokens"] == 0 and c["finish_reason"] == "length"
+    lp = c["logprobs"]
+    assert lp["tokens"] == [f"token_id:{t}" for t in body["prompt"]] and lp["token_logprobs"][0] is None
+    gen = http.post("/v1/completions", json={**body, "max_tokens": 2, "ignore_eos": True}).json()["choices"][0]
+    assert gen["logprobs"]["token_logprobs"][:5] == lp["token_logprobs"]
+    r = http.post("/v1/completions", json={**body, "echo": False})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"

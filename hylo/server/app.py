@@ -208,6 +208,11 @@ def create_app(engine: Engine, api_key: str | None = None, served_model_name: st
         check_model(body.model)
         raw = body.prompts()
         prompts = [_encode(engine, p) for p in raw]
+        # echo with max_tokens 0 scores the prompt and generates nothing (lm-eval-harness's loglikelihood requests):
+        # served as one token that the response leaves out
+        score_only = body.echo and body.max_tokens == 0
+        if score_only:
+            body.max_tokens = 1
         params = body.choice_params(DEFAULT_COMPLETION_MAX_TOKENS)
         for p in prompts:
             _check_room(engine, p, params[0].max_tokens, explicit=body.max_tokens is not None)
@@ -220,7 +225,7 @@ def create_app(engine: Engine, api_key: str | None = None, served_model_name: st
                     for p, ids in zip(raw, prompts)]
         return await serve(request, runner, "cmpl", "text_completion", model_name, prompts, params, body,
                            chat=False, fmt=Formatter(engine.tokenizer, body.return_tokens_as_token_ids),
-                           echo_texts=echo)
+                           echo_texts=echo, score_only=score_only)
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
     async def chat_completions(body: ChatCompletionRequest, request: Request):

@@ -99,9 +99,10 @@ def _abandon(runner: EngineThread, rid: str, queues: dict, collect: asyncio.Futu
 
 async def serve(request: Request, runner: EngineThread, id_prefix: str, obj: str, model: str,
                 prompts: list[list[int]], params: list, body, chat: bool, fmt: Formatter,
-                echo_texts: list[str] | None = None):
+                echo_texts: list[str] | None = None, score_only: bool = False):
     """Submit one request per (prompt, choice) and answer with one response or a stream. ``echo_texts``: the
-    prompts' texts, returned before each choice's completion (completions with ``echo``)."""
+    prompts' texts, returned before each choice's completion (completions with ``echo``); ``score_only``: the
+    requests generate one token that the answer leaves out (echo with max_tokens 0: the prompt scored only)."""
     rid = new_id(id_prefix)
     created = now()
     jobs = [(i * len(params) + j, prompt, p) for i, prompt in enumerate(prompts) for j, p in enumerate(params)]
@@ -109,7 +110,7 @@ async def serve(request: Request, runner: EngineThread, id_prefix: str, obj: str
     prompt_tokens = sum(len(p) for p in prompts)
     if body.stream:
         return StreamingResponse(_stream(runner, rid, created, model, obj, queues, prompts, len(params), body, chat,
-                                         fmt, echo_texts),
+                                         fmt, echo_texts, score_only),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     collect = asyncio.ensure_future(asyncio.gather(*(_collect(q) for q in queues.values())))
     collect.add_done_callback(_retrieved)
@@ -126,6 +127,8 @@ async def serve(request: Request, runner: EngineThread, id_prefix: str, obj: str
         _abandon(runner, rid, queues, collect)
         return JSONResponse(error_body("client disconnected"), status_code=499)
     results = collect.result()
+    if score_only:
+        results = [_scored_only(r) for r in results]
     failed = [r for r in results if r.error]
     if failed:
         for index in queues:
@@ -175,6 +178,14 @@ def _choice(index: int, r: Delta, prompt: list[int], body, chat: bool, fmt: Form
     return choice
 
 
+def _scored_only(d: Delta) -> Delta:
+    """A delta without what its request generated (echo with max_tokens 0): the prompt's part only."""
+    d.text, d.token_ids, d.logprobs, d.completion_tokens = "", [], [], 0
+    if d.finish_reason is not None:
+        d.finish_reason = "length"
+    return d
+
+
 async def _collect(q: asyncio.Queue) -> Delta:
     total = Delta()
     while True:
@@ -196,7 +207,7 @@ async def _collect(q: asyncio.Queue) -> Delta:
 
 async def _stream(runner: EngineThread, rid: str, created: int, model: str, obj: str, queues: dict,
                   prompts: list[list[int]], choices_per_prompt: int, body, chat: bool, fmt: Formatter,
-                  echo_texts: list[str] | None):
+                  echo_texts: list[str] | None, score_only: bool = False):
     """Server-sent events in OpenAI's chunk format; aborts every unfinished choice if the client goes away."""
     merged: asyncio.Queue = asyncio.Queue()
     opts = body.stream_options
@@ -245,6 +256,8 @@ async def _stream(runner: EngineThread, rid: str, created: int, model: str, obj:
                 yield chunk([{"index": i, "text": text, "logprobs": None, "finish_reason": None}])
         while open_choices:
             index, d = await merged.get()
+            if score_only:
+                d = _scored_only(d)
             completion[index] = d.completion_tokens or completion[index]
             cached[index] = d.cached_tokens or cached[index]
             if d.error:
