@@ -87,8 +87,8 @@ class LLM:
                 vocab = self.engine.model_config.vocab_size
                 bad = [t for t in (p.logit_bias or ()) if t >= vocab] + [t for t in p.stop_token_ids or () if t >= vocab]
                 if bad:
-                    raise ValueError(f"token id {bad[0]} (logit_bias / stop_token_ids) is outside the vocabulary "
-                                     f"[0, {vocab})")
+                    raise ValueError(f"token ids {sorted(set(bad))[:8]} (logit_bias / stop_token_ids) are out of "
+                                     f"vocabulary (ids are 0..{vocab - 1})")
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
         eng = self.engine

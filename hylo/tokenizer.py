@@ -52,14 +52,18 @@ class HFTokenizer(_TemplateMixin):
         self.chat_template = _read_chat_template(path)
         self.special_ids = {i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
 
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=True).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
 
     def token_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
+
+    def token_piece(self, token_id: int) -> str:
+        """The token as the vocabulary writes it (byte-level BPE's 'Ġword', say)."""
+        return self._tok.id_to_token(token_id) or ""
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for (a byte-level BPE token may be part of a UTF-8 character)."""
@@ -81,7 +85,7 @@ class ByteTokenizer(_TemplateMixin):
         self.special_ids = set(range(256, self.vocab_size))
         self.chat_template = CHATML_TEMPLATE
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:  # (adds none either way)
         out: list[int] = []
         i = 0
         while i < len(text):  # special tokens written in the text become their ids (as in chat templates)
@@ -101,6 +105,9 @@ class ByteTokenizer(_TemplateMixin):
 
     def token_id(self, token: str) -> int | None:
         return 256 + BYTE_SPECIALS.index(token) if token in BYTE_SPECIALS else None
+
+    def token_piece(self, token_id: int) -> str:
+        return self.token_bytes(token_id).decode("utf-8", errors="replace")
 
     def token_bytes(self, token_id: int) -> bytes:
         return bytes([token_id]) if token_id < 256 else BYTE_SPECIALS[token_id - 256].encode("utf-8")

@@ -44,8 +44,8 @@ def test_bad_requests_never_harm_running_ones(ckpt_a):
     cases = [
         ([], "empty"),
         ("", "empty"),
-        ([1, vocab, 2], f"token id {vocab} at position 1 is outside the vocabulary"),
-        ([-1], "outside the vocabulary"),
+        ([1, vocab, 2], f"token id {vocab} at position 1 is out of vocabulary"),
+        ([-1], "out of vocabulary"),
         ([1, 2.5], "not an integer"),
         ([1] * 64, "context limit"),
         ("some text", "no tokenizer"),

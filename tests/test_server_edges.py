@@ -142,7 +142,7 @@ def test_tokenize_detokenize_version_and_model_retrieve(http):
     chat = http.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
     assert chat["count"] > 2
     r = http.post("/detokenize", json={"tokens": [10 ** 7]})
-    assert r.status_code == 400 and "outside the vocabulary" in r.json()["error"]["message"]
+    assert r.status_code == 400 and "out of vocabulary" in r.json()["error"]["message"]
     assert http.get("/version").json()["version"]
     m = http.get(f"/v1/models/{MODEL}").json()
     assert m["id"] == MODEL and m["object"] == "model"
@@ -174,3 +174,74 @@ def test_echo_with_max_tokens_zero_scores_the_prompt_only(http):
     assert gen["logprobs"]["token_logprobs"][:5] == lp["token_logprobs"]
     r = http.post("/v1/completions", json={**body, "echo": False})
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+
+
+def _sse(http, path, body):
+    import json as _json
+
+    with http.stream("POST", path, json={**body, "stream": True}) as s:
+        return [_json.loads(ln[6:]) for ln in s.iter_lines() if ln.startswith("data: {")]
+
+
+def test_vllm_response_conventions(http):
+    """What vLLM's clients read: top_logprobs dicts that hold the chosen token (logprobs 0: only it), stop_reason,
+    the extra fields present as null when not asked for, streamed text offsets equal to the full response's,
+    prompt_token_ids on a stream's first chunk, usage only with include_usage."""
+    body = {"prompt": [5, 6, 7, 8], "max_tokens": 5, "temperature": 1.0, "seed": 3, "ignore_eos": True,
+            "return_tokens_as_token_ids": True}
+    r = http.post("/v1/completions", json={**body, "logprobs": 0}).json()["choices"][0]
+    lp = r["logprobs"]
+    assert [list(t) for t in lp["top_logprobs"]] == [[t] for t in lp["tokens"]]
+    assert [t[k] for t, k in zip(lp["top_logprobs"], lp["tokens"])] == lp["token_logprobs"]
+    assert r["stop_reason"] is None and r["token_ids"] is None and r["prompt_logprobs"] is None
+    assert r["prompt_token_ids"] is None
+    # sampled tokens outside the top 1 still appear in their dict, beside the top one
+    r3 = http.post("/v1/completions", json={**body, "logprobs": 1, "temperature": 2.0}).json()["choices"][0]
+    for tok, top in zip(r3["logprobs"]["tokens"], r3["logprobs"]["top_logprobs"]):
+        assert tok in top and 1 <= len(top) <= 2
+    # a stop string is the stop_reason
+    plain = http.post("/v1/completions", json={**body, "prompt": "abc", "return_tokens_as_token_ids": False,
+                                               "temperature": 0}).json()["choices"][0]["text"]
+    assert len(plain) >= 2
+    stopped = http.post("/v1/completions", json={**body, "prompt": "abc", "temperature": 0,
+                                                 "stop": [plain[1:2]]}).json()["choices"][0]
+    assert stopped["finish_reason"] == "stop" and stopped["stop_reason"] == plain[1:2]
+    # streamed echo with logprobs: the same tokens, values and offsets as the full response
+    full = http.post("/v1/completions", json={**body, "echo": True, "logprobs": 2,
+                                              "return_tokens_as_token_ids": False}).json()["choices"][0]
+    chunks = _sse(http, "/v1/completions", {**body, "echo": True, "logprobs": 2, "return_tokens_as_token_ids": False,
+                                            "return_token_ids": True})
+    got = {"tokens": [], "token_logprobs": [], "text_offset": []}
+    for ch in chunks:
+        for c in ch["choices"]:
+            for k in got:
+                got[k] += (c["logprobs"] or {}).get(k, [])
+    assert got == {k: full["logprobs"][k] for k in got}
+    assert "".join(c["text"] for ch in chunks for c in ch["choices"]) == full["text"]
+    assert chunks[0]["choices"][0]["prompt_token_ids"] == body["prompt"]
+    assert all("prompt_token_ids" not in c for ch in chunks[1:] for c in ch["choices"])
+    assert all("usage" not in ch for ch in chunks)
+    # continuous usage needs include_usage (vLLM's rule)
+    chunks = _sse(http, "/v1/completions", {**body, "stream_options": {"continuous_usage_stats": True}})
+    assert all("usage" not in ch for ch in chunks)
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0,
+            "return_token_ids": True}
+    chunks = _sse(http, "/v1/chat/completions", chat)
+    assert chunks[0]["prompt_token_ids"] and all("prompt_token_ids" not in ch for ch in chunks[1:])
+    full = http.post("/v1/chat/completions", json={**chat, "return_token_ids": False}).json()
+    assert full["prompt_token_ids"] is None and full["prompt_logprobs"] is None
+    assert full["choices"][0]["token_ids"] is None and "stop_reason" in full["choices"][0]
+
+
+def test_vllm_request_rules(http):
+    r = http.post("/v1/completions", json={"prompt": "ab", "prompt_logprobs": 1, "stream": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
+    r = http.post("/v1/completions", json={"prompt": "ab", "logit_bias": {"x": 1, "-3": 1, "4": 1}})
+    err = r.json()["error"]
+    assert r.status_code == 400 and "'x'" in err["message"] and "'-3'" in err["message"]
+    r = http.post("/v1/completions", json={"prompt": "ab", "logit_bias": {"1": 1, "99999": 1, "88888": 1}})
+    err = r.json()["error"]
+    assert r.status_code == 400 and "88888" in err["message"] and "99999" in err["message"]
+    assert "out of vocabulary" in err["message"]
+    r = http.post("/tokenize", json={"prompt": "hi"}).json()
+    assert r["token_strs"] is None

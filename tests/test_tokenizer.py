@@ -75,3 +75,32 @@ def test_real_qwen3_next_style_config_parses():
         parse_config({**cfg, "rope_scaling": {"type": "yarn", "factor": 4.0}})
     with pytest.raises(ValueError, match="model_type"):
         parse_config({**cfg, "model_type": "llama"})
+
+
+def test_a_bos_tokenizer_adds_its_bos_to_prompts_and_never_twice_to_chat(tmp_path, ckpt_with_tokenizer):
+    """A tokenizer whose post-processor adds a BOS (Llama-style): plain prompts get it, a rendered chat template
+    (which writes its own) is encoded without it, as vLLM and HF's apply_chat_template(tokenize=True) do."""
+    from fastapi.testclient import TestClient
+    from tokenizers import Tokenizer, processors
+
+    from hylo.config import EngineConfig
+    from hylo.engine.engine import Engine
+    from hylo.server.app import create_app
+
+    path = tmp_path / "bos"
+    shutil.copytree(ckpt_with_tokenizer, path)
+    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    tok.post_processor = processors.TemplateProcessing(single="<|im_start|> $A", special_tokens=[("<|im_start|>", 1)])
+    tok.save(str(path / "tokenizer.json"))
+    engine = Engine(str(path), device="cpu", engine_config=EngineConfig(verbose=False))
+    with TestClient(create_app(engine)) as http:
+        plain = http.post("/tokenize", json={"prompt": "w3 w4", "return_token_strs": True}).json()
+        assert plain["tokens"] == [1, 6, 7] and plain["token_strs"] == ["<|im_start|>", "w3", "w4"]
+        assert http.post("/tokenize", json={"prompt": "w3", "add_special_tokens": False}).json()["tokens"] == [6]
+        msgs = [{"role": "user", "content": "w3"}]
+        chat = http.post("/tokenize", json={"messages": msgs}).json()["tokens"]
+        assert chat == [1, 6, 2, 1]
+        r = http.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 2, "return_token_ids": True})
+        assert r.json()["prompt_token_ids"] == chat
+        r = http.post("/v1/completions", json={"prompt": "w3", "max_tokens": 2, "return_token_ids": True})
+        assert r.json()["choices"][0]["prompt_token_ids"] == [1, 6]

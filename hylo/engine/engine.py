@@ -194,14 +194,16 @@ class Engine:
             print(f"[hylo] {self.caches.summary()}", file=sys.stderr, flush=True)
 
     # ---- requests ---------------------------------------------------------------------------------------------
-    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
-        """Token ids of a prompt, validated: non-empty, inside the vocabulary, inside the context limit."""
+    def encode_prompt(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a prompt, validated: non-empty, inside the vocabulary, inside the context limit.
+        ``add_special_tokens``: let the tokenizer add its own (a BOS): not for a rendered chat template, which
+        writes them itself."""
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")
             if self.tokenizer is None:
                 raise ValueError("this model directory has no tokenizer.json: pass prompts as lists of token ids")
-            ids = self.tokenizer.encode(prompt)
+            ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         elif isinstance(prompt, (list, tuple)) or (isinstance(prompt, torch.Tensor) and prompt.dim() == 1):
             ids = prompt.tolist() if isinstance(prompt, torch.Tensor) else list(prompt)
             for i, t in enumerate(ids):
@@ -214,7 +216,7 @@ class Engine:
         vocab = self.model_config.vocab_size
         for i, t in enumerate(ids):
             if not 0 <= t < vocab:
-                raise ValueError(f"prompt token id {t} at position {i} is outside the vocabulary [0, {vocab})")
+                raise ValueError(f"prompt token id {t} at position {i} is out of vocabulary (ids are 0..{vocab - 1})")
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens, but the context limit (max_model_len) is "
                              f"{self.max_model_len}: it must be shorter to leave room for output")
@@ -229,12 +231,10 @@ class Engine:
         if params.n != 1:
             raise ValueError(f"n={params.n}: an engine request is one sample (LLM.generate and the server submit n)")
         vocab = self.model_config.vocab_size
-        for t in params.stop_token_ids or ():
-            if t >= vocab:
-                raise ValueError(f"stop_token_ids: token id {t} is outside the vocabulary [0, {vocab})")
-        for t in params.logit_bias or ():
-            if t >= vocab:
-                raise ValueError(f"logit_bias: token id {t} is outside the vocabulary [0, {vocab})")
+        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias)):
+            bad = sorted({t for t in ids or () if t >= vocab})
+            if bad:
+                raise ValueError(f"{name}: token ids {bad[:8]} are out of vocabulary (ids are 0..{vocab - 1})")
         ids = self.encode_prompt(prompt)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self._reqs:

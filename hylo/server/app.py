@@ -188,11 +188,10 @@ def create_app(engine: Engine, api_key: str | None = None, served_model_name: st
                                                      add_generation_prompt=body.add_generation_prompt))
         else:
             text = body.prompt
-        ids = tokenizer().encode(text)
-        out = {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
-        if body.return_token_strs:
-            out["token_strs"] = [tokenizer().token_bytes(t).decode("utf-8", errors="replace") for t in ids]
-        return out
+        special = body.add_special_tokens if body.add_special_tokens is not None else body.messages is None
+        ids = tokenizer().encode(text, add_special_tokens=special)
+        strs = [tokenizer().token_piece(t) for t in ids] if body.return_token_strs else None
+        return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids, "token_strs": strs}
 
     @app.post("/detokenize", dependencies=[Depends(authorize)])
     async def detokenize(body: DetokenizeRequest):
@@ -200,7 +199,7 @@ def create_app(engine: Engine, api_key: str | None = None, served_model_name: st
         vocab = engine.model_config.vocab_size
         bad = [t for t in body.tokens if not 0 <= t < vocab]
         if bad:
-            raise APIError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})", param="tokens")
+            raise APIError(f"token ids {bad[:8]} are out of vocabulary (ids are 0..{vocab - 1})", param="tokens")
         return {"prompt": tokenizer().decode(body.tokens)}
 
     @app.post("/v1/completions", dependencies=[Depends(authorize)])
@@ -232,7 +231,7 @@ def create_app(engine: Engine, api_key: str | None = None, served_model_name: st
         check_model(body.model)
         if engine.tokenizer is None:
             raise APIError("this model has no tokenizer, which chat needs", param="messages")
-        prompt = _encode(engine, chat_prompt(body))
+        prompt = _encode(engine, chat_prompt(body), add_special_tokens=False)  # the template writes its own
         room = engine.max_model_len - len(prompt)
         given = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         _check_room(engine, prompt, given if given is not None else room, explicit=given is not None)
@@ -260,9 +259,9 @@ def _check_room(engine: Engine, prompt: list[int], max_tokens: int, explicit: bo
                        param="max_tokens", code="context_length_exceeded")
 
 
-def _encode(engine: Engine, prompt) -> list[int]:
+def _encode(engine: Engine, prompt, add_special_tokens: bool = True) -> list[int]:
     try:
-        return engine.encode_prompt(prompt)
+        return engine.encode_prompt(prompt, add_special_tokens=add_special_tokens)
     except ValueError as e:
         msg = str(e)
         code = "context_length_exceeded" if "context limit" in msg else None

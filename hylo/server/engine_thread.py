@@ -29,6 +29,7 @@ class Delta:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it (vLLM's field)
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens reused from the prefix cache
@@ -185,7 +186,7 @@ class EngineThread:
         if req.error is not None:
             delta.error, delta.status = req.error, 500
         if req.finished:
-            delta.finish_reason = req.finish_reason
+            delta.finish_reason, delta.stop_reason = req.finish_reason, req.stop_reason
             m.finished(req)
             self._streams.pop(req.rid, None)
             self.engine.pop_finished(req.rid)

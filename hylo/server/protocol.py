@@ -110,6 +110,8 @@ class _SamplingFields(BaseModel):
             raise APIError(f"unknown field {name!r}", param=name, code="unknown_parameter")
         if self.stream_options is not None and not self.stream:
             raise APIError("stream_options is only allowed with stream: true", param="stream_options")
+        if self.stream and self.prompt_logprobs is not None:
+            raise APIError("prompt_logprobs is not available with stream: true", param="prompt_logprobs")
 
     def logprobs_n(self) -> int | None:
         """How many alternatives per generated token the request wants (None: no log probabilities)."""
@@ -124,17 +126,20 @@ class _SamplingFields(BaseModel):
     def _logit_bias(self) -> dict[int, float] | None:
         if not self.logit_bias:
             return None
-        out = {}
+        out, not_ids, out_of_range = {}, [], []
         for key, value in self.logit_bias.items():
-            try:
-                tok = int(key)
-            except ValueError:
-                raise APIError(f"logit_bias: key {key!r} is not a token id", param="logit_bias") from None
-            if tok < 0:
-                raise APIError(f"logit_bias: key {key!r} is not a token id", param="logit_bias")
-            if not (math.isfinite(value) and -100 <= value <= 100):
-                raise APIError(f"logit_bias[{key!r}] must be between -100 and 100, got {value}", param="logit_bias")
-            out[tok] = float(value)
+            tok = int(key) if key.strip().lstrip("-").isdigit() else None
+            if tok is None or tok < 0:
+                not_ids.append(key)
+            elif not (math.isfinite(value) and -100 <= value <= 100):
+                out_of_range.append(f"{key!r}: {value}")
+            else:
+                out[tok] = float(value)
+        if not_ids:
+            raise APIError(f"logit_bias: keys {not_ids[:8]} are not token ids", param="logit_bias")
+        if out_of_range:
+            raise APIError(f"logit_bias: values must be between -100 and 100, got {', '.join(out_of_range[:8])}",
+                           param="logit_bias")
         return out
 
     def _sampling_params(self, default_max_tokens: int, n_index: int) -> SamplingParams:
@@ -275,7 +280,8 @@ class TokenizeRequest(BaseModel):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
-    add_special_tokens: bool = True
+    add_special_tokens: bool | None = Field(None, description="add the tokenizer's special tokens (e.g. BOS); "
+                                                              "default: yes for a prompt, no for messages")
     return_token_strs: bool = False
 
 

@@ -46,9 +46,10 @@ class Formatter:
                                               "bytes": list(self.token_bytes(t))} for t, v in lp.top]})
         return {"content": content}
 
-    def completion(self, token_ids: list[int], lps: list, offset: int) -> dict:
-        """``choices[].logprobs`` of a completions response (or chunk): ``lps`` entries may be None (an echoed
-        prompt's first token)."""
+    def completion(self, token_ids: list[int], lps: list, offset: int) -> tuple[dict, int]:
+        """``choices[].logprobs`` of a completions response (or chunk), and the text offset after it: ``lps``
+        entries may be None (an echoed prompt's first token). Each ``top_logprobs`` dict holds the top
+        alternatives and the chosen token (OpenAI's rule: up to logprobs + 1 entries)."""
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for tok, lp in zip(token_ids, lps):
             text = self.token(tok)
@@ -60,8 +61,10 @@ class Formatter:
                 out["top_logprobs"].append(None)
             else:
                 out["token_logprobs"].append(self.value(lp.logprob))
-                out["top_logprobs"].append({self.token(t): self.value(v) for t, v in lp.top})
-        return out
+                top = {self.token(t): self.value(v) for t, v in lp.top}
+                top.setdefault(text, self.value(lp.logprob))
+                out["top_logprobs"].append(top)
+        return out, offset
 
     def prompt(self, prompt_ids: list[int], lps: list) -> list:
         """vLLM's ``prompt_logprobs``: per prompt token None (the first) or {id: {logprob, rank, decoded_token}}
@@ -146,10 +149,10 @@ async def serve(request: Request, runner: EngineThread, id_prefix: str, obj: str
     cached = sum(r.cached_tokens for index, r in zip(queues, results) if index % n == 0)
     response = {"id": rid, "object": obj, "created": created, "model": model, "choices": choices,
                 "usage": usage(prompt_tokens, completion_tokens, cached)}
-    if chat and body.return_token_ids:
-        response["prompt_token_ids"] = prompts[0]
-    if chat and body.prompt_logprobs is not None:
-        response["prompt_logprobs"] = fmt.prompt(prompts[0], results[0].prompt_logprobs or [])
+    if chat:  # vLLM's fields, null when not asked for
+        response["prompt_token_ids"] = prompts[0] if body.return_token_ids else None
+        response["prompt_logprobs"] = (fmt.prompt(prompts[0], results[0].prompt_logprobs or [])
+                                       if body.prompt_logprobs is not None else None)
     return response
 
 
@@ -158,23 +161,22 @@ def _choice(index: int, r: Delta, prompt: list[int], body, chat: bool, fmt: Form
     if chat:
         choice = {"index": index, "message": {"role": "assistant", "content": r.text},
                   "logprobs": fmt.chat(r.token_ids, r.logprobs) if want_lp else None,
-                  "finish_reason": r.finish_reason}
+                  "finish_reason": r.finish_reason, "stop_reason": r.stop_reason}
     else:
         text, lp = r.text, None
         if want_lp:
             ids, lps = r.token_ids, r.logprobs
             if echo is not None:
                 ids, lps = prompt + ids, (r.prompt_logprobs or [None] * len(prompt)) + lps
-            lp = fmt.completion(ids, lps, 0)
+            lp, _ = fmt.completion(ids, lps, 0)
         if echo is not None:
             text = echo + text
-        choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": r.finish_reason}
-        if body.return_token_ids:
-            choice["prompt_token_ids"] = prompt
-        if body.prompt_logprobs is not None:
-            choice["prompt_logprobs"] = fmt.prompt(prompt, r.prompt_logprobs or [])
-    if body.return_token_ids:
-        choice["token_ids"] = r.token_ids
+        choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": r.finish_reason,
+                  "stop_reason": r.stop_reason,
+                  "prompt_logprobs": fmt.prompt(prompt, r.prompt_logprobs or [])
+                  if body.prompt_logprobs is not None else None,
+                  "prompt_token_ids": prompt if body.return_token_ids else None}
+    choice["token_ids"] = r.token_ids if body.return_token_ids else None
     return choice
 
 
@@ -196,6 +198,7 @@ async def _collect(q: asyncio.Queue) -> Delta:
         if d.prompt_logprobs is not None:
             total.prompt_logprobs = d.prompt_logprobs
         total.completion_tokens = d.completion_tokens or total.completion_tokens
+        total.stop_reason = d.stop_reason if d.stop_reason is not None else total.stop_reason
         total.cached_tokens = d.cached_tokens or total.cached_tokens
         if d.error:
             total.error, total.status = d.error, d.status
@@ -208,11 +211,13 @@ async def _collect(q: asyncio.Queue) -> Delta:
 async def _stream(runner: EngineThread, rid: str, created: int, model: str, obj: str, queues: dict,
                   prompts: list[list[int]], choices_per_prompt: int, body, chat: bool, fmt: Formatter,
                   echo_texts: list[str] | None, score_only: bool = False):
-    """Server-sent events in OpenAI's chunk format; aborts every unfinished choice if the client goes away."""
+    """Server-sent events in OpenAI's chunk format; aborts every unfinished choice if the client goes away.
+    A completions choice's first chunk carries its echoed prompt (with the prompt's log probabilities, which
+    come with the first token) and, with return_token_ids, its prompt_token_ids."""
     merged: asyncio.Queue = asyncio.Queue()
     opts = body.stream_options
     include_usage = bool(opts and opts.include_usage)
-    continuous = bool(opts and opts.continuous_usage_stats)
+    continuous = include_usage and opts.continuous_usage_stats
     want_lp = body.logprobs_n() is not None
     prompt_tokens = sum(len(p) for p in prompts)
 
@@ -228,9 +233,10 @@ async def _stream(runner: EngineThread, rid: str, created: int, model: str, obj:
     for t in tasks:
         t.add_done_callback(_retrieved)
     open_choices = set(queues)
+    started: set[int] = set()  # choices whose first chunk went out
     completion = {i: 0 for i in queues}
     cached = {i: 0 for i in queues}
-    offsets = {i: 0 for i in queues}
+    offsets = {i: 0 for i in queues}  # text_offset of the choice's next token
 
     def current_usage():
         done = sum(completion.values())
@@ -238,22 +244,35 @@ async def _stream(runner: EngineThread, rid: str, created: int, model: str, obj:
 
     def chunk(choices, extra=None):
         data = {"id": rid, "object": chunk_obj, "created": created, "model": model, "choices": choices}
-        if include_usage or continuous:
+        if include_usage:
             data["usage"] = current_usage() if continuous else None
         data.update(extra or {})
         return f"data: {json.dumps(data)}\n\n"
 
+    def completion_choice(index: int, d: Delta) -> dict:
+        prompt = prompts[index // choices_per_prompt]
+        text, ids, lps = d.text, d.token_ids, d.logprobs
+        first = index not in started
+        if first and echo_texts:
+            text = echo_texts[index // choices_per_prompt] + text
+            ids, lps = prompt + ids, (d.prompt_logprobs or [None] * len(prompt)) + lps
+        lp = None
+        if want_lp and ids:
+            lp, offsets[index] = fmt.completion(ids, lps, offsets[index])
+        c = {"index": index, "text": text, "logprobs": lp, "finish_reason": d.finish_reason,
+             "stop_reason": d.stop_reason}
+        if body.return_token_ids:
+            c["token_ids"] = d.token_ids
+            if first:
+                c["prompt_token_ids"] = prompt
+        return c
+
     try:
         if chat:  # each choice's role first, in a chunk of its own, as OpenAI sends them
             for i in queues:
+                extra = {"prompt_token_ids": prompts[0]} if body.return_token_ids and i == min(queues) else None
                 yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                              "finish_reason": None}])
-        elif echo_texts:
-            for i in queues:
-                prompt = prompts[i // choices_per_prompt]
-                text = echo_texts[i // choices_per_prompt]
-                offsets[i] = len(text)
-                yield chunk([{"index": i, "text": text, "logprobs": None, "finish_reason": None}])
+                              "finish_reason": None}], extra)
         while open_choices:
             index, d = await merged.get()
             if score_only:
@@ -267,18 +286,17 @@ async def _stream(runner: EngineThread, rid: str, created: int, model: str, obj:
                 continue
             if d.finish_reason is not None:
                 open_choices.discard(index)
-            if d.text or d.token_ids or d.finish_reason is not None:
+            if d.text or d.token_ids or d.finish_reason is not None or (not chat and index not in started):
                 if chat:
                     delta = {"content": d.text} if d.text else {}
                     c = {"index": index, "delta": delta,
                          "logprobs": fmt.chat(d.token_ids, d.logprobs) if want_lp and d.token_ids else None,
-                         "finish_reason": d.finish_reason}
+                         "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}
+                    if body.return_token_ids:
+                        c["token_ids"] = d.token_ids
                 else:
-                    lp = fmt.completion(d.token_ids, d.logprobs, offsets[index]) if want_lp and d.token_ids else None
-                    offsets[index] += len(d.text)
-                    c = {"index": index, "text": d.text, "logprobs": lp, "finish_reason": d.finish_reason}
-                if body.return_token_ids and d.token_ids:
-                    c["token_ids"] = d.token_ids
+                    c = completion_choice(index, d)
+                started.add(index)
                 yield chunk([c])
         if include_usage:
             yield chunk([], {"usage": current_usage()})
