@@ -11,6 +11,15 @@ from typing import Any
 
 
 @dataclass(frozen=True)
+class QuantConfig:
+    """A checkpoint's weight quantization (``config.json``'s ``quantization_config``), as hylo serves it: block
+    FP8 (``method`` "fp8", float8_e4m3fn weights with one scale per ``block`` = [rows, cols] tile)."""
+
+    method: str
+    block: tuple[int, int]
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """The shape of a hybrid model (Qwen3-Next, Qwen3.5, ...), as its family's parser read it from ``config.json``
     (``models.registry.read_config``). ``model_type`` names the family in the registry."""
@@ -49,6 +58,7 @@ class ModelConfig:
     num_nextn_predict_layers: int = 1
     hidden_act: str = "silu"
     model_type: str = "qwen3_next"
+    quantization: QuantConfig | None = None  # None: the weights are stored in a float dtype
 
     # ---- derived shapes -------------------------------------------------------------------------------------
     @property

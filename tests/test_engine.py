@@ -175,6 +175,8 @@ def test_extend_pack_expands_to_the_rows_tokens_positions_and_locations(runs):
     ends = torch.tensor(plan.extend_lens).cumsum(0) - 1
     assert v["sample_rows"].tolist() == [i for i, s in enumerate(plan.sample) if s] == [0, 1, 2, 3]
     assert v["sample_idx"].tolist() == ends[v["sample_rows"]].tolist()
-    assert v["reg_slots"].tolist() == [3] and v["reg_ints"].tolist() == [500, 100, 40]  # top_k 0: the vocabulary
+    reg = plan.reqs[3]  # top_k 0: the vocabulary; then seed, prompt length, max_tokens, stop on EOS
+    assert v["reg_slots"].tolist() == [3] and v["reg_ints"].tolist() == [500, 100, 40, reg.params.max_tokens,
+                                                                          int(not reg.params.ignore_eos)]
     assert v["reg_floats"].view(torch.float32).tolist() == [0.0, pytest.approx(0.9)]
     assert v["req"].tolist() == [3, 5, 1, 7] and v["state"].tolist() == [2, -1, 0, 4]

@@ -27,6 +27,7 @@ from ..models.default import (DEFAULT_MODEL_NAME, DEFAULT_SEED, TRAINED_DEFAULT_
 from ..models.hub import looks_like_repo_id, resolve as resolve_model
 from ..models.hybrid import HybridForCausalLM
 from ..models.loader import SafetensorsReader
+from ..models.quant import quantized_reader
 from ..models.random_init import random_checkpoint
 from ..models.registry import build_model, family_of, read_config
 from ..parallel.group import SINGLE, TPGroup
@@ -96,7 +97,7 @@ def load_model(path: str | None, dtype: torch.dtype, device: torch.device, progr
         name = path if looks_like_repo_id(path) else os.path.basename(os.path.normpath(path))
         path = resolve_model(path)  # a directory, or a Hub id through the local cache (a download when online)
         mc = read_config(path)
-        reader = SafetensorsReader(path)
+        reader = quantized_reader(SafetensorsReader(path), mc.quantization)  # headers checked, nothing read yet
         name = display_name or name
         tokenizer, is_random = load_tokenizer(path), False
     local = local_config(mc, tp.size)
@@ -156,6 +157,11 @@ class Engine:
             if unused:
                 print(f"[hylo] warning: {len(unused)} checkpoint tensors not used, e.g. {unused[0]!r}",
                       file=sys.stderr)
+            if lm.config.quantization is not None:
+                bn, bk = lm.config.quantization.block
+                dt = str(self.dtype).removeprefix("torch.")
+                print(f"[hylo] block-FP8 checkpoint ({bn}x{bk} blocks): weights dequantized to {dt} at load (no FP8 "
+                      f"kernels yet: the weights take {dt}'s memory)", file=sys.stderr)
         self.caches = allocate_caches(lm.shard_config, self.ec, self.dtype, self.device, extra_kv)
         self.max_model_len = self.caches.max_model_len
         k = self.ec.spec_tokens

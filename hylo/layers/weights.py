@@ -50,6 +50,11 @@ class TensorReader:
     def shape_of(self, name: str) -> tuple[int, ...]:
         return tuple(self.get(name).shape)
 
+    def dtype_of(self, name: str) -> str:
+        """The stored dtype's name (torch's, e.g. "bfloat16"; a file reader may give its format's code instead,
+        e.g. safetensors' "BF16"), without marking the tensor read."""
+        return str(self._load(name).dtype).removeprefix("torch.")
+
     def get_part(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
         """``tensor[start:stop]`` along ``dim``; readers that can read part of a tensor override this so that a
         tensor-parallel rank never loads more than its slice."""

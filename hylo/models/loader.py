@@ -50,6 +50,12 @@ class SafetensorsReader(TensorReader):
             return super().shape_of(name)
         return tuple(self._handles[self._where[name]].get_slice(name).get_shape())
 
+    def dtype_of(self, name):
+        """safetensors' dtype code ("BF16", "F8_E4M3", ...), from the file's header."""
+        if name not in self._where:
+            return super().dtype_of(name)
+        return self._handles[self._where[name]].get_slice(name).get_dtype()
+
     def get_part(self, name, dim, start, stop):
         """Reads only the requested rows (or columns) from the file."""
         if name not in self._where:

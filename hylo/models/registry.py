@@ -17,6 +17,7 @@ from ..config import ModelConfig, eos_ids, replace_fields
 from . import qwen3_5, qwen3_next
 from .hybrid import HybridForCausalLM
 from .mtp import MTPHead
+from .quant import parse_quantization
 
 
 @dataclass(frozen=True)
@@ -50,9 +51,10 @@ def family_of(model_type: str | None) -> Family:
 
 
 def parse_config(cfg: dict[str, Any]) -> ModelConfig:
-    """A ``config.json``'s contents as hylo's ModelConfig, checked (an unsupported family or shape is a
-    ValueError naming it)."""
+    """A ``config.json``'s contents as hylo's ModelConfig, checked (an unsupported family, shape or quantization is
+    a ValueError naming it)."""
     mc = family_of(cfg.get("model_type")).parse(cfg)
+    mc = replace_fields(mc, quantization=parse_quantization(cfg))
     mc.validate()
     return mc
 

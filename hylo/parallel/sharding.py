@@ -72,6 +72,9 @@ class ShardedReader(TensorReader):
     def unused(self, ignore_prefixes=()):
         return self.inner.unused(ignore_prefixes)
 
+    def dtype_of(self, name: str) -> str:
+        return self.inner.dtype_of(name)
+
     def get(self, name: str, shape=None) -> torch.Tensor:
         pieces = self._plan(name)
         if pieces is None:
