@@ -50,3 +50,56 @@ def quantize_fp8_block(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.T
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
     q = (wf / _expand(scale, tuple(w.shape), block)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q, scale
+
+
+class Fp8Weight(torch.nn.Module):
+    """A block-FP8 weight kept as it is stored (DESIGN.md section 12): ``q`` float8_e4m3fn [..., N, K] and
+    ``scale`` float32 [..., ceil(N / bn), ceil(K / bk)]. The projections in ``ops.linear`` and ``ops.moe`` take it
+    in place of a weight tensor: the fast kernels dequantize blocks as they load them; the reference paths
+    dequantize the whole weight (``dequantize``). Indexing the leading dims gives a view (an expert's weight)."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]):
+        super().__init__()
+        self.q = torch.nn.Parameter(q, requires_grad=False)
+        self.scale = torch.nn.Parameter(scale, requires_grad=False)
+        self.block = tuple(block)
+
+    @classmethod
+    def empty(cls, shape: tuple[int, ...], block: tuple[int, int], device=None) -> "Fp8Weight":
+        return cls(torch.empty(shape, dtype=FP8_DTYPE, device=device),
+                   torch.ones(scale_grid(tuple(shape), block), dtype=torch.float32, device=device), block)
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.q.device
+
+    def __getitem__(self, index) -> "Fp8Weight":
+        """A view of leading-dim entries (``w13[e]``, ``w13[:E]``) sharing this weight's memory."""
+        return Fp8Weight(self.q[index], self.scale[index], self.block)
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return dequantize_fp8_block(self.q, self.scale, self.block).to(dtype)
+
+    def extra_repr(self) -> str:
+        return f"shape={list(self.q.shape)}, block={list(self.block)}"
+
+
+def fp8_blocks_of(values: torch.Tensor, scale_map: torch.Tensor, block: tuple[int, int]):
+    """(FP8 values, block scales) that reproduce ``values`` exactly, given each element's scale (``scale_map``,
+    the checkpoint's block scales laid out like the weight after its re-layout at load), or None when the layout
+    does not keep whole blocks together (a block straddling two scales, or unquantized rows). Since each value
+    is q * s of an FP8 q, value / s rounds back to q exactly."""
+    bn, bk = block
+    if not bool((scale_map > 0).all()):
+        return None
+    scale = scale_map[..., ::bn, ::bk].contiguous()
+    if not torch.equal(_expand(scale, tuple(values.shape), block), scale_map):
+        return None
+    q = (values.to(torch.float32) / scale_map).to(FP8_DTYPE)
+    if not torch.equal(q.to(torch.float32) * scale_map, values.to(torch.float32)):
+        return None  # values that were not FP8 times their scale (cannot happen for a checkpoint's own weights)
+    return q, scale

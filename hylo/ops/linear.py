@@ -1,6 +1,9 @@
 """The model's projections. On CUDA with few rows (decode) they run a Triton GEMV (``linear_triton``); the output
 projections of the mixers may then come back as unreduced float32 split-K rows [M, S, N] for the residual add to
-sum. Everywhere else (CPU, prefill) they are ``F.linear``."""
+sum. Everywhere else (CPU, prefill) they are ``F.linear``.
+
+A weight may be block FP8 (``ops.fp8.Fp8Weight``): the GEMV and, for more rows, the W8A16 matmul
+(``fp8_triton``) dequantize its tiles as they load them; the reference path dequantizes the whole weight."""
 
 from __future__ import annotations
 
@@ -11,29 +14,46 @@ from .norm import gated_rms_norm
 from .triton_utils import env_int, use_triton
 
 
-def _few_rows(x: torch.Tensor) -> bool:
+def _few_rows(x: torch.Tensor, w) -> bool:
     if not use_triton(x):
         return False
-    from .linear_triton import GEMV_MAX_ROWS
+    from .linear_triton import GEMV_MAX_ROWS, fp8_gemv_ok
 
+    if not isinstance(w, torch.Tensor) and not fp8_gemv_ok(w):
+        return False
     return x.shape[0] <= GEMV_MAX_ROWS and x.stride(-1) == 1
 
 
-def dense(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` of a weight tensor or of a block-FP8 weight (the W8A16 matmul where it runs, else the whole
+    weight dequantized: the reference)."""
+    if isinstance(w, torch.Tensor):
+        return F.linear(x, w, bias)
+    if use_triton(x):
+        from .fp8_triton import fp8_matmul, fp8_matmul_ok
+
+        if fp8_matmul_ok(w):
+            return fp8_matmul(x, w, bias)
+    return F.linear(x, w.dequantize(x.dtype), bias)
+
+
+def dense(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x W^T + bias for a wide projection (the GDN input projection, the attention qkv projection)."""
-    if _few_rows(x):
+    if _few_rows(x, w):
         from .linear_triton import gemv
 
         return gemv(x, w, bias=bias)
-    return F.linear(x, w, bias)
+    return linear(x, w, bias)
 
 
 def narrow(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x W^T for a projection with few outputs (the MoE router: 2 blocks of 64 outputs from 2048 inputs). On the
     few-row path K is split so that enough loads are in flight, and the float32 partial rows [M, S, N] come back
     unreduced for the consumer to sum (the routing kernel does); elsewhere the plain [M, N]."""
-    if _few_rows(x):
+    if _few_rows(x, w):
         return _split_gemv(x, w, reduce=False)
+    if not isinstance(w, torch.Tensor):
+        return linear(x, w)
     if x.is_cuda and w.shape[0] % 8:
         # an output row of 65 is not 16-byte aligned, and cuBLAS then runs an sm75 "align1" kernel (45 us per
         # layer at an 8192-token prefill on the H200, for 2 GFLOP); a zero-padded copy of the small weight gets an
@@ -61,14 +81,14 @@ def _split_gemv(x: torch.Tensor, w: torch.Tensor, reduce: bool, bk: int | None =
     return y.sum(1).to(x.dtype) if split > 1 and reduce else y
 
 
-def out_proj(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, reduce: bool = True) -> torch.Tensor:
+def out_proj(x: torch.Tensor, w, bias: torch.Tensor | None = None, reduce: bool = True) -> torch.Tensor:
     """x W^T + bias: a mixer's output projection. With ``reduce=False`` the few-row path may return float32
     partial rows [M, S, N] whose sum is the result."""
-    if _few_rows(x):
+    if _few_rows(x, w):
         # 4 splits of K (128 programs at 2048 x 4096): 6.2 us at batch 1 and 8 on the H200 against 7.1 with 8
         # (tune_kernels --only gates, session 13); the gated-norm GDN projection does best with 8 (7.9 against 8.8)
         return _split_gemv(x, w, reduce, bias=bias, programs=128)
-    return F.linear(x, w, bias)
+    return linear(x, w, bias)
 
 
 def swiglu(h: torch.Tensor) -> torch.Tensor:
@@ -85,13 +105,13 @@ def swiglu_ref(h: torch.Tensor) -> torch.Tensor:
     return (F.silu(h[..., :inter].float()) * h[..., inter:].float()).to(h.dtype)
 
 
-def swiglu_down(h: torch.Tensor, w: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+def swiglu_down(h: torch.Tensor, w, reduce: bool = True) -> torch.Tensor:
     """``swiglu(h) W^T``: the dense MLP's down projection. On the few-row path the activation is computed as the
     GEMV loads h (no launch, no round trip of the activation) and, with ``reduce=False``, the float32 split-K
     partial rows [M, S, N] come back unreduced for the residual add to sum."""
-    if _few_rows(h):
+    if _few_rows(h, w):
         return _split_gemv(h, w, reduce, swiglu=True)
-    return F.linear(swiglu(h), w)
+    return linear(swiglu(h), w)
 
 
 # Programs of the GDN output projection with its norm (they set the splits of K): 256 (8 splits at 2048 x 4096)
@@ -101,13 +121,13 @@ def swiglu_down(h: torch.Tensor, w: torch.Tensor, reduce: bool = True) -> torch.
 NORM_PROGRAMS = env_int("HYLO_GDN_NORM_PROGRAMS", 0, minimum=0)
 
 
-def norm_out_proj(x: torch.Tensor, z: torch.Tensor, norm_weight: torch.Tensor, eps: float, w: torch.Tensor,
+def norm_out_proj(x: torch.Tensor, z: torch.Tensor, norm_weight: torch.Tensor, eps: float, w,
                   reduce: bool = True) -> torch.Tensor:
     """The GDN output: ``gated_rms_norm`` of every head of x [M, Hv, Dv] with gate z [M, Hv, Dv], then W^T; on the
     few-row path the norm runs inside the projection's loads (no launch, no round trip of the normed rows)."""
     rows, heads, dv = x.shape
-    if (_few_rows(x) and x.is_contiguous() and z.stride(-1) == 1 and z.stride(-2) == dv
-            and dv & (dv - 1) == 0 and 16 <= dv <= 256):
+    if (_few_rows(x, w) and x.is_contiguous() and z.stride(-1) == 1 and z.stride(-2) == dv
+            and dv & (dv - 1) == 0 and 16 <= dv <= 256 and (isinstance(w, torch.Tensor) or w.block[1] % dv == 0)):
         return _split_gemv(x.view(rows, heads * dv), w, reduce, bk=dv, gate=z.flatten(1), norm_weight=norm_weight,
                            eps=eps, programs=NORM_PROGRAMS or (128 if rows == 1 else 256))
     core = gated_rms_norm(x, z, norm_weight, eps)

@@ -29,10 +29,14 @@ def _gemv_kernel(x_ptr, g_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, M, N, K: tl.constexp
                  K_SPLIT: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                  BK: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr, PREC: tl.constexpr,
                  FMA: tl.constexpr = False, PF_LINES: tl.constexpr = 0, PF_STRIDE: tl.constexpr = 64,
-                 D: tl.constexpr = 1, SWIGLU: tl.constexpr = False, PDL: tl.constexpr = False):
+                 D: tl.constexpr = 1, SWIGLU: tl.constexpr = False, PDL: tl.constexpr = False, ws_ptr=None,
+                 SK: tl.constexpr = 1, SBN: tl.constexpr = 1, SBK: tl.constexpr = 1, FP8: tl.constexpr = False):
     """Program (block of BN outputs, K split): BM rows (padded to 16 for the tensor cores), or with FMA one row
     (BM = 1) multiplied on the CUDA cores, a [BK] slice of x against the [BN, BK] tile of W. With NORM, each K
-    block holds BK / D whole heads of D channels; with SWIGLU the input is silu(x) * g (g the up half)."""
+    block holds BK / D whole heads of D channels; with SWIGLU the input is silu(x) * g (g the up half). With FP8,
+    W is float8_e4m3fn with one float32 scale per [SBN, SBK] block (``ws_ptr``, SK scales a row; BK divides SBK,
+    so a tile's scales are one per output row): each tile is dequantized as it is loaded, rounded to x's dtype as
+    ``ops.fp8.Fp8Weight.dequantize`` rounds."""
     split = tl.program_id(1)
     offs_m = tl.arange(0, BM)
     offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
@@ -49,6 +53,9 @@ def _gemv_kernel(x_ptr, g_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, M, N, K: tl.constexp
         x = _input_block(x_ptr, g_ptr, nw, offs_m, offs_k, mm, mk, stride_x, stride_g, eps, BM, BK, D, NORM,
                          SWIGLU)
         w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
+        if FP8:
+            ws = tl.load(ws_ptr + (offs_n // SBN) * SK + (split * K_SPLIT + k0) // SBK, mask=mn, other=0.0)
+            w = (w.to(tl.float32) * ws[:, None]).to(x.dtype)
         acc = _multiply(acc, w, x, FMA, PREC)
     if HAS_BIAS:
         acc += tl.where(split == 0, tl.load(b_ptr + offs_n, mask=mn, other=0.0).to(tl.float32), 0.0)[None, :]
@@ -137,7 +144,11 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, gat
     The input is x, or with ``gate`` and ``norm_weight`` [D] (D a power of two dividing K) the GDN gated norm of
     every D-channel head of x, ``gated_rms_norm(x, gate, norm_weight, eps)``, or with ``swiglu`` (x [M, 2K]: the
     gate half, then the up half) the dense MLP's ``silu(gate) * up``.
-    ``fma``: a single row multiplied on the CUDA cores (default ``GEMV_FMA`` for one row; ignored for more)."""
+    ``fma``: a single row multiplied on the CUDA cores (default ``GEMV_FMA`` for one row; ignored for more).
+    ``w`` may be an ``ops.fp8.Fp8Weight`` whose column blocks are a power of two (``fp8_gemv_ok``)."""
+    fp8 = None
+    if not isinstance(w, torch.Tensor):  # block FP8: the tiles stay inside one column block of scales
+        fp8, w = w, w.q
     if (gate is None) != (norm_weight is None):
         raise ValueError("gemv: the gate and the norm weight go together (the GDN gated norm)")
     if swiglu:
@@ -156,7 +167,14 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, gat
     bk = min(bk, next_pow2(k_split))
     if norm:  # whole heads per K block
         bk = max(d, min(bk, GEMV_NORM_BK) // d * d)
+    if fp8 is not None:
+        sbk = fp8.block[1]
+        bk = min(bk, sbk)
+        if norm and bk % d:
+            raise ValueError(f"gemv: FP8 blocks of {sbk} columns cannot hold whole heads of {d}")
     k_split = triton.cdiv(k_split, bk) * bk
+    if fp8 is not None and split > 1:  # each split starts on a block boundary (a last split may be empty)
+        k_split = triton.cdiv(k_split, fp8.block[1]) * fp8.block[1]
     if split == 1:
         y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     else:
@@ -166,8 +184,16 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, gat
         x, g, norm_weight if norm_weight is not None else w, w, bias if bias is not None else w, y, m, n, k,
         x.stride(0), g.stride(0), eps, K_SPLIT=k_split, SPLIT=split, BM=1 if fma else 16, BN=bn, BK=bk,
         NORM=norm, SWIGLU=swiglu, HAS_BIAS=bias is not None, FMA=fma, D=d, **prefetch_args(k_split, w),
-        PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages, **pdl_launch(x))
+        PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages, **pdl_launch(x),
+        **(dict(ws_ptr=fp8.scale, SK=fp8.scale.shape[-1], SBN=fp8.block[0], SBK=fp8.block[1], FP8=True)
+           if fp8 is not None else {}))
     return y
+
+
+def fp8_gemv_ok(w) -> bool:
+    """Whether the GEMV takes this FP8 weight: column blocks a power of two of at least 16 (Qwen's are 128)."""
+    sbk = w.block[1]
+    return sbk >= 16 and sbk & (sbk - 1) == 0
 
 
 @triton.jit

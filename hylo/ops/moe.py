@@ -55,14 +55,16 @@ def route_topk(router_logits: torch.Tensor, top_k: int, normalize: bool):
     return weights.to(router_logits.dtype), ids
 
 
-def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+def fused_moe(x: torch.Tensor, w13, w2, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, reduce: bool = True) -> "torch.Tensor | SortedPairRows":
-    """[T, H]; the Triton path with ``reduce=False`` returns the unreduced pair rows [T, J, H] instead, or, for
+    """[T, H] (the expert weights tensors or block-FP8 ``ops.fp8.Fp8Weight``); the Triton path with ``reduce=False`` returns the unreduced pair rows [T, J, H] instead, or, for
     large prefill chunks, :class:`SortedPairRows` (both for ``add_rms_norm`` to sum)."""
     if use_triton(x):
         from .moe_triton import fused_moe as fused_moe_triton
 
         return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, reduce=reduce)
+    if not isinstance(w13, torch.Tensor):  # block FP8 (ops.fp8.Fp8Weight): the reference dequantizes it whole
+        w13, w2 = w13.dequantize(x.dtype), w2.dequantize(x.dtype)
     return fused_moe_ref(x, w13, w2, topk_weights, topk_ids)
 
 

@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .fp8_triton import fp8_kernel_args, load_weight
 from .pair_rows import SortedPairRows
 from .moe_grouped_mm import fused_moe_grouped_mm, grouped_mm_usable
 from .triton_pdl import l2_prefetch, pdl_enter
@@ -36,8 +37,10 @@ PAIR_GEMV_MAX_PAIRS = 176
 # ---- few pairs: one GEMV per pair ------------------------------------------------------------------------------
 @triton.jit
 def _pair_gate_up_kernel(x_ptr, w13_ptr, ids_ptr, act_ptr, H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
-                         BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr = False):
-    """Program (pair, block of BN intermediate columns): silu(x W_gate^T) * (x W_up^T) of that pair's expert."""
+                         BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr = False, s_ptr=None, S_E: tl.constexpr = 0, SK: tl.constexpr = 1, SBN: tl.constexpr = 1,
+                         SBK: tl.constexpr = 1, FP8: tl.constexpr = False):
+    """Program (pair, block of BN intermediate columns): silu(x W_gate^T) * (x W_up^T) of that pair's expert (with
+    FP8, its blocks dequantized as they load: ``fp8_triton.load_weight``)."""
     pdl_enter(PDL)
     pair = tl.program_id(0)
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -45,6 +48,7 @@ def _pair_gate_up_kernel(x_ptr, w13_ptr, ids_ptr, act_ptr, H: tl.constexpr, I: t
     tok = pair // TOP_K
     e = tl.load(ids_ptr + pair).to(tl.int64)
     w_base = w13_ptr + e * (2 * I * H)
+    s_base = s_ptr + e * S_E if FP8 else s_ptr
     acc_g = tl.zeros([BN], dtype=tl.float32)
     acc_u = tl.zeros([BN], dtype=tl.float32)
     for k0 in range(0, H, BK):
@@ -52,8 +56,8 @@ def _pair_gate_up_kernel(x_ptr, w13_ptr, ids_ptr, act_ptr, H: tl.constexpr, I: t
         mk = offs_k < H
         x = tl.load(x_ptr + tok * H + offs_k, mask=mk, other=0.0).to(tl.float32)
         m2 = mn[:, None] & mk[None, :]
-        wg = tl.load(w_base + offs_n[:, None] * H + offs_k[None, :], mask=m2, other=0.0).to(tl.float32)
-        wu = tl.load(w_base + (I + offs_n)[:, None] * H + offs_k[None, :], mask=m2, other=0.0).to(tl.float32)
+        wg = load_weight(w_base, s_base, offs_n[:, None], offs_k[None, :], m2, H, SK, SBN, SBK, FP8)
+        wu = load_weight(w_base, s_base, (I + offs_n)[:, None], offs_k[None, :], m2, H, SK, SBN, SBK, FP8)
         acc_g += tl.sum(wg * x[None, :], 1)
         acc_u += tl.sum(wu * x[None, :], 1)
     act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
@@ -63,7 +67,8 @@ def _pair_gate_up_kernel(x_ptr, w13_ptr, ids_ptr, act_ptr, H: tl.constexpr, I: t
 @triton.jit
 def _pair_down_kernel(act_ptr, w2_ptr, ids_ptr, wts_ptr, out_ptr, H: tl.constexpr, I: tl.constexpr,
                       BN: tl.constexpr, BK: tl.constexpr, PF_LINES: tl.constexpr = 0, PF_STRIDE: tl.constexpr = 64,
-                      PDL: tl.constexpr = False):
+                      PDL: tl.constexpr = False, s_ptr=None, S_E: tl.constexpr = 0, SK: tl.constexpr = 1, SBN: tl.constexpr = 1,
+                         SBK: tl.constexpr = 1, FP8: tl.constexpr = False):
     """Program (pair, block of BN outputs): the pair's weighted down projection, one float32 row per pair. The
     rows of a token are summed by whoever reads them (the residual add), so every pair's weights stream in
     parallel instead of one program walking a token's pairs in turn.
@@ -79,30 +84,36 @@ def _pair_down_kernel(act_ptr, w2_ptr, ids_ptr, wts_ptr, out_ptr, H: tl.constexp
         offs_l = tl.minimum(tl.arange(0, PF_LINES) * PF_STRIDE, I - 1)
         l2_prefetch(w2_ptr + e * (H * I) + tl.minimum(offs_n, H - 1)[:, None] * I + offs_l[None, :])
     pdl_enter(PDL)
-    acc = _pair_down_row(act_ptr, w2_ptr, ids_ptr, pair, offs_n, mn, H, I, BK)
+    acc = _pair_down_row(act_ptr, w2_ptr, ids_ptr, pair, offs_n, mn, H, I, BK, s_ptr, S_E, SK, SBN, SBK, FP8)
     acc = acc * tl.load(wts_ptr + pair).to(tl.float32)
     tl.store(out_ptr + pair * H + offs_n, acc, mask=mn)
 
 
 @triton.jit
-def _pair_down_row(act_ptr, w2_ptr, ids_ptr, pair, offs_n, mn, H: tl.constexpr, I: tl.constexpr, BK: tl.constexpr):
+def _pair_down_row(act_ptr, w2_ptr, ids_ptr, pair, offs_n, mn, H: tl.constexpr, I: tl.constexpr, BK: tl.constexpr,
+                   s_ptr, S_E: tl.constexpr, SK: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr,
+                   FP8: tl.constexpr):
     """Outputs ``offs_n`` of pair ``pair``'s down projection, unweighted, in float32: its activation row against
     its expert's rows of w2, BK columns at a time."""
-    w_base = w2_ptr + tl.load(ids_ptr + pair).to(tl.int64) * (H * I)
+    e = tl.load(ids_ptr + pair).to(tl.int64)
+    w_base = w2_ptr + e * (H * I)
+    s_base = s_ptr + e * S_E if FP8 else s_ptr
     acc = tl.zeros(offs_n.shape, dtype=tl.float32)
     for k0 in range(0, I, BK):
         offs_k = k0 + tl.arange(0, BK)
         mk = offs_k < I
         a = tl.load(act_ptr + pair * I + offs_k, mask=mk, other=0.0).to(tl.float32)
-        w = tl.load(w_base + offs_n[:, None] * I + offs_k[None, :], mask=mn[:, None] & mk[None, :],
-                    other=0.0).to(tl.float32)
+        w = load_weight(w_base, s_base, offs_n[:, None], offs_k[None, :], mn[:, None] & mk[None, :], I, SK, SBN,
+                        SBK, FP8)
         acc += tl.sum(w * a[None, :], 1)
     return acc
 
 
 @triton.jit
 def _pair_down_sum_kernel(act_ptr, w2_ptr, ids_ptr, wts_ptr, out_ptr, H: tl.constexpr, I: tl.constexpr,
-                          TOP_K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr = False):
+                          TOP_K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr = False,
+                          s_ptr=None, S_E: tl.constexpr = 0, SK: tl.constexpr = 1, SBN: tl.constexpr = 1,
+                         SBK: tl.constexpr = 1, FP8: tl.constexpr = False):
     """Program (token, block of BN outputs): the weighted down projections of the token's TOP_K pairs, summed in
     float32 into one row per token. Every pair's weight tile is loaded in the same program (the loop over pairs is
     unrolled), so the residual add that follows reads one row instead of TOP_K."""
@@ -113,7 +124,7 @@ def _pair_down_sum_kernel(act_ptr, w2_ptr, ids_ptr, wts_ptr, out_ptr, H: tl.cons
     acc = tl.zeros([BN], dtype=tl.float32)
     for p in tl.static_range(TOP_K):
         pair = tok * TOP_K + p
-        part = _pair_down_row(act_ptr, w2_ptr, ids_ptr, pair, offs_n, mn, H, I, BK)
+        part = _pair_down_row(act_ptr, w2_ptr, ids_ptr, pair, offs_n, mn, H, I, BK, s_ptr, S_E, SK, SBN, SBK, FP8)
         acc += part * tl.load(wts_ptr + pair).to(tl.float32)
     tl.store(out_ptr + tok * H + offs_n, acc, mask=mn)
 
@@ -123,7 +134,8 @@ def _pair_down_sum_kernel(act_ptr, w2_ptr, ids_ptr, wts_ptr, out_ptr, H: tl.cons
 def _grouped_gate_up_kernel(x_ptr, w13_ptr, sorted_ptr, block_expert_ptr, act_ptr, H: tl.constexpr,
                             I: tl.constexpr, P,
                             TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                            PREC: tl.constexpr):
+                            PREC: tl.constexpr, s_ptr=None, S_E: tl.constexpr = 0, SK: tl.constexpr = 1, SBN: tl.constexpr = 1,
+                         SBK: tl.constexpr = 1, FP8: tl.constexpr = False):
     blk = tl.program_id(0)
     e = tl.load(block_expert_ptr + blk).to(tl.int64)
     if e < 0:
@@ -134,6 +146,7 @@ def _grouped_gate_up_kernel(x_ptr, w13_ptr, sorted_ptr, block_expert_ptr, act_pt
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
     mn = offs_n < I
     w_base = w13_ptr + e * (2 * I * H)
+    s_base = s_ptr + e * S_E if FP8 else s_ptr
     acc_g = tl.zeros([BM, BN], dtype=tl.float32)
     acc_u = tl.zeros([BM, BN], dtype=tl.float32)
     for k0 in range(0, H, BK):
@@ -141,8 +154,13 @@ def _grouped_gate_up_kernel(x_ptr, w13_ptr, sorted_ptr, block_expert_ptr, act_pt
         mk = offs_k < H
         x = tl.load(x_ptr + toks[:, None] * H + offs_k[None, :], mask=mp[:, None] & mk[None, :], other=0.0)
         m2 = mk[:, None] & mn[None, :]
-        wg = tl.load(w_base + offs_n[None, :] * H + offs_k[:, None], mask=m2, other=0.0)
-        wu = tl.load(w_base + (I + offs_n)[None, :] * H + offs_k[:, None], mask=m2, other=0.0)
+        if FP8:
+            wg = load_weight(w_base, s_base, offs_n[None, :], offs_k[:, None], m2, H, SK, SBN, SBK, FP8).to(x.dtype)
+            wu = load_weight(w_base, s_base, (I + offs_n)[None, :], offs_k[:, None], m2, H, SK, SBN, SBK,
+                             FP8).to(x.dtype)
+        else:
+            wg = tl.load(w_base + offs_n[None, :] * H + offs_k[:, None], mask=m2, other=0.0)
+            wu = tl.load(w_base + (I + offs_n)[None, :] * H + offs_k[:, None], mask=m2, other=0.0)
         acc_g += tl.dot(x, wg, input_precision=PREC)
         acc_u += tl.dot(x, wu, input_precision=PREC)
     act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
@@ -153,7 +171,9 @@ def _grouped_gate_up_kernel(x_ptr, w13_ptr, sorted_ptr, block_expert_ptr, act_pt
 @triton.jit
 def _grouped_down_kernel(act_ptr, w2_ptr, sorted_ptr, block_expert_ptr, wts_ptr, out_ptr, H: tl.constexpr,
                          I: tl.constexpr, P,
-                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
+                         s_ptr=None, S_E: tl.constexpr = 0, SK: tl.constexpr = 1, SBN: tl.constexpr = 1,
+                         SBK: tl.constexpr = 1, FP8: tl.constexpr = False):
     blk = tl.program_id(0)
     e = tl.load(block_expert_ptr + blk).to(tl.int64)
     if e < 0:
@@ -163,12 +183,17 @@ def _grouped_down_kernel(act_ptr, w2_ptr, sorted_ptr, block_expert_ptr, wts_ptr,
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
     mn = offs_n < H
     w_base = w2_ptr + e * (H * I)
+    s_base = s_ptr + e * S_E if FP8 else s_ptr
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     for k0 in range(0, I, BK):
         offs_k = k0 + tl.arange(0, BK)
         mk = offs_k < I
         a = tl.load(act_ptr + pairs[:, None] * I + offs_k[None, :], mask=mp[:, None] & mk[None, :], other=0.0)
-        w = tl.load(w_base + offs_n[None, :] * I + offs_k[:, None], mask=mk[:, None] & mn[None, :], other=0.0)
+        if FP8:
+            w = load_weight(w_base, s_base, offs_n[None, :], offs_k[:, None], mk[:, None] & mn[None, :], I, SK, SBN,
+                            SBK, FP8).to(a.dtype)
+        else:
+            w = tl.load(w_base + offs_n[None, :] * I + offs_k[:, None], mask=mk[:, None] & mn[None, :], other=0.0)
         acc += tl.dot(a, w, input_precision=PREC)
     wts = tl.load(wts_ptr + pairs, mask=mp, other=0.0).to(tl.float32)
     acc = acc * wts[:, None]
@@ -298,6 +323,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     top_k = topk_ids.shape[1]
     num_experts, inter = w13.shape[0], w2.shape[-1]
     num_pairs = num_tokens * top_k
+    fp8 = not isinstance(w13, torch.Tensor)  # block FP8 (ops.fp8.Fp8Weight): the Triton kernels dequantize as they load
     x = x.contiguous()
     ids = topk_ids.reshape(-1).contiguous()
     wts = topk_weights.reshape(-1).contiguous()
@@ -305,7 +331,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         return torch.zeros_like(x) if reduce else x.new_zeros(num_tokens, top_k, hidden)
     if num_pairs <= PAIR_GEMV_MAX_PAIRS:
         return _pair_moe(x, w13, w2, ids, wts, top_k, reduce)
-    if grouped_mm_usable(x, w13, w2, num_pairs):  # the pairs' rows in expert order, summed by the residual add
+    if not fp8 and grouped_mm_usable(x, w13, w2, num_pairs):  # the pairs' rows in expert order, summed later
         pairs = fused_moe_grouped_mm(x, w13, w2, wts.view(num_tokens, top_k), ids.view(num_tokens, top_k),
                                      reduce=False)
         return pairs.reduce().view(num_tokens, hidden).to(x.dtype) if reduce else pairs
@@ -319,11 +345,11 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
         grid_blocks = block_expert.shape[0]
         _grouped_gate_up_kernel[(grid_blocks, triton.cdiv(inter, bn))](
-            x, w13, sorted_pairs, block_expert, act, hidden, inter, num_pairs, TOP_K=top_k, BM=bm, BN=bn, BK=bk,
-            PREC=prec, num_warps=warps, num_stages=stages)
+            x, _q(w13), sorted_pairs, block_expert, act, hidden, inter, num_pairs, TOP_K=top_k, BM=bm, BN=bn, BK=bk,
+            PREC=prec, num_warps=warps, num_stages=stages, **fp8_kernel_args(w13))
         _grouped_down_kernel[(grid_blocks, triton.cdiv(hidden, dbn))](
-            act, w2, sorted_pairs, block_expert, wts, out, hidden, inter, num_pairs, BM=bm, BN=dbn, BK=dbk,
-            PREC=prec, num_warps=dwarps, num_stages=dstages)
+            act, _q(w2), sorted_pairs, block_expert, wts, out, hidden, inter, num_pairs, BM=bm, BN=dbn, BK=dbk,
+            PREC=prec, num_warps=dwarps, num_stages=dstages, **fp8_kernel_args(w2))
     out = out.view(num_tokens, top_k, hidden)
     return out.sum(1, dtype=torch.float32).to(x.dtype) if reduce else out
 
@@ -336,20 +362,24 @@ def _pair_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.T
     act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     bn, bk, warps, stages = PAIR_GATE_UP_CFG
     _pair_gate_up_kernel[(num_pairs, triton.cdiv(inter, bn))](
-        x, w13, ids, act, hidden, inter, TOP_K=top_k, BN=bn, BK=min(bk, next_pow2(hidden)), num_warps=warps,
-        num_stages=stages, **pdl_launch(x))
+        x, _q(w13), ids, act, hidden, inter, TOP_K=top_k, BN=bn, BK=min(bk, next_pow2(hidden)), num_warps=warps,
+        num_stages=stages, **pdl_launch(x), **fp8_kernel_args(w13))
     if PAIR_DOWN_SUM:  # one float32 row per token, [T, 1, H]
         bn, bk, warps, stages = PAIR_DOWN_SUM_CFG
         out = torch.empty(num_tokens, hidden, dtype=torch.float32, device=x.device)
         _pair_down_sum_kernel[(num_tokens, triton.cdiv(hidden, bn))](
-            act, w2, ids, wts, out, hidden, inter, TOP_K=top_k, BN=bn, BK=min(bk, next_pow2(inter)),
-            num_warps=warps, num_stages=stages, **pdl_launch(x))
+            act, _q(w2), ids, wts, out, hidden, inter, TOP_K=top_k, BN=bn, BK=min(bk, next_pow2(inter)),
+            num_warps=warps, num_stages=stages, **pdl_launch(x), **fp8_kernel_args(w2))
         return out.to(x.dtype) if reduce else out.view(num_tokens, 1, hidden)
     bn, bk, warps, stages = next((cfg for limit, cfg in PAIR_DOWN_CFG if num_pairs <= limit), PAIR_DOWN_CFG[-1][1])
     out = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
     _pair_down_kernel[(num_pairs, triton.cdiv(hidden, bn))](
-        act, w2, ids, wts, out, hidden, inter, BN=bn, BK=min(bk, next_pow2(inter)),
-        num_warps=warps, num_stages=stages, **prefetch_args(inter, w2), **pdl_launch(x))
+        act, _q(w2), ids, wts, out, hidden, inter, BN=bn, BK=min(bk, next_pow2(inter)),
+        num_warps=warps, num_stages=stages, **prefetch_args(inter, _q(w2)), **pdl_launch(x), **fp8_kernel_args(w2))
     out = out.view(num_tokens, top_k, hidden)
     return out.sum(1, dtype=torch.float32).to(x.dtype) if reduce else out
 
+
+def _q(w) -> torch.Tensor:
+    """The stored values of a weight: the tensor, or an FP8 weight's float8 values (its scales go separately)."""
+    return w if isinstance(w, torch.Tensor) else w.q

@@ -1,0 +1,87 @@
+"""Triton W8A16 matmul: ``y = x W^T (+ b)`` with W block-FP8 (``ops.fp8.Fp8Weight``) and x in bfloat16 / float16 /
+float32, for more rows than the GEMV takes (prefill chunks, decode batches past 16). Each [BK, BN] tile of W is
+loaded as FP8 (half the bytes of bfloat16), multiplied by its block's scale in float32, rounded to x's dtype (as the
+reference dequantization rounds) and multiplied on the tensor cores. The tile's K range lies inside one block of
+scales (BK divides the block's columns), so a tile needs one scale per output column.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_utils import env_cfg, next_pow2
+
+
+@triton.jit
+def _fp8_matmul_kernel(x_ptr, q_ptr, s_ptr, b_ptr, y_ptr, M, N, K: tl.constexpr, stride_x, SK: tl.constexpr,
+                       SBN: tl.constexpr, SBK: tl.constexpr, HAS_BIAS: tl.constexpr, BM: tl.constexpr,
+                       BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+    """Program (block of BM rows, block of BN outputs)."""
+    offs_m = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
+    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+    mm, mn = offs_m < M, offs_n < N
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        offs_k = k0 + tl.arange(0, BK)
+        mk = offs_k < K
+        x = tl.load(x_ptr + offs_m[:, None] * stride_x + offs_k[None, :], mask=mm[:, None] & mk[None, :], other=0.0)
+        w = tl.load(q_ptr + offs_n[None, :] * K + offs_k[:, None], mask=mk[:, None] & mn[None, :], other=0.0)
+        s = tl.load(s_ptr + (offs_n // SBN) * SK + k0 // SBK, mask=mn, other=0.0)
+        acc += tl.dot(x, (w.to(tl.float32) * s[None, :]).to(x.dtype), input_precision=PREC)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=mn, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + offs_m[:, None] * N + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=mm[:, None] & mn[None, :])
+
+
+# (BM, BN, BK, warps, stages): a first choice, not yet measured on a GPU (HYLO_FP8_MATMUL_CFG replaces it)
+FP8_MATMUL_CFG = env_cfg("HYLO_FP8_MATMUL_CFG", (64, 128, 128, 8, 3))
+
+
+def fp8_matmul_ok(w) -> bool:
+    """Whether the kernel takes this weight: column blocks a power of two of at least 16 (Qwen's are 128)."""
+    sbk = w.block[1]
+    return w.q.dim() == 2 and sbk >= 16 and sbk & (sbk - 1) == 0
+
+
+def fp8_matmul(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] (unit stride along K) times the FP8 weight ``w`` [N, K] (``fp8_matmul_ok``), plus ``bias``: [M, N]
+    in x's dtype."""
+    m, k = x.shape
+    n = w.q.shape[0]
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    bm, bn, bk, warps, stages = FP8_MATMUL_CFG
+    bm = max(16, min(bm, next_pow2(m)))
+    bk = min(bk, w.block[1], max(16, next_pow2(k)))
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m:
+        _fp8_matmul_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
+            x, w.q, w.scale, bias if bias is not None else x, y, m, n, k, x.stride(0), SK=w.scale.shape[-1],
+            SBN=w.block[0], SBK=w.block[1], HAS_BIAS=bias is not None, BM=bm, BN=bn, BK=bk,
+            PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages)
+    return y
+
+
+@triton.jit
+def load_weight(w_ptr, s_ptr, rows, cols, mask, ROW: tl.constexpr, SK: tl.constexpr, SBN: tl.constexpr,
+                SBK: tl.constexpr, FP8: tl.constexpr):
+    """A float32 tile of a weight with rows of ROW elements, at (``rows``, ``cols``) (index tensors that broadcast
+    to the tile); with FP8, each element times the float32 scale of its [SBN, SBK] block (``s_ptr``: SK scales a
+    row of blocks). The expert kernels of ``moe_triton`` load their weights through it."""
+    w = tl.load(w_ptr + rows * ROW + cols, mask=mask, other=0.0).to(tl.float32)
+    if FP8:
+        w = w * tl.load(s_ptr + (rows // SBN) * SK + cols // SBK, mask=mask, other=0.0)
+    return w
+
+
+def fp8_kernel_args(w, prefix: str = "") -> dict:
+    """The launch arguments that give a kernel an FP8 weight's scales (none for a plain tensor): per leading-dim
+    entry (expert) S_E scales, SK a row of blocks, blocks [SBN, SBK]."""
+    if isinstance(w, torch.Tensor):
+        return {}
+    p = prefix
+    return {f"{p}s_ptr": w.scale, f"{p}S_E": w.scale[0].numel() if w.scale.dim() == 3 else 0,
+            f"{p}SK": w.scale.shape[-1], f"{p}SBN": w.block[0], f"{p}SBK": w.block[1], f"{p}FP8": True}

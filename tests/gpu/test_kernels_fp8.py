@@ -1,0 +1,94 @@
+"""The W8A16 kernels (block-FP8 weights dequantized as they are loaded) against the reference: the same projection or
+MoE with the weight dequantized whole (``Fp8Weight.dequantize``), in float64."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hylo.ops.fp8 import Fp8Weight, quantize_fp8_block
+from hylo.ops.moe import fused_moe_ref, route_topk
+
+
+def _dtype(dev):
+    return torch.bfloat16 if dev.type == "cuda" else torch.float32
+
+
+def _fp8(w: torch.Tensor, block, dev) -> Fp8Weight:
+    q, scale = quantize_fp8_block(w, block)
+    return Fp8Weight(q.to(dev), scale.to(dev), block)
+
+
+def _close(out, ref, dt):
+    tol = 2e-2 if dt == torch.bfloat16 else 1e-5
+    assert (out.double().cpu() - ref).norm() / ref.norm() < tol
+
+
+@pytest.mark.parametrize("rows,n,k,block,bias", [(17, 100, 256, (128, 128), True), (64, 256, 512, (128, 128), False),
+                                                 (40, 70, 200, (32, 64), True), (200, 48, 96, (16, 32), False)])
+def test_fp8_matmul_matches_the_dequantized_weight(dev, rows, n, k, block, bias):
+    from hylo.ops.fp8_triton import fp8_matmul
+
+    g = torch.Generator().manual_seed(21)
+    dt = _dtype(dev)
+    x = torch.randn(rows, k, generator=g).to(dt)
+    w = _fp8(torch.randn(n, k, generator=g) / k ** 0.5, block, dev)
+    b = torch.randn(n, generator=g).to(dt)
+    ref = F.linear(x.double(), w.dequantize(dt).double().cpu(), b.double() if bias else None)
+    y = fp8_matmul(x.to(dev), w, b.to(dev) if bias else None)
+    assert y.shape == (rows, n) and y.dtype == dt
+    _close(y, ref, dt)
+
+
+@pytest.mark.parametrize("rows,n,k,split,block,fma,mode", [
+    (1, 65, 2048, 1, (128, 128), True, None), (1, 2048, 4096, 4, (128, 128), True, None),
+    (3, 100, 256, 2, (128, 128), False, None), (16, 40, 384, 3, (64, 128), False, None),
+    (1, 48, 4 * 128, 4, (128, 128), True, "norm"), (5, 48, 2 * 128, 1, (128, 128), False, "norm"),
+    (1, 64, 256, 2, (128, 64), True, "swiglu"), (4, 30, 96, 1, (32, 32), False, "swiglu")])
+def test_fp8_gemv_matches_the_dequantized_weight(dev, rows, n, k, split, block, fma, mode):
+    """The decode GEMV on FP8 weights: one row on the CUDA cores and several on the tensor cores, K splits that
+    start on block boundaries, partial blocks, the GDN gated norm in the loads and the dense MLP's SwiGLU."""
+    from hylo.ops.linear_triton import gemv
+    from hylo.ops.linear import swiglu_ref
+    from hylo.ops.norm import gated_rms_norm
+
+    g = torch.Generator().manual_seed(22)
+    dt = _dtype(dev)
+    width = 2 * k if mode == "swiglu" else k
+    x, z = torch.randn(rows, width, generator=g).to(dt), torch.randn(rows, k, generator=g).to(dt)
+    w = _fp8(torch.randn(n, k, generator=g) / k ** 0.5, block, dev)
+    nw = (1 + 0.1 * torch.randn(128, generator=g)).to(dt)
+    if mode == "norm":
+        xin = gated_rms_norm(x.view(rows, -1, 128), z.view(rows, -1, 128), nw, 1e-6).reshape(rows, k)
+        kw = dict(gate=z.to(dev), norm_weight=nw.to(dev), eps=1e-6)
+    elif mode == "swiglu":
+        xin, kw = swiglu_ref(x), dict(swiglu=True)
+    else:
+        xin, kw = x, {}
+    ref = F.linear(xin.double(), w.dequantize(dt).double().cpu())
+    y = gemv(x.to(dev), w, split=split, fma=fma, **kw)
+    y = y.sum(1) if split > 1 else y
+    _close(y, ref, dt)
+
+
+@pytest.mark.parametrize("tokens,experts,top_k,hidden,inter,block", [
+    (1, 8, 2, 256, 128, (128, 128)), (3, 16, 4, 96, 64, (32, 32)), (70, 8, 3, 128, 64, (64, 64)),
+    (40, 9, 2, 80, 48, (16, 32))])
+@pytest.mark.parametrize("summed", [True, False])
+def test_fp8_fused_moe_matches_the_dequantized_experts(dev, tokens, experts, top_k, hidden, inter, block, summed,
+                                                       monkeypatch):
+    """The pair kernels (few pairs) and the grouped kernels (many pairs) on FP8 experts, per-expert scales, partial
+    blocks."""
+    from hylo.ops import moe_triton
+    from hylo.ops.moe_triton import fused_moe
+
+    monkeypatch.setattr(moe_triton, "PAIR_DOWN_SUM", summed)
+    g = torch.Generator().manual_seed(23)
+    dt = _dtype(dev)
+    x = torch.randn(tokens, hidden, generator=g).to(dt)
+    w13 = _fp8(torch.randn(experts, 2 * inter, hidden, generator=g) / hidden ** 0.5, block, dev)
+    w2 = _fp8(torch.randn(experts, hidden, inter, generator=g) / inter ** 0.5, block, dev)
+    weights, ids = route_topk(torch.randn(tokens, experts, generator=g), top_k, True)
+    ref = fused_moe_ref(x.double(), w13.dequantize(dt).double().cpu(), w2.dequantize(dt).double().cpu(),
+                        weights.double(), ids)
+    out = fused_moe(x.to(dev), w13, w2, weights.to(dev, dt), ids.to(dev))
+    _close(out, ref, dt)
