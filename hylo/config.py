@@ -17,6 +17,7 @@ class QuantConfig:
 
     method: str
     block: tuple[int, int]
+    keep: bool = False  # the weights stay FP8 in memory (the GPU), else they are dequantized at load (the CPU)
 
 
 @dataclass(frozen=True)

@@ -263,3 +263,75 @@ def test_fp8_weights_without_scales_and_foreign_quantized_names_are_refused(tmp_
     with pytest.raises(CheckpointError, match="qweight"):
         check_tensors(DictReader(gptq), None)
     check_tensors(DictReader(plain), None)  # an unquantized checkpoint passes
+
+
+# ---- FP8 kept in memory (the GPU's layout), through the reference ops -------------------------------------------
+def _fp8_params(model):
+    from hylo.ops.fp8 import Fp8Weight
+
+    return [m for m in model.modules() if isinstance(m, Fp8Weight)]
+
+
+@pytest.mark.parametrize("which", ["qwen3_next", "qwen3_5_moe"])
+def test_fp8_weights_kept_in_memory_compute_what_dequantized_ones_do(which, fp8_a, tmp_path, q35_moe_vl,
+                                                                     monkeypatch):
+    """HYLO_FP8_WEIGHTS=keep (the default on a GPU) keeps every projection FP8 with its block scales, re-laid as
+    hylo fuses them (attention q|gate|k|v, GDN q|k|v|z with b|a apart, gate|up, experts with the shared one); the
+    model computes what the one dequantized at load computes, MTP included."""
+    if which == "qwen3_next":
+        path = fp8_a
+    else:
+        path = str(tmp_path / "m")
+        quantize(q35_moe_vl, path, (4, 4))
+    monkeypatch.setenv("HYLO_FP8_WEIGHTS", "keep")
+    kept = LLM(path, verbose=False)
+    model = kept.engine.model
+    assert kept.engine.model_config.quantization.keep
+    fp8 = _fp8_params(model)
+    layer0 = model.layers[0]
+    assert layer0.mixer.in_proj in fp8 and layer0.mixer.out_proj in fp8
+    assert layer0.mixer.in_proj_ba.dtype != FP8_DTYPE
+    attn = next(layer for layer in model.layers if not layer.is_linear)
+    assert attn.mixer.qkv_proj in fp8 and attn.mixer.o_proj in fp8
+    assert any(getattr(layer.mlp, "w13", None) in fp8 for layer in model.layers)
+    fp8_bytes = sum(w.q.numel() for w in fp8)
+    monkeypatch.setenv("HYLO_FP8_WEIGHTS", "dequantize")
+    deq = LLM(path, verbose=False)
+    assert not _fp8_params(deq.engine.model) and not deq.engine.model_config.quantization.keep
+    assert fp8_bytes > 0.8 * sum(p.numel() for n, p in deq.engine.model.named_parameters()
+                                 if "embed" not in n and "lm_head" not in n and "router" not in n
+                                 and "norm" not in n and "conv" not in n and p.dim() >= 2 and "in_proj_ba" not in n)
+    prompt = random_prompts(vocab_of(path), [13], seed=8)[0]
+    torch.testing.assert_close(kept.engine.prompt_logits(prompt), deq.engine.prompt_logits(prompt), atol=1e-4,
+                               rtol=1e-4)
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    assert (kept.generate([prompt], params, use_tqdm=False)[0].token_ids
+            == deq.generate([prompt], params, use_tqdm=False)[0].token_ids)
+    if which == "qwen3_5_moe":
+        monkeypatch.setenv("HYLO_FP8_WEIGHTS", "keep")
+        spec = LLM(path, verbose=False, speculative="mtp", num_speculative_tokens=2)
+        assert _fp8_params(spec.engine.worker.drafter.mtp)  # the MTP head's layers are FP8 too
+        assert spec.generate([prompt], params, use_tqdm=False)[0].token_ids == deq.generate(
+            [prompt], params, use_tqdm=False)[0].token_ids
+
+
+def test_fp8_weights_setting_is_checked(monkeypatch, fp8_a):
+    monkeypatch.setenv("HYLO_FP8_WEIGHTS", "yes")
+    with pytest.raises(ValueError, match="HYLO_FP8_WEIGHTS='yes'"):
+        LLM(fp8_a, verbose=False)
+
+
+def test_fp8_weights_kept_in_memory_under_tensor_parallelism(fp8_a, monkeypatch):
+    """Each rank keeps its slice of every FP8 weight with the slice's block scales (a slice that starts inside a
+    block is kept in the compute dtype instead); two ranks give one rank's tokens."""
+    monkeypatch.setenv("HYLO_FP8_WEIGHTS", "keep")  # the ranks' processes inherit it
+    prompts = random_prompts(vocab_of(fp8_a), [5, 17, 9], seed=42)
+    params = SamplingParams(max_tokens=10, temperature=0)
+    one = LLM(fp8_a, verbose=False, chunk_size=16)
+    two = LLM(fp8_a, verbose=False, chunk_size=16, tensor_parallel_size=2)
+    try:
+        assert len(_fp8_params(two.engine.model)) >= 8  # rank 0's slices
+        assert ([o.token_ids for o in two.generate(prompts, params, use_tqdm=False)]
+                == [o.token_ids for o in one.generate(prompts, params, use_tqdm=False)])
+    finally:
+        two.close()

@@ -19,7 +19,7 @@ import torch
 
 from ..cache.memory import allocate_caches
 from ..cache.prefix_cache import PrefixCache
-from ..config import EngineConfig, ModelConfig
+from ..config import EngineConfig, ModelConfig, replace_fields
 from ..core import ForwardMode, Req, RequestOutput, SamplingParams, SpecStats, TokenLogprobs
 from ..layers.weights import DictReader, TensorReader
 from ..models.default import (DEFAULT_MODEL_NAME, DEFAULT_SEED, TRAINED_DEFAULT_NAME, default_model_config,
@@ -27,7 +27,7 @@ from ..models.default import (DEFAULT_MODEL_NAME, DEFAULT_SEED, TRAINED_DEFAULT_
 from ..models.hub import looks_like_repo_id, resolve as resolve_model
 from ..models.hybrid import HybridForCausalLM
 from ..models.loader import SafetensorsReader
-from ..models.quant import quantized_reader
+from ..models.quant import keep_fp8, quantized_reader
 from ..models.random_init import random_checkpoint
 from ..models.registry import build_model, family_of, read_config
 from ..parallel.group import SINGLE, TPGroup
@@ -98,6 +98,8 @@ def load_model(path: str | None, dtype: torch.dtype, device: torch.device, progr
         path = resolve_model(path)  # a directory, or a Hub id through the local cache (a download when online)
         mc = read_config(path)
         reader = quantized_reader(SafetensorsReader(path), mc.quantization)  # headers checked, nothing read yet
+        if mc.quantization is not None and keep_fp8(device):  # FP8 weights stay FP8 in memory (on the GPU)
+            mc = replace_fields(mc, quantization=replace_fields(mc.quantization, keep=True))
         name = display_name or name
         tokenizer, is_random = load_tokenizer(path), False
     local = local_config(mc, tp.size)
@@ -158,10 +160,11 @@ class Engine:
                 print(f"[hylo] warning: {len(unused)} checkpoint tensors not used, e.g. {unused[0]!r}",
                       file=sys.stderr)
             if lm.config.quantization is not None:
-                bn, bk = lm.config.quantization.block
-                dt = str(self.dtype).removeprefix("torch.")
-                print(f"[hylo] block-FP8 checkpoint ({bn}x{bk} blocks): weights dequantized to {dt} at load (no FP8 "
-                      f"kernels yet: the weights take {dt}'s memory)", file=sys.stderr)
+                q, dt = lm.config.quantization, str(self.dtype).removeprefix("torch.")
+                fp8 = sum(p.numel() for n, p in self.model.named_parameters() if p.dtype == torch.float8_e4m3fn)
+                how = (f"{fp8 / 1e9:.2f} B weights kept in FP8 ({fp8 / 2**30:.1f} GiB), dequantized by the kernels as "
+                       f"they load them" if q.keep else f"weights dequantized to {dt} at load")
+                print(f"[hylo] block-FP8 checkpoint ({q.block[0]}x{q.block[1]} blocks): {how}", file=sys.stderr)
         self.caches = allocate_caches(lm.shard_config, self.ec, self.dtype, self.device, extra_kv)
         self.max_model_len = self.caches.max_model_len
         k = self.ec.spec_tokens

@@ -11,7 +11,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..core import ForwardBatch
-from .weights import TensorReader, copy_into
+from .weights import TensorReader, copy_into, fp8_block_of, load_proj, proj_weight
 from ..ops.linear import dense, out_proj
 from ..ops.norm import rms_norm
 from ..ops.triton_utils import use_triton
@@ -29,10 +29,11 @@ class GatedAttention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         kw = dict(dtype=dtype, device=device)
+        self.dtype, fp8 = dtype, fp8_block_of(mc)
         rows = 2 * self.q_size + 2 * self.kv_size
-        self.qkv_proj = nn.Parameter(torch.empty(rows, self.hidden, **kw), requires_grad=False)
+        self.qkv_proj = proj_weight((rows, self.hidden), dtype, fp8, device)
         self.qkv_bias = (nn.Parameter(torch.empty(rows, **kw), requires_grad=False) if mc.attention_bias else None)
-        self.o_proj = nn.Parameter(torch.empty(self.hidden, self.q_size, **kw), requires_grad=False)
+        self.o_proj = proj_weight((self.hidden, self.q_size), dtype, fp8, device)
         self.o_bias = nn.Parameter(torch.empty(self.hidden, **kw), requires_grad=False) if mc.attention_bias else None
         self.q_norm = nn.Parameter(torch.empty(self.head_dim, **kw), requires_grad=False)
         self.k_norm = nn.Parameter(torch.empty(self.head_dim, **kw), requires_grad=False)
@@ -64,17 +65,22 @@ class GatedAttention(nn.Module):
 
     def load(self, r: TensorReader, prefix: str) -> None:
         h, d = self.num_heads, self.head_dim
-        qg = r.get(f"{prefix}.q_proj.weight", (2 * self.q_size, self.hidden)).view(h, 2 * d, self.hidden)
-        k = r.get(f"{prefix}.k_proj.weight", (self.kv_size, self.hidden))
-        v = r.get(f"{prefix}.v_proj.weight", (self.kv_size, self.hidden))
-        q, gate = qg[:, :d].reshape(-1, self.hidden), qg[:, d:].reshape(-1, self.hidden)
-        copy_into(self.qkv_proj, torch.cat([q, gate, k, v], dim=0))
+
+        def qkv(rd: TensorReader) -> torch.Tensor:
+            qg = rd.get(f"{prefix}.q_proj.weight", (2 * self.q_size, self.hidden)).view(h, 2 * d, self.hidden)
+            k = rd.get(f"{prefix}.k_proj.weight", (self.kv_size, self.hidden))
+            v = rd.get(f"{prefix}.v_proj.weight", (self.kv_size, self.hidden))
+            q, gate = qg[:, :d].reshape(-1, self.hidden), qg[:, d:].reshape(-1, self.hidden)
+            return torch.cat([q, gate, k, v], dim=0)
+
+        load_proj(self, "qkv_proj", r, qkv, self.dtype)
         if self.qkv_bias is not None:
             qgb = r.get(f"{prefix}.q_proj.bias", (2 * self.q_size,)).view(h, 2 * d)
             copy_into(self.qkv_bias, torch.cat([qgb[:, :d].reshape(-1), qgb[:, d:].reshape(-1),
                                                 r.get(f"{prefix}.k_proj.bias", (self.kv_size,)),
                                                 r.get(f"{prefix}.v_proj.bias", (self.kv_size,))]))
             copy_into(self.o_bias, r.get(f"{prefix}.o_proj.bias", (self.hidden,)))
-        copy_into(self.o_proj, r.get(f"{prefix}.o_proj.weight", (self.hidden, self.q_size)))
+        load_proj(self, "o_proj", r, lambda rd: rd.get(f"{prefix}.o_proj.weight", (self.hidden, self.q_size)),
+                  self.dtype)
         copy_into(self.q_norm, r.get(f"{prefix}.q_norm.weight", (d,)))
         copy_into(self.k_norm, r.get(f"{prefix}.k_norm.weight", (d,)))

@@ -15,7 +15,7 @@ from ..backends.gdn import GDNParams, GDNShape
 from ..config import ModelConfig
 from ..core import ForwardBatch
 from ..ops.linear import dense, norm_out_proj
-from .weights import TensorReader, copy_into
+from .weights import TensorReader, copy_into, fp8_block_of, load_proj, proj_weight
 
 
 class GatedDeltaNet(nn.Module):
@@ -30,14 +30,19 @@ class GatedDeltaNet(nn.Module):
         self.conv_dim, self.kernel = mc.conv_dim, mc.linear_conv_kernel_dim
         hv = mc.linear_num_value_heads
         kw = dict(dtype=dtype, device=device)
-        # [q | k | v | z | b | a] rows
-        self.in_proj = nn.Parameter(torch.empty(self.conv_dim + self.value_dim + 2 * hv, self.hidden, **kw),
-                                    requires_grad=False)
+        self.dtype, fp8 = dtype, fp8_block_of(mc)
+        if fp8 is None:  # [q | k | v | z | b | a] rows
+            self.in_proj = nn.Parameter(torch.empty(self.conv_dim + self.value_dim + 2 * hv, self.hidden, **kw),
+                                        requires_grad=False)
+            self.in_proj_ba = None
+        else:  # FP8 [q | k | v | z], and [b | a] apart: the releases keep those few rows unquantized
+            self.in_proj = proj_weight((self.conv_dim + self.value_dim, self.hidden), dtype, fp8, device)
+            self.in_proj_ba = nn.Parameter(torch.empty(2 * hv, self.hidden, **kw), requires_grad=False)
         self.conv_weight = nn.Parameter(torch.empty(self.conv_dim, self.kernel, **kw), requires_grad=False)
         self.A_log = nn.Parameter(torch.empty(hv, **kw), requires_grad=False)
         self.dt_bias = nn.Parameter(torch.empty(hv, **kw), requires_grad=False)
         self.norm_weight = nn.Parameter(torch.empty(mc.linear_value_head_dim, **kw), requires_grad=False)
-        self.out_proj = nn.Parameter(torch.empty(self.hidden, self.value_dim, **kw), requires_grad=False)
+        self.out_proj = proj_weight((self.hidden, self.value_dim), dtype, fp8, device)
 
     def params(self) -> GDNParams:
         return GDNParams(self.conv_weight, self.A_log, self.dt_bias)
@@ -47,7 +52,11 @@ class GatedDeltaNet(nn.Module):
         num_tokens = x.shape[0]
         s = self.shape
         proj = dense(x, self.in_proj)
-        mixed_qkv, z, b, a = proj.split([self.conv_dim, self.value_dim, s.num_v_heads, s.num_v_heads], dim=-1)
+        if self.in_proj_ba is None:
+            mixed_qkv, z, b, a = proj.split([self.conv_dim, self.value_dim, s.num_v_heads, s.num_v_heads], dim=-1)
+        else:
+            mixed_qkv, z = proj.split([self.conv_dim, self.value_dim], dim=-1)
+            b, a = dense(x, self.in_proj_ba).split([s.num_v_heads, s.num_v_heads], dim=-1)
         core = backend.linear_attention(self.layer_id, mixed_qkv, a, b, self.params(), s, batch)  # [T, Hv, Dv]
         return norm_out_proj(core.to(x.dtype), z.reshape(num_tokens, s.num_v_heads, s.head_v_dim), self.norm_weight,
                              self.eps, self.out_proj, reduce=reduce)
@@ -55,9 +64,15 @@ class GatedDeltaNet(nn.Module):
     def load(self, r: TensorReader, prefix: str, read_in_proj) -> None:
         """``read_in_proj(r, prefix, shape, hidden)``: the family's reader of the fused input projection."""
         s = self.shape
-        copy_into(self.in_proj, read_in_proj(r, prefix, s, self.hidden))
+        if self.in_proj_ba is None:
+            copy_into(self.in_proj, read_in_proj(r, prefix, s, self.hidden))
+        else:
+            rows = self.conv_dim + self.value_dim
+            load_proj(self, "in_proj", r, lambda rd: read_in_proj(rd, prefix, s, self.hidden)[:rows], self.dtype)
+            copy_into(self.in_proj_ba, read_in_proj(r, prefix, s, self.hidden)[rows:])
         copy_into(self.conv_weight, r.get(f"{prefix}.conv1d.weight", (self.conv_dim, 1, self.kernel))[:, 0])
         copy_into(self.A_log, r.get(f"{prefix}.A_log", (s.num_v_heads,)))
         copy_into(self.dt_bias, r.get(f"{prefix}.dt_bias", (s.num_v_heads,)))
         copy_into(self.norm_weight, r.get(f"{prefix}.norm.weight", (s.head_v_dim,)))
-        copy_into(self.out_proj, r.get(f"{prefix}.out_proj.weight", (self.hidden, self.value_dim)))
+        load_proj(self, "out_proj", r, lambda rd: rd.get(f"{prefix}.out_proj.weight", (self.hidden, self.value_dim)),
+                  self.dtype)

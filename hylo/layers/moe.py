@@ -11,7 +11,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
-from .weights import TensorReader, copy_into
+from ..ops.fp8 import fp8_blocks_of
+from .weights import (TensorReader, copy_into, fp8_block_of, keep_plain, load_fp8_part, load_proj,
+                      proj_weight)
 from ..ops.linear import dense, swiglu_down
 from ..ops.moe import fused_moe, route_hidden
 
@@ -22,12 +24,12 @@ def _load_gate_up(r: TensorReader, prefix: str, inter: int, hidden: int) -> torc
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden: int, inter: int, dtype: torch.dtype, device=None):
+    def __init__(self, hidden: int, inter: int, dtype: torch.dtype, device=None,
+                 fp8_block: tuple[int, int] | None = None):
         super().__init__()
-        self.hidden, self.inter = hidden, inter
-        kw = dict(dtype=dtype, device=device)
-        self.gate_up = nn.Parameter(torch.empty(2 * inter, hidden, **kw), requires_grad=False)
-        self.down = nn.Parameter(torch.empty(hidden, inter, **kw), requires_grad=False)
+        self.hidden, self.inter, self.dtype = hidden, inter, dtype
+        self.gate_up = proj_weight((2 * inter, hidden), dtype, fp8_block, device)
+        self.down = proj_weight((hidden, inter), dtype, fp8_block, device)
 
     def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         """[T, H]; with ``reduce=False`` possibly the unreduced split-K rows [T, S, H] of the down projection
@@ -35,8 +37,9 @@ class MLP(nn.Module):
         return swiglu_down(dense(x, self.gate_up), self.down, reduce=reduce)
 
     def load(self, r: TensorReader, prefix: str) -> None:
-        copy_into(self.gate_up, _load_gate_up(r, prefix, self.inter, self.hidden))
-        copy_into(self.down, r.get(f"{prefix}.down_proj.weight", (self.hidden, self.inter)))
+        load_proj(self, "gate_up", r, lambda rd: _load_gate_up(rd, prefix, self.inter, self.hidden), self.dtype)
+        load_proj(self, "down", r, lambda rd: rd.get(f"{prefix}.down_proj.weight", (self.hidden, self.inter)),
+                  self.dtype)
 
 
 class SparseMoE(nn.Module):
@@ -55,11 +58,12 @@ class SparseMoE(nn.Module):
         shared_inter = mc.shared_expert_intermediate_size
         self.fold_shared = shared_inter == self.inter
         kw = dict(dtype=dtype, device=device)
+        self.dtype, fp8 = dtype, fp8_block_of(mc)
         n = self.num_experts + int(self.fold_shared)
         self.router = nn.Parameter(torch.empty(n, self.hidden, **kw), requires_grad=False)
-        self.w13 = nn.Parameter(torch.empty(n, 2 * self.inter, self.hidden, **kw), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(n, self.hidden, self.inter, **kw), requires_grad=False)
-        self.shared = (MLP(self.hidden, shared_inter, dtype, device)
+        self.w13 = proj_weight((n, 2 * self.inter, self.hidden), dtype, fp8, device)
+        self.w2 = proj_weight((n, self.hidden, self.inter), dtype, fp8, device)
+        self.shared = (MLP(self.hidden, shared_inter, dtype, device, fp8)
                        if shared_inter > 0 and not self.fold_shared else None)
         self.shared_gate = (nn.Parameter(torch.empty(1, self.hidden, **kw), requires_grad=False)
                             if self.shared is not None else None)
@@ -80,19 +84,36 @@ class SparseMoE(nn.Module):
         some releases ship them)."""
         E, H, I = self.num_experts, self.hidden, self.inter
         copy_into(self.router[:E], r.get(f"{prefix}.gate.weight", (E, H)))
-        if r.has(f"{prefix}.experts.gate_up_proj"):
-            copy_into(self.w13[:E], r.get(f"{prefix}.experts.gate_up_proj", (E, 2 * I, H)))
-            copy_into(self.w2[:E], r.get(f"{prefix}.experts.down_proj", (E, H, I)))
+        fused = r.has(f"{prefix}.experts.gate_up_proj")
+        parts = []  # (target index, read(reader) -> w13 rows, read(reader) -> w2 rows)
+        if fused:
+            parts.append((slice(0, E), lambda rd: rd.get(f"{prefix}.experts.gate_up_proj", (E, 2 * I, H)),
+                          lambda rd: rd.get(f"{prefix}.experts.down_proj", (E, H, I))))
         else:
             for e in range(E):
                 ep = f"{prefix}.experts.{e}"
-                copy_into(self.w13[e], _load_gate_up(r, ep, I, H))
-                copy_into(self.w2[e], r.get(f"{ep}.down_proj.weight", (H, I)))
+                parts.append((e, lambda rd, ep=ep: _load_gate_up(rd, ep, I, H),
+                              lambda rd, ep=ep: rd.get(f"{ep}.down_proj.weight", (H, I))))
         sp = f"{prefix}.shared_expert"
         if self.fold_shared:
-            copy_into(self.w13[E], _load_gate_up(r, sp, self.inter, H))
-            copy_into(self.w2[E], r.get(f"{sp}.down_proj.weight", (H, self.inter)))
+            parts.append((E, lambda rd: _load_gate_up(rd, sp, I, H),
+                          lambda rd: rd.get(f"{sp}.down_proj.weight", (H, I))))
             copy_into(self.router[E:], r.get(f"{prefix}.shared_expert_gate.weight", (1, H)))
         elif self.shared is not None:
             self.shared.load(r, sp)
             copy_into(self.shared_gate, r.get(f"{prefix}.shared_expert_gate.weight", (1, H)))
+        maps = r.scale_maps() if not isinstance(self.w13, torch.Tensor) else None
+        if maps is not None and not all(fp8_blocks_of(read(r), read(maps), self.w13.block) is not None
+                                        for _, read13, read2 in parts[:1] + parts[-1:] for read in (read13, read2)):
+            # stored unquantized, or gate and up rows that do not end on a block (an intermediate size that is
+            # not a multiple of the block): the experts are kept in the compute dtype
+            maps = None
+        if maps is None:
+            keep_plain(self, "w13", self.dtype)
+            keep_plain(self, "w2", self.dtype)
+        for index, read13, read2 in parts:
+            for w, read, name in ((self.w13, read13, "gate_up"), (self.w2, read2, "down")):
+                if maps is None:
+                    copy_into(w[index], read(r))
+                else:
+                    load_fp8_part(w[index], read(r), read(maps), f"{prefix}.experts ({name}, {index})")

@@ -6,9 +6,12 @@ so unexpected leftovers can be reported. The file formats live in ``models/loade
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
+from torch import nn
+
+from ..ops.fp8 import Fp8Weight, fp8_blocks_of
 
 
 class CheckpointError(ValueError):
@@ -63,6 +66,11 @@ class TensorReader:
     def unused(self, ignore_prefixes: tuple[str, ...] = ()) -> list[str]:
         return sorted(k for k in self.keys() if k not in self.used and not k.startswith(ignore_prefixes))
 
+    def scale_maps(self) -> "TensorReader | None":
+        """A reader of the same names whose tensors are each element's block-FP8 scale (0 where not quantized),
+        for re-laying a weight's scales exactly as its values are re-laid; None: nothing here is quantized."""
+        return None
+
 
 class DictReader(TensorReader):
     def __init__(self, tensors: dict[str, torch.Tensor]):
@@ -80,3 +88,60 @@ def copy_into(param: torch.Tensor, value: torch.Tensor) -> None:
     """Copy a checkpoint tensor into a parameter (casting to its dtype and device)."""
     with torch.no_grad():
         param.copy_(value.to(dtype=param.dtype))
+
+
+def proj_weight(shape: tuple[int, ...], dtype: torch.dtype, fp8_block: tuple[int, int] | None,
+                device=None) -> "nn.Parameter | Fp8Weight":
+    """An unloaded projection weight: in ``dtype``, or block FP8 when the checkpoint's FP8 weights stay FP8 in
+    memory (``fp8_block``, see ``models.quant.keep_fp8``)."""
+    if fp8_block is None:
+        return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+    return Fp8Weight.empty(shape, fp8_block, device)
+
+
+def fp8_block_of(mc) -> tuple[int, int] | None:
+    """The block of FP8 weights kept in memory for a model config, or None (weights in the compute dtype)."""
+    q = mc.quantization
+    return q.block if q is not None and q.keep else None
+
+
+def load_proj(module: nn.Module, attr: str, r: TensorReader, read: Callable[[TensorReader], torch.Tensor],
+              dtype: torch.dtype) -> None:
+    """Load ``module.attr`` with ``read(r)`` (a family's re-layout of checkpoint tensors). An FP8 target takes the
+    FP8 values and block scales that reproduce the values exactly (``read`` applied to the reader's scale maps
+    gives the scales in the same layout); a weight the checkpoint does not quantize, or whose re-layout splits its
+    blocks, becomes a ``dtype`` weight instead."""
+    target = getattr(module, attr)
+    if isinstance(target, torch.Tensor):
+        copy_into(target, read(r))
+        return
+    values, maps = read(r), r.scale_maps()
+    packed = fp8_blocks_of(values, read(maps), target.block) if maps is not None else None
+    if packed is None:
+        delattr(module, attr)
+        setattr(module, attr, nn.Parameter(values.to(dtype=dtype, device=target.device), requires_grad=False))
+        return
+    with torch.no_grad():
+        target.q.copy_(packed[0])
+        target.scale.copy_(packed[1])
+
+
+def keep_plain(module: nn.Module, attr: str, dtype: torch.dtype) -> None:
+    """Replace an unloaded FP8 weight by an unloaded ``dtype`` one of its shape (the checkpoint stores it
+    unquantized)."""
+    target = getattr(module, attr)
+    if not isinstance(target, torch.Tensor):
+        delattr(module, attr)
+        setattr(module, attr, proj_weight(tuple(target.shape), dtype, None, target.device))
+
+
+def load_fp8_part(target: Fp8Weight, values: torch.Tensor, scale_map: torch.Tensor, name: str) -> None:
+    """Load one part of an FP8 weight (an expert's rows of the experts' weight): its values must be the
+    checkpoint's FP8 blocks, in the same layout."""
+    packed = fp8_blocks_of(values, scale_map, target.block)
+    if packed is None:
+        raise CheckpointError(f"checkpoint tensor {name!r} is not block-FP8 in the layout hylo keeps it in memory "
+                              f"(blocks {list(target.block)}); load the model with HYLO_FP8_WEIGHTS=dequantize")
+    with torch.no_grad():
+        target.q.copy_(packed[0])
+        target.scale.copy_(packed[1])

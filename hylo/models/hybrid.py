@@ -19,7 +19,7 @@ from ..layers.attention import GatedAttention
 from ..layers.linear_attn import GatedDeltaNet
 from ..layers.moe import MLP, SparseMoE
 from ..layers.norm import RMSNorm
-from ..layers.weights import TensorReader, copy_into
+from ..layers.weights import TensorReader, copy_into, fp8_block_of
 from ..ops.norm import add_rms_norm
 from ..parallel.group import SINGLE, TPGroup
 from ..progress import progress as progress_of
@@ -41,7 +41,7 @@ class DecoderLayer(nn.Module):
                       else GatedAttention(mc, layer_id, dtype, device))
         use_moe = mc.num_experts > 0 if attention_only else mc.is_moe_layer(layer_id)
         self.mlp = (SparseMoE(mc, dtype, device) if use_moe
-                    else MLP(mc.hidden_size, mc.intermediate_size, dtype, device))
+                    else MLP(mc.hidden_size, mc.intermediate_size, dtype, device, fp8_block_of(mc)))
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch, backend):
         """h: the previous layer's output (or the embeddings, with residual None). Returns (output, residual):

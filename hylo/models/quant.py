@@ -11,6 +11,7 @@ names it: a checkpoint hylo cannot run correctly never loads.
 
 from __future__ import annotations
 
+import os
 import re
 from typing import Any
 
@@ -130,6 +131,48 @@ class Fp8BlockReader(TensorReader):
         if not self.quantized(name):
             return self.inner.get_part(name, dim, start, stop)
         return self.get(name).narrow(dim, start, stop - start)
+
+    def scale_maps(self) -> "ScaleMapReader":
+        return ScaleMapReader(self)
+
+
+class ScaleMapReader(TensorReader):
+    """The scale of every element of each weight of an ``Fp8BlockReader`` (float32, the weight's shape; 0 for an
+    unquantized tensor): a weight's re-layout at load applied to these gives its scales in the same layout."""
+
+    def __init__(self, fp8: Fp8BlockReader):
+        super().__init__()
+        self.fp8 = fp8
+
+    def keys(self):
+        return self.fp8.keys()
+
+    def has(self, name: str) -> bool:
+        return self.fp8.has(name)
+
+    def shape_of(self, name: str) -> tuple[int, ...]:
+        return self.fp8.shape_of(name)
+
+    def _load(self, name: str) -> torch.Tensor:
+        shape = self.fp8.shape_of(name)
+        if not self.fp8.quantized(name):
+            return torch.zeros(shape)
+        scale = self.fp8.inner.get(name + SCALE_SUFFIX).to(torch.float32)
+        bn, bk = self.fp8.block
+        return scale.repeat_interleave(bn, -2).repeat_interleave(bk, -1)[..., :shape[-2], :shape[-1]]
+
+    def get_part(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        return self.get(name).narrow(dim, start, stop - start)
+
+
+def keep_fp8(device) -> bool:
+    """Whether block-FP8 weights stay FP8 in memory on ``device`` (DESIGN.md section 12: on the GPU, where the
+    kernels dequantize as they load; on the CPU the reference dequantizes at load). ``HYLO_FP8_WEIGHTS``: "auto"
+    (the default), "keep" or "dequantize"."""
+    mode = os.environ.get("HYLO_FP8_WEIGHTS", "auto")
+    if mode not in ("auto", "keep", "dequantize"):
+        raise ValueError(f"HYLO_FP8_WEIGHTS={mode!r}: expected 'auto', 'keep' or 'dequantize'")
+    return mode == "keep" or (mode == "auto" and torch.device(device).type == "cuda")
 
 
 def quantized_reader(reader: TensorReader, quant: QuantConfig | None) -> TensorReader:

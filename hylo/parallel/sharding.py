@@ -75,6 +75,11 @@ class ShardedReader(TensorReader):
     def dtype_of(self, name: str) -> str:
         return self.inner.dtype_of(name)
 
+    def scale_maps(self):
+        """The inner reader's scale maps, sliced as the values are."""
+        maps = self.inner.scale_maps()
+        return None if maps is None else ShardedReader(maps, self.mc, self.rank, self.size)
+
     def get(self, name: str, shape=None) -> torch.Tensor:
         pieces = self._plan(name)
         if pieces is None:
