@@ -174,7 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="benchmark on the GPU (random-weight benchmark model, no checkpoint)")
     b.add_argument("--model-name", default="bench-6b", choices=BENCH_MODELS, metavar="NAME",
                    help="benchmark model (random weights at a real shape): bench-6b, qwen3.5-9b, qwen3.5-35b-a3b, "
-                        "or qwen3-next-80b (needs --tensor-parallel-size); default %(default)s")
+                        "or qwen3-next-80b (needs --tensor-parallel-size), each also with -fp8 (block-FP8 "
+                        "projections kept FP8: qwen3-next-80b-fp8 fits one H200); default %(default)s")
     b.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="also time decode sharded across this many GPUs (and the collectives' share)")
     b.add_argument("--vs-hf", action="store_true", help="also time HF transformers generate on the same weights")

@@ -223,3 +223,50 @@ def test_qwen35_bench_shapes(name, params, bs1_bytes):
     grows = fp.decode_bytes(64, 1) - 64 * (fp.embed_row + fp.kv_per_token + 2 * fp.state_per_req) \
         - (fp.decode_bytes(1, 1) - fp.embed_row - fp.kv_per_token - 2 * fp.state_per_req)
     assert (grows == 0) == (mc.num_experts == 0), grows
+
+
+def test_fp8_shapes_read_half_the_weight_bytes():
+    """The -fp8 benchmark shapes keep their projections in FP8: an expert is a byte a weight plus its block scales,
+    and the 80B shape's weights fit one H200 (about 80 GB)."""
+    from hylo.models.qwen3_next import Qwen3NextForCausalLM
+
+    class FakeCaches:
+        class state_pool:
+            conv = torch.empty(36, 2, 8192, 3, dtype=torch.bfloat16, device="meta")
+            recurrent = torch.empty(36, 2, 32, 128, 128, dtype=torch.float32, device="meta")
+
+        class kv_pool:
+            k = torch.empty(12, 2, 2, 256, dtype=torch.bfloat16, device="meta")
+
+    fps = {}
+    for name in ("qwen3-next-80b", "qwen3-next-80b-fp8"):
+        mc = bench_config(name)
+        with torch.device("meta"):
+            model = Qwen3NextForCausalLM(mc, torch.bfloat16, "meta")
+        fps[name] = (Footprint.of(model, None, FakeCaches), sum(p.numel() * p.element_size()
+                                                                for p in model.parameters()))
+    (bf, bf_total), (f8, f8_total) = fps["qwen3-next-80b"], fps["qwen3-next-80b-fp8"]
+    assert 0.5 < f8.expert / bf.expert < 0.501  # 3 x 512 x 2048 bytes + 3 x 4 x 16 float32 scales
+    assert f8.matmul_params == bf.matmul_params and f8.lm_head == bf.lm_head
+    assert 0.5 < f8.non_expert / bf.non_expert < 0.6  # norms, routers, GDN a/b rows stay bfloat16
+    assert 150e9 < bf_total < 165e9 and 78e9 < f8_total < 84e9
+
+
+def test_fp8_bench_model_builds_with_fp8_weights_and_computes_their_values():
+    """``tiny-fp8`` built as the bench builds it (random weights rounded to FP8 on the device, kept FP8): every
+    projection is FP8, and it computes what the same weights dequantized compute."""
+    from hylo.bench.run import build_model
+    from hylo.config import replace_fields
+    from hylo.ops.fp8 import Fp8Weight
+
+    mc = bench_config("tiny-fp8")
+    lm = build_model(mc, "cpu", name="tiny-fp8")
+    fp8 = [n for n, m in lm.model.named_modules() if isinstance(m, Fp8Weight)]
+    layers = mc.num_hidden_layers
+    assert len(fp8) >= 4 * layers, fp8  # mixer in / out, w13 / w2 or gate_up / down
+    plain = build_model(replace_fields(mc, quantization=replace_fields(mc.quantization, keep=False)), "cpu")
+    assert not any(isinstance(m, Fp8Weight) for m in plain.model.modules())
+    ec = EngineConfig(verbose=False, enable_prefix_caching=False, max_num_seqs=2)
+    a = Engine(lm, device="cpu", engine_config=ec).prompt_logits(list(range(3, 40)))
+    b = Engine(plain, device="cpu", engine_config=ec).prompt_logits(list(range(3, 40)))
+    torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-3)

@@ -24,7 +24,8 @@ import tempfile
 
 LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas", "launch_pdl", "maxnreg")
 TORCH_TO_TRITON = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.int64": "i64",
-                   "torch.int32": "i32", "torch.bool": "i1", "torch.uint8": "u8", "torch.int8": "i8"}
+                   "torch.int32": "i32", "torch.bool": "i1", "torch.uint8": "u8", "torch.int8": "i8",
+                   "torch.float8_e4m3fn": "fp8e4nv"}
 
 
 def _is_constexpr(param) -> bool:

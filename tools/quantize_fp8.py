@@ -12,25 +12,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import sys
 
 import torch
 
-# the weights Qwen's FP8 releases quantize (under model., model.language_model. or mtp.)
-QUANTIZED = re.compile(r"\.(self_attn\.[qkvo]_proj|linear_attn\.(in_proj_qkvz|in_proj_qkv|in_proj_z|out_proj)|"
-                       r"mlp\.(shared_expert\.|experts\.\d+\.)?(gate|up|down)_proj)\.weight$"
-                       r"|\.mlp\.experts\.(gate_up_proj|down_proj)$")
-VISION = re.compile(r"(^|\.)(visual|vision_tower|vision_model)\.")
-
-
 def quantizable(name: str, tensor: torch.Tensor, keep_mtp: bool) -> bool:
-    if not tensor.is_floating_point() or tensor.dim() < 2 or VISION.search(name):
+    from hylo.models.quant import fp8_quantizable
+
+    if not tensor.is_floating_point() or (keep_mtp and name.startswith("mtp.")):
         return False
-    if keep_mtp and name.startswith("mtp."):
-        return False
-    return QUANTIZED.search(name) is not None
+    return fp8_quantizable(name, tensor.dim())
 
 
 def quantize_checkpoint(src: str, dst: str, block: tuple[int, int], keep_mtp: bool = False,

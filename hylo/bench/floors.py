@@ -46,7 +46,7 @@ def _time_cuda(fn, iters: int) -> float:
 # ---- what a step must read ---------------------------------------------------------------------------------------
 @dataclass
 class Footprint:
-    """Bytes of the model's parts (bf16 weights), for the floors."""
+    """Bytes of the model's parts as stored (bfloat16, or block-FP8 projections with their scales), for the floors."""
 
     non_expert: int  # every weight read at any batch size, except experts, lm_head, embedding
     expert: int  # one routed expert (gate, up, down)
@@ -64,25 +64,29 @@ class Footprint:
 
     @classmethod
     def of(cls, model: HybridForCausalLM, mtp, caches) -> "Footprint":
+        """From the model's own parameters: their stored bytes (block-FP8 projections: a byte a weight plus their
+        float32 block scales; everything else bfloat16)."""
         mc = model.config
         esz = 2
-        expert = 3 * mc.moe_intermediate_size * mc.hidden_size * esz
         moe_layers = sum(mc.is_moe_layer(i) for i in range(mc.num_hidden_layers))
-        total = sum(p.numel() for p in model.parameters()) * esz  # a tied embedding counted once
+        expert, expert_params = _expert_size(model) if moe_layers else (0, 0)
+        total = _bytes(model)  # a tied embedding counted once
         embed = mc.vocab_size * mc.hidden_size * esz
         experts_all = moe_layers * mc.num_experts * expert
         non_expert = total - experts_all - (1 if mc.tie_word_embeddings else 2) * embed
         mtp_ne = 0
         if mtp is not None:
-            mtp_total = sum(p.numel() for p in mtp.parameters()) * esz
-            mtp_ne = mtp_total - mc.num_experts * expert
+            mtp_ne = _bytes(mtp) - mc.num_experts * expert
         sp = caches.state_pool
         state = (sp.conv[:, 0].numel() * sp.conv.element_size() + sp.recurrent[:, 0].numel()
                  * sp.recurrent.element_size())
         kv = caches.kv_pool
         n_attn = len(mc.attn_layer_ids)
         kv_tok = 2 * n_attn * kv.k.shape[2] * kv.k.shape[3] * kv.k.element_size()
-        matmul = non_expert // esz + moe_layers * mc.num_experts_per_tok * expert // esz
+        weights = sum(p.numel() for n, p in model.named_parameters() if not n.endswith(".scale"))
+        embeds = (1 if mc.tie_word_embeddings else 2) * mc.vocab_size * mc.hidden_size
+        matmul = (weights - embeds - moe_layers * mc.num_experts * expert_params
+                  + moe_layers * mc.num_experts_per_tok * expert_params)
         inputs = len(mc.linear_layer_ids) * (mc.conv_dim + 2 * mc.linear_num_value_heads) * esz
         return cls(non_expert, expert, embed, mc.hidden_size * esz, mtp_ne, kv_tok, kv_tok // n_attn, state,
                    inputs, mc.num_experts, mc.num_experts_per_tok, moe_layers, matmul)
@@ -115,3 +119,18 @@ class Footprint:
         drafts = k * (self.mtp_non_expert + self.lm_head) + self.experts_touched(t) * self.expert
         drafts += (k - 1) * self.experts_touched(bs) * self.expert + k * bs * ctx * self.kv_per_token_layer
         return verify + drafts
+
+
+def _bytes(module: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+def _expert_size(model: HybridForCausalLM) -> tuple[int, int]:
+    """(bytes, parameters) of one routed expert (gate, up, down), as the model stores them."""
+    moe = next(layer.mlp for layer in model.layers if hasattr(layer.mlp, "w13"))
+    size, params = 0, 0
+    for w in (moe.w13, moe.w2):
+        for p in ([w] if isinstance(w, torch.Tensor) else [w.q, w.scale]):
+            size += p[0].numel() * p.element_size()
+        params += w.shape[1] * w.shape[2]
+    return size, params

@@ -24,7 +24,7 @@ from .floors import Footprint, measure_copy_rate, measure_matmul_rate
 from .shapes import bench_config
 from .steps import clear, fake_prefill, graph_alone_ms, overlap_profile, prefill_times, time_steps
 from ..models.registry import build_model as build_family_model
-from ..models.random_init import RandomReader
+from ..models.random_init import RandomFp8Reader, RandomReader
 from ..ops.triton_utils import pdl_settings
 from ..parallel.group import SINGLE
 from ..spec.setup import SpecSetup
@@ -40,8 +40,11 @@ SPEC_KV_TOKENS = SPEC_MODEL_LEN + 128
 # ---- set-up --------------------------------------------------------------------------------------------------
 def build_model(mc: ModelConfig, device, seed: int = 0, hf_model=None, name: str = "bench-6b") -> LoadedModel:
     dtype = torch.bfloat16
-    reader = RandomReader(seed, device)
+    q = mc.quantization
+    reader = RandomFp8Reader(seed, device, q.block) if q is not None else RandomReader(seed, device)
     if hf_model is not None:
+        if q is not None:
+            raise ValueError(f"{name}: the HF comparison is not available for the FP8 shapes")
         from .hf import HFReader
 
         reader = HFReader(hf_model, reader)

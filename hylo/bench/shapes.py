@@ -5,16 +5,19 @@
 - ``qwen3-next-80b``: Qwen3-Next-80B-A3B (160 GB in bfloat16: more than one GPU holds, for tensor parallelism);
 - ``qwen3.5-9b``: Qwen3.5-9B (dense: a SwiGLU MLP in each of its 32 layers);
 - ``qwen3.5-35b-a3b``: Qwen3.5-35B-A3B (40 layers, 256 experts, 8 routed and a shared one; 67 GiB in bfloat16);
-- ``tiny``, ``tiny-dense``: for the harness's CPU tests.
+- ``tiny``, ``tiny-dense``: for the harness's CPU tests;
+- any of them with ``-fp8``: the same shape with its projections in block FP8 (128 x 128 blocks; 16 x 16 for the
+  tiny shapes), kept FP8 in memory as an FP8 release is: ``qwen3-next-80b-fp8`` fits one H200.
 The Qwen3.5 shapes are the released configs' text models (vocabulary 248320, RoPE theta 1e7 on a quarter of each
 head), with their MTP head.
 """
 
 from __future__ import annotations
 
-from ..config import ModelConfig
+from ..config import ModelConfig, QuantConfig, replace_fields
 
-BENCH_MODELS = ("bench-6b", "qwen3-next-80b", "qwen3.5-9b", "qwen3.5-35b-a3b", "tiny", "tiny-dense")
+BASE_MODELS = ("bench-6b", "qwen3-next-80b", "qwen3.5-9b", "qwen3.5-35b-a3b", "tiny", "tiny-dense")
+BENCH_MODELS = BASE_MODELS + tuple(f"{m}-fp8" for m in BASE_MODELS)
 
 
 def _hybrid(n_layers: int, **fields) -> ModelConfig:
@@ -33,6 +36,10 @@ def _hybrid(n_layers: int, **fields) -> ModelConfig:
 def bench_config(name: str) -> ModelConfig:
     if name not in BENCH_MODELS:
         raise ValueError(f"unknown benchmark model {name!r} (known: {', '.join(BENCH_MODELS)})")
+    if name.endswith("-fp8"):
+        base = name.removesuffix("-fp8")
+        block = (16, 16) if base.startswith("tiny") else (128, 128)
+        return replace_fields(bench_config(base), quantization=QuantConfig("fp8", block, keep=True))
     big_gdn = dict(linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
                    linear_value_head_dim=128)
     tiny_gdn = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,

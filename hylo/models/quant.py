@@ -30,6 +30,19 @@ _LOW_PRECISION = {"F8_E4M3", "F8_E5M2", "F8_E8M0", "F4", "I8", "U8", "float8_e4m
                   "float8_e8m0fnu", "int8", "uint8"}
 _FP8 = {"F8_E4M3", "float8_e4m3fn"}
 
+# the weights Qwen's FP8 releases quantize (under model., model.language_model. or mtp.): attention, GDN and MLP /
+# expert projections; embeddings, the LM head, routers, norms, the conv, the GDN's a/b rows and vision stay as they are
+FP8_QUANTIZED = re.compile(r"\.(self_attn\.[qkvo]_proj|linear_attn\.(in_proj_qkvz|in_proj_qkv|in_proj_z|out_proj)|"
+                           r"mlp\.(shared_expert\.|experts\.\d+\.)?(gate|up|down)_proj)\.weight$"
+                           r"|\.mlp\.experts\.(gate_up_proj|down_proj)$")
+_VISION = re.compile(r"(^|\.)(visual|vision_tower|vision_model)\.")
+
+
+def fp8_quantizable(name: str, ndim: int = 2) -> bool:
+    """Whether a tensor of this name is one the FP8 releases (and ``tools/quantize_fp8.py``) store in FP8."""
+    return ndim >= 2 and not _VISION.search(name) and FP8_QUANTIZED.search(name) is not None
+
+
 SUPPORTED = "bfloat16, float16 and float32 checkpoints, and block FP8 (quant_method 'fp8' with weight_block_size)"
 
 

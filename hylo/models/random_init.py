@@ -12,7 +12,9 @@ import zlib
 import torch
 
 from ..config import ModelConfig
-from ..layers.weights import TensorReader
+from ..layers.weights import CheckpointError, TensorReader
+from ..ops.fp8 import dequantize_fp8_block, quantize_fp8_block
+from .quant import fp8_quantizable
 
 
 def _decoder_layer(mc: ModelConfig, prefix: str, kind: str, moe: bool, g: torch.Generator, std: float,
@@ -142,3 +144,48 @@ class RandomReader(TensorReader):
         if name.endswith("conv1d.weight"):
             return (torch.rand(shape, **kw) * 2 - 1) / math.sqrt(shape[-1])
         return torch.randn(shape, **kw) * self.std
+
+
+class RandomFp8Reader(RandomReader):
+    """``RandomReader``'s weights with the projections an FP8 release quantizes (``quant.fp8_quantizable``) rounded
+    to block FP8: each such weight comes back dequantized, and its scales through ``scale_maps``, so that a model
+    built with FP8 weights in memory (the FP8 benchmark shapes) holds exactly these FP8 values."""
+
+    def __init__(self, seed: int, device: torch.device, block: tuple[int, int], std: float = 0.02,
+                 with_mtp: bool = True):
+        super().__init__(seed, device, std, with_mtp)
+        self.block = tuple(block)
+
+    def fp8(self, name: str, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        return quantize_fp8_block(super().get(name, shape), self.block)
+
+    def get(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        if shape is None or not self.has(name) or not fp8_quantizable(name, len(shape)):
+            return super().get(name, shape)
+        return dequantize_fp8_block(*self.fp8(name, shape), self.block)
+
+    def scale_maps(self) -> TensorReader:
+        return _RandomScaleMaps(self)
+
+
+class _RandomScaleMaps(TensorReader):
+    """Each element's FP8 scale of a ``RandomFp8Reader``'s weights (0 where unquantized)."""
+
+    def __init__(self, weights: RandomFp8Reader):
+        super().__init__()
+        self.weights = weights
+
+    def keys(self):
+        return self.weights.keys()
+
+    def has(self, name: str) -> bool:
+        return self.weights.has(name)
+
+    def get(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        if shape is None or not self.has(name):
+            raise CheckpointError(f"no scales for {name!r} without its shape")
+        if not fp8_quantizable(name, len(shape)):
+            return torch.zeros(shape, device=self.weights.device)
+        _, scale = self.weights.fp8(name, shape)
+        bn, bk = self.weights.block
+        return scale.repeat_interleave(bn, -2).repeat_interleave(bk, -1)[..., :shape[-2], :shape[-1]]

@@ -37,16 +37,53 @@ CHECKPOINTS = {"a": "ckpt_a", "b": "ckpt_b", "a-mtp": "ckpt_a_mtp", "b-mtp": "ck
                "q35-dense": "q35_dense_vl", "q35-moe": "q35_moe_text"}
 
 
+# block-FP8 copies (tools/quantize_fp8.py), kept FP8 in memory: the W8A16 kernels against the reference's
+# whole-weight dequantization; blocks that the re-layouts keep whole and the kernels take (16 columns)
+FP8_COPIES = {"a-mtp-fp8": ("ckpt_a_mtp", (8, 16)), "q35-moe-fp8": ("q35_moe_text", (4, 16))}
+
+
+@pytest.fixture(scope="module")
+def fp8_copies(tmp_path_factory):
+    import importlib.util
+    import os
+
+    tool = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "quantize_fp8.py")
+    spec = importlib.util.spec_from_file_location("quantize_fp8", tool)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    made = {}
+
+    def get(name, request):
+        if name not in made:
+            src, block = FP8_COPIES[name]
+            dst = str(tmp_path_factory.mktemp(name) / "m")
+            mod.quantize_checkpoint(request.getfixturevalue(src), dst, block, log=lambda m: None)
+            made[name] = dst
+        return made[name]
+
+    return get
+
+
 @pytest.mark.parametrize("name,spec", [("a", None), ("b", None), ("a-mtp", "mtp"), ("b-mtp", "mtp"),
                                        ("q35-dense", None), ("q35-moe", None), ("q35-dense", "mtp"),
-                                       ("q35-moe", "mtp")])
-def test_fast_path_on_other_shapes_matches_the_reference_ops(dev, name, spec, request, monkeypatch):
+                                       ("q35-moe", "mtp"), ("a-mtp-fp8", None), ("a-mtp-fp8", "mtp"),
+                                       ("q35-moe-fp8", "mtp")])
+def test_fast_path_on_other_shapes_matches_the_reference_ops(dev, name, spec, request, monkeypatch, fp8_copies):
     """Prompt logits (chunked prefill: 16-token chunks over a 37-token prompt) agree with the reference ops; a batch
     of three (padded to a captured 4 on a GPU) generates the reference's greedy tokens wherever the reference's
-    top two logits are apart by more than float32 noise; with MTP speculative decoding too."""
-    path = request.getfixturevalue(CHECKPOINTS[name])
+    top two logits are apart by more than float32 noise; with MTP speculative decoding too; and on FP8 copies whose
+    weights stay FP8 in memory."""
+    if name in FP8_COPIES:
+        path = fp8_copies(name, request)
+        monkeypatch.setenv("HYLO_FP8_WEIGHTS", "keep")
+    else:
+        path = request.getfixturevalue(CHECKPOINTS[name])
     prompts = random_prompts(vocab_of(path), [37, 5, 12], seed=9)
     fast = _engine(path, spec, dev)
+    if name in FP8_COPIES:
+        from hylo.ops.fp8 import Fp8Weight
+
+        assert sum(isinstance(m, Fp8Weight) for m in fast.model.modules()) >= 8
     logits = fast.prompt_logits(prompts[0]).cpu()
     out = _generate(fast, prompts, 10)
     monkeypatch.setenv("HYLO_DISABLE_TRITON", "1")  # from here on every op runs its torch reference
