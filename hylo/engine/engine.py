@@ -198,8 +198,9 @@ class Engine:
             kind = ("embedded default, RANDOM WEIGHTS (output is noise)" if self.is_random else
                     "embedded default, trained on the Python standard library" if self.model_name ==
                     TRAINED_DEFAULT_NAME else "checkpoint")
+            weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
             print(f"[hylo] model {self.model_name} ({kind}) on {self.device} in {str(self.dtype)[6:]}, "
-                  f"loaded in {self.load_seconds:.1f}s", file=sys.stderr, flush=True)
+                  f"weights {weights / 2**30:.2f} GiB, loaded in {self.load_seconds:.1f}s", file=sys.stderr, flush=True)
             print(f"[hylo] {self.caches.summary()}", file=sys.stderr, flush=True)
 
     # ---- requests ---------------------------------------------------------------------------------------------
