@@ -98,7 +98,8 @@ def _bench(args) -> int:
     if args.prefix_replay:
         from .bench.prefix import run_prefix_bench
 
-        run_prefix_bench(args.model_name, out_dir=args.out, quick=args.quick)
+        run_prefix_bench(args.model_name, out_dir=args.out, quick=args.quick, conversations=args.conversations,
+                         turns=args.turns)
         return 0
     from .bench.run import run_bench
 
@@ -186,6 +187,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--prefix-replay", action="store_true",
                    help="instead: multi-turn conversations sharing a system prompt, replayed with the prefix cache on "
                         "and off (hit rate against the ideal, first-token times, decode step on against off)")
+    b.add_argument("--conversations", type=int, default=None,
+                   help="--prefix-replay: conversations replayed at once (default 32; 6 with --quick)")
+    b.add_argument("--turns", type=int, default=None, help="--prefix-replay: turns per conversation (default 5)")
     b.add_argument("--pdl", action="store_true",
                    help="also time decode with programmatic dependent launch off, and on with its L2 weight prefetch "
                         "(HYLO_PDL, HYLO_PDL_PREFETCH; PDL is on by default on Hopper+) in the same run")

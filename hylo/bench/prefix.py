@@ -77,11 +77,22 @@ def replay(engine: Engine, sys_prompt: list[int], convs, max_steps: int = 10 ** 
                                  request_id=f"c{c}t{turn}")
         state[c] = (turn, prompt, rid, time.perf_counter(), False)
 
+    kinds: dict[str, list[float]] = {}  # step kind -> [steps, seconds, tokens]
+
     while (pending or state) and step < max_steps:
         while pending and pending[0][0] <= step:
             _, c = pending.pop(0)
             submit(c, 0, list(sys_prompt))
-        for req in engine.step():
+        t_step = time.perf_counter()
+        finished_now = engine.step()
+        plan = engine.launched_plan()
+        if plan is not None:  # where the replay's time goes: steps by kind (the host's time from launch to launch)
+            kind = plan.mode.name.lower() + ("" if plan.num_tokens == len(plan.reqs) else "+prefill")
+            k = kinds.setdefault(kind, [0, 0.0, 0])
+            k[0] += 1
+            k[1] += time.perf_counter() - t_step
+            k[2] += plan.num_tokens
+        for req in finished_now:
             c, turn = (int(x) for x in req.rid[1:].split("t"))
             t, prompt, rid, arrived, got_first = state[c]
             if req.output_ids and not got_first:
@@ -104,7 +115,9 @@ def replay(engine: Engine, sys_prompt: list[int], convs, max_steps: int = 10 ** 
                 hit_rate=hits / prompt_tokens if prompt_tokens else 0.0,
                 ideal_hit_rate=ideal / prompt_tokens if prompt_tokens else 0.0,
                 hit_vs_ideal=hits / ideal if ideal else 1.0,
-                ttft_mean_s_by_turn={t: sum(v) / len(v) for t, v in sorted(ttft.items())})
+                ttft_mean_s_by_turn={t: sum(v) / len(v) for t, v in sorted(ttft.items())},
+                steps_by_kind={k: dict(steps=n, seconds=sec, tokens=tok, ms_per_step=1e3 * sec / n)
+                               for k, (n, sec, tok) in kinds.items()})
 
 
 def ttft_against_fresh(engine: Engine, vocab: int, sys_prompt: list[int], pairs: int, new: int, seed: int = 1) -> dict:
@@ -152,7 +165,7 @@ def decode_on_off(lm: LoadedModel, bs: int, ctx: int, steps: int, device: str) -
 
 
 def run_prefix_bench(model_name: str = "bench-6b", out_dir: str = "bench/results", quick: bool = False,
-                     device: str | None = None) -> dict:
+                     device: str | None = None, conversations: int | None = None, turns: int | None = None) -> dict:
     """The replay with the cache on and off, the time to first token of a cached turn against a fresh prompt of its
     new tokens, and the decode step with the cache on and off; one JSON under ``out_dir``."""
     import json
@@ -169,7 +182,7 @@ def run_prefix_bench(model_name: str = "bench-6b", out_dir: str = "bench/results
     # 32 conversations of 5 turns: a 2k-token system prompt, user messages of 64-384 tokens, answers of 16-96
     # (64 x 6 with 256-token answers did not finish inside one device call's limit: every step that a new turn's
     # prefill shares with the decoding rows runs eagerly)
-    conv, turns = (32, 5) if big else (6, 3)
+    conv, turns = conversations or (32 if big else 6), turns or (5 if big else 3)
     system, user, output = (2048, (64, 384), (16, 96)) if big else (40, (3, 12), (2, 8))
     sys_prompt, convs = workload(mc.vocab_size, conv, turns, system, user, output)
     dtype = "bfloat16" if device == "cuda" else "float32"
@@ -187,6 +200,8 @@ def run_prefix_bench(model_name: str = "bench-6b", out_dir: str = "bench/results
               f"s, prompt tokens {rec['prompt_tokens']}, reused {rec['hit_tokens']} (ideal {rec['ideal_hit_tokens']}: "
               f"{rec['hit_vs_ideal']:.3f} of it), first-token time by turn "
               + ", ".join(f"{t}: {v * 1e3:.0f} ms" for t, v in rec["ttft_mean_s_by_turn"].items()), flush=True)
+        print("[bench]   steps: " + ", ".join(f"{k} {v['steps']} x {v['ms_per_step']:.1f} ms ({v['tokens']} tokens)"
+                                          for k, v in rec["steps_by_kind"].items()), flush=True)
         result["replay_cache_on" if on else "replay_cache_off"] = rec
         if on:
             result["ttft"] = ttft_against_fresh(eng, mc.vocab_size, sys_prompt, 3 if big else 2, 200 if big else 6)

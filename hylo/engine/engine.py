@@ -191,6 +191,7 @@ class Engine:
         self._reqs: dict[str, Req] = {}
         self.host_reads = HostReads()
         self._inflight: _Launched | None = None  # the overlap loop's launched, unread step
+        self._last_plan: ScheduledBatch | None = None  # the plan of the step the last step() launched
         self._failed: list[Req] = []  # requests failed by an internal error, reported by the next step()
         self.eos_ids = set(self.model_config.eos_token_ids)
         self.load_seconds = time.perf_counter() - t0
@@ -278,7 +279,7 @@ class Engine:
             if worker is not None and getattr(worker, "graphs", None) is not None:
                 worker.graphs = None
         for name in ("worker", "model_worker", "scheduler", "caches", "model", "prefix_cache", "reader",
-                     "_inflight", "_reqs"):
+                     "_inflight", "_last_plan", "_reqs"):
             setattr(self, name, None)
         gc.collect()
         if self.device.type == "cuda":
@@ -320,11 +321,17 @@ class Engine:
         waits for the host between steps; the returned requests are those of step N. Without overlap the step is
         launched and its own results read at once."""
         launched = self._launch()
+        self._last_plan = launched.plan if launched is not None else None
         failed, self._failed = self._failed, []
         if not self.ec.overlap:
             return failed + (self._complete(launched) if launched is not None else [])
         previous, self._inflight = self._inflight, launched
         return failed + (self._complete(previous) if previous is not None else [])
+
+    def launched_plan(self) -> ScheduledBatch | None:
+        """The host-side plan of the step the last ``step()`` launched (None if it launched none): benchmarks
+        break their time down by it."""
+        return self._last_plan
 
     def drain(self) -> list[Req]:
         """Read the launched, unread step (overlap loop), launching nothing new."""
