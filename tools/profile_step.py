@@ -30,6 +30,7 @@ def main():
     ap.add_argument("--bs", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--prefill", type=int, default=0, help="profile one prefill of this many tokens instead")
     ap.add_argument("--out", default=".")
+    ap.add_argument("--model-name", default="bench-6b", help="benchmark shape (hylo bench's names, -fp8 ones too)")
     ap.add_argument("--launches", action="store_true",
                     help="also write every kernel launch of one step at the first --bs in order: name, grid, time, gap")
     ap.add_argument("--graphs", action="store_true", help="profile CUDA-graph replays (as the bench runs) instead "
@@ -38,7 +39,7 @@ def main():
                     "decode steps (cProfile), beside their wall and GPU-only times")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    lm = build_model(bench_config("bench-6b"), torch.device("cuda"))
+    lm = build_model(bench_config(args.model_name), torch.device("cuda"), name=args.model_name)
     report = {}
     if args.host:
         profile_host(lm, args.bs, report)

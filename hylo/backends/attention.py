@@ -6,7 +6,7 @@ import torch
 
 from ..cache.kv_pool import KVPool
 from ..cache.req_slots import ReqSlots
-from ..core import ForwardBatch
+from ..core import ForwardBatch, to_device
 from ..ops import attention as ops
 from ..ops.triton_utils import env_flag, use_triton
 from .base import Backend
@@ -25,6 +25,35 @@ class AttentionBackend(Backend):
         self.kv_pool = kv_pool
         self.req_slots = req_slots
         self.fast = use_triton(kv_pool.k)
+        self._plan: tuple | None = None  # (batch, rows for torch's attention, Triton block table) of a prefill
+
+    def _extend_plan(self, batch: ForwardBatch, dim: int) -> tuple[list[int], torch.Tensor | None]:
+        """Which rows of a prefill step go to torch's fused attention (long fresh prompts) and the device block
+        table of the others for the Triton kernel; built once per forward, shared by its attention layers."""
+        from ..ops import attention_extend_triton as ext
+
+        if self._plan is None or self._plan[0] is not batch:
+            lens, prefixes = batch.extend_lens_cpu, batch.prefix_lens_cpu
+            fused = [i for i, (n, p) in enumerate(zip(lens, prefixes)) if p == 0 and n >= ext.SDPA_MIN_TOKENS]
+            skip = set(fused)
+            batched = [i for i, n in enumerate(lens) if n and i not in skip]
+            blocks = (to_device(ext.query_blocks(batched, lens, ext.block_tokens(dim)), self.kv_pool.k.device)
+                      if batched else None)
+            self._plan = (batch, fused, blocks)
+        return self._plan[1], self._plan[2]
+
+    def _extend_fast(self, q, k_cache, v_cache, batch: ForwardBatch, scaling: float) -> torch.Tensor:
+        from ..ops import attention_extend_triton as ext
+
+        fused, blocks = self._extend_plan(batch, q.shape[-1])
+        out = torch.empty_like(q)
+        if blocks is not None:
+            ext.extend_attention_triton(q, k_cache, v_cache, self.req_slots.req_to_token, batch.req_slots,
+                                        batch.seq_lens, batch.query_start_loc, blocks, out, scaling)
+        if fused:
+            ops.extend_attention_sdpa(q, k_cache, v_cache, self.req_slots.req_to_token, batch.req_slots_cpu,
+                                      batch.prefix_lens_cpu, batch.extend_lens_cpu, scaling, rows=fused, out=out)
+        return out
 
     def init_forward_metadata_replay(self, batch: ForwardBatch) -> None:
         """Mark the padded tail from ``num_padding`` (host-known): request slot 0 (its req_to_token row is all the
@@ -57,9 +86,11 @@ class AttentionBackend(Backend):
             ops.store_kv(k_cache, v_cache, batch.out_cache_loc, k, v)
         r2t = self.req_slots.req_to_token
         if batch.extend_lens_cpu is not None:  # variable-length rows (prefill chunks)
-            extend = ops.extend_attention_sdpa if self.fast else ops.extend_attention_ref
-            out = extend(q, k_cache, v_cache, r2t, batch.req_slots_cpu, batch.prefix_lens_cpu,
-                         batch.extend_lens_cpu, scaling)
+            if self.fast:
+                out = self._extend_fast(q, k_cache, v_cache, batch, scaling)
+            else:
+                out = ops.extend_attention_ref(q, k_cache, v_cache, r2t, batch.req_slots_cpu, batch.prefix_lens_cpu,
+                                               batch.extend_lens_cpu, scaling)
             return out if gate is None else ops.output_gate(out, gate)
         # fixed shape: tokens_per_row queries per row (decode, verify, draft steps)
         if self.fast:

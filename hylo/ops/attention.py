@@ -123,13 +123,16 @@ def _sdpa(q, k, v, mask, scaling):
 
 
 def extend_attention_sdpa(q, k_cache, v_cache, req_to_token, req_slots_cpu, prefix_lens_cpu, extend_lens_cpu,
-                          scaling):
+                          scaling, rows: list[int] | None = None, out: torch.Tensor | None = None):
     """The same as :func:`extend_attention_ref` through torch's fused scaled-dot-product attention (cuDNN or flash
-    kernels on CUDA, reading the K/V heads shared by several query heads as they are): the prefill path of the
-    GPU backend."""
-    out = torch.empty_like(q)
-    start = 0
-    for slot, prefix, length in zip(req_slots_cpu, prefix_lens_cpu, extend_lens_cpu):
+    kernels on CUDA, reading the K/V heads shared by several query heads as they are), row by row; ``rows``: only
+    these rows (into ``out``, whose other rows are left as they are)."""
+    out = torch.empty_like(q) if out is None else out
+    starts = [0]
+    for length in extend_lens_cpu:
+        starts.append(starts[-1] + length)
+    for i in range(len(extend_lens_cpu)) if rows is None else rows:
+        slot, prefix, length, start = req_slots_cpu[i], prefix_lens_cpu[i], extend_lens_cpu[i], starts[i]
         total = prefix + length
         locs = req_to_token[slot, :total]
         k = k_cache[locs].transpose(0, 1)[None]  # [1, KVH, total, D]
@@ -140,5 +143,4 @@ def extend_attention_sdpa(q, k_cache, v_cache, req_to_token, req_slots_cpu, pref
             q_pos = torch.arange(prefix, total, device=q.device)
             mask = q_pos[:, None] >= torch.arange(total, device=q.device)[None, :]
         out[start:start + length] = _sdpa(qi, k, v, mask, scaling)[0].transpose(0, 1)
-        start += length
     return out

@@ -306,3 +306,31 @@ def test_early_loads_change_no_token(gpu_ckpt, spec):
         assert run() == plain
     finally:
         gdn_triton.EARLY_LOADS, conv1d_triton.EARLY_LOADS = previous
+
+
+@pytest.mark.parametrize("spec", [None, "mtp"])
+def test_prefix_cache_hits_on_the_fast_path_follow_a_cold_engine(gpu_ckpt, spec):
+    """Second turns whose history is cached (KV shared, state snapshots copied; the new tokens' attention over the
+    cached prefix in the batched extend kernel, beside decoding rows) generate what an engine without the cache
+    generates, wherever that engine's top two logits are apart by more than TF32 noise."""
+    from hylo import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    turn1 = _prompts(6, seed=3)
+    kw = dict(device="cuda", dtype="float32", verbose=False, max_num_seqs=8, cuda_graph_sizes=(1, 2, 4, 8),
+              **({"speculative": spec, "num_speculative_tokens": 3} if spec else {}))
+    warm = LLM(gpu_ckpt, enable_prefix_caching=True, **kw)
+    first = warm.generate(turn1, params, use_tqdm=False)
+    turn2 = [p + o.token_ids + q for p, o, q in zip(turn1, first, _prompts(6, seed=4))]
+    hot = warm.generate(turn2, params, use_tqdm=False)
+    assert all(o.num_cached_tokens >= len(p) for o, p in zip(hot, turn1)), [o.num_cached_tokens for o in hot]
+    cold = Engine(gpu_ckpt, device="cuda", dtype="float32", engine_config=EngineConfig(verbose=False,
+                                                                                     enable_prefix_caching=False))
+    checked = 0
+    for p, o in zip(turn2, hot):
+        ref = cold.prompt_logits(p + o.token_ids[:-1])[len(p) - 1:].cpu()
+        top2 = ref.topk(2, -1)
+        clear = (top2.values[:, 0] - top2.values[:, 1]) > 0.05
+        assert torch.equal(top2.indices[:, 0][clear], torch.tensor(o.token_ids)[clear]), o.token_ids
+        checked += int(clear.sum())
+    assert checked >= 0.25 * 6 * 12, checked

@@ -102,3 +102,48 @@ def test_prefill_attention_reads_shared_kv_heads_in_place(dev):
     # the causal call (a prefill without a cached prefix) found a fused kernel that takes the shared heads as they
     # are, not repeated (the masked one may not: it then repeats them, as before)
     assert ops._GQA_FUSED[(str(out.device), torch.bfloat16, heads, kv_heads, dim, False)]
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 2, 24), (16, 2, 256), (6, 6, 64)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_extend_attention_kernel_matches_reference(dev, heads, kv_heads, dim, dtype):
+    """Prefill chunks with and without a cached prefix, decoding rows (one query on a long prefix), a row longer
+    than one query block, an empty row: one launch against the row-by-row float32 reference."""
+    from hylo.ops import attention as ops
+    from hylo.ops.attention_extend_triton import block_tokens, extend_attention_triton, query_blocks
+
+    if dtype == torch.bfloat16 and dev.type != "cuda":
+        pytest.skip("bfloat16 kernels are checked on the GPU")
+    g = torch.Generator().manual_seed(11)
+    n_loc, width = 900, 400
+    kc = torch.randn(n_loc, kv_heads, dim, generator=g)
+    vc = torch.randn(n_loc, kv_heads, dim, generator=g)
+    r2t = torch.zeros(6, width, dtype=torch.int64)
+    for r in range(6):
+        r2t[r] = torch.randperm(n_loc - 1, generator=g)[:width] + 1
+    slots = [3, 1, 5, 2, 4]
+    prefixes = [0, 137, 300, 0, 61]
+    lens = [block_tokens(dim) + 9, 1, 40, 0, 1]  # a row over one block, a decoding row, a chunk on a prefix, ...
+    q = torch.randn(sum(lens), heads, dim, generator=g)
+    if dtype == torch.bfloat16:
+        q, kc, vc = q.bfloat16(), kc.bfloat16(), vc.bfloat16()
+    ref = ops.extend_attention_ref(q.float(), kc.float(), vc.float(), r2t, slots, prefixes, lens, dim ** -0.5)
+    qsl = torch.tensor([0] + lens).cumsum(0)
+    seq_lens = torch.tensor([p + n for p, n in zip(prefixes, lens)])
+    rows = [1, 0, 2, 4]  # any order, any subset: each block names its row
+    blocks = query_blocks(rows, lens, block_tokens(dim))
+    bt = block_tokens(dim)
+    assert blocks.shape[0] == sum(-(-lens[r] // bt) for r in rows) == 2 + -(-40 // bt) + 2
+    out = torch.full_like(q, float("nan")).to(dev)
+    extend_attention_triton(q.to(dev), kc.to(dev), vc.to(dev), r2t.to(dev), torch.tensor(slots).to(dev),
+                            seq_lens.to(dev), qsl.to(dev), blocks.to(dev), out, dim ** -0.5)
+    tol = 2e-3 if dtype == torch.float32 else 3e-2
+    assert torch.allclose(out.cpu().float(), ref, atol=tol, rtol=tol)
+    # a subset writes only its rows
+    part = torch.full_like(q, float("nan")).to(dev)
+    extend_attention_triton(q.to(dev), kc.to(dev), vc.to(dev), r2t.to(dev), torch.tensor(slots).to(dev),
+                            seq_lens.to(dev), qsl.to(dev), query_blocks([2], lens, block_tokens(dim)).to(dev), part,
+                            dim ** -0.5)
+    first = sum(lens[:2])
+    assert torch.isnan(part[:first].cpu()).all() and torch.isnan(part[first + lens[2]:].cpu()).all()
+    assert torch.allclose(part[first:first + lens[2]].cpu().float(), ref[first:first + lens[2]], atol=tol, rtol=tol)
