@@ -1,8 +1,10 @@
 """Triton W8A16 matmul: ``y = x W^T (+ b)`` with W block-FP8 (``ops.fp8.Fp8Weight``) and x in bfloat16 / float16 /
 float32, for more rows than the GEMV takes (prefill chunks, decode batches past 16). Each [BK, BN] tile of W is
-loaded as FP8 (half the bytes of bfloat16), multiplied by its block's scale in float32, rounded to x's dtype (as the
-reference dequantization rounds) and multiplied on the tensor cores. The tile's K range lies inside one block of
-scales (BK divides the block's columns), so a tile needs one scale per output column.
+loaded as FP8 (half the bytes of bfloat16), converted to x's dtype (exactly: e4m3 values fit bfloat16) and multiplied
+on the tensor cores; the tile's partial products are then scaled in float32. The tile's K range lies inside one
+block of scales (BK divides the block's columns), so a tile needs one scale per output column. (Scaling every loaded
+element instead, a float32 tile per K step, made the MoE kernels built that way about ten times slower than their
+bfloat16 twins on an H100: ``bench/results/qwen3.5-35b-a3b-fp8-20261206-073525.json``, docs/PERFORMANCE.md.)
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ def _fp8_matmul_kernel(x_ptr, q_ptr, s_ptr, b_ptr, y_ptr, M, N, K: tl.constexpr,
         x = tl.load(x_ptr + offs_m[:, None] * stride_x + offs_k[None, :], mask=mm[:, None] & mk[None, :], other=0.0)
         w = tl.load(q_ptr + offs_n[None, :] * K + offs_k[:, None], mask=mk[:, None] & mn[None, :], other=0.0)
         s = tl.load(s_ptr + (offs_n // SBN) * SK + k0 // SBK, mask=mn, other=0.0)
-        acc += tl.dot(x, (w.to(tl.float32) * s[None, :]).to(x.dtype), input_precision=PREC)
+        # FP8 values are exact in x's dtype: the dot on them, then the tile's one scale per output column
+        acc += tl.dot(x, w.to(x.dtype), input_precision=PREC) * s[None, :]
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=mn, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + offs_m[:, None] * N + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
@@ -40,10 +43,16 @@ def _fp8_matmul_kernel(x_ptr, q_ptr, s_ptr, b_ptr, y_ptr, M, N, K: tl.constexpr,
 FP8_MATMUL_CFG = env_cfg("HYLO_FP8_MATMUL_CFG", (64, 128, 128, 8, 3))
 
 
-def fp8_matmul_ok(w) -> bool:
-    """Whether the kernel takes this weight: column blocks a power of two of at least 16 (Qwen's are 128)."""
+def fp8_tiles_ok(w) -> bool:
+    """Whether the W8A16 kernels (this matmul, the MoE kernels) take this weight: column blocks a power of two of
+    at least 16 (Qwen's are 128), so that a K tile lies inside one block."""
     sbk = w.block[1]
-    return w.q.dim() == 2 and sbk >= 16 and sbk & (sbk - 1) == 0
+    return sbk >= 16 and sbk & (sbk - 1) == 0
+
+
+def fp8_matmul_ok(w) -> bool:
+    """Whether :func:`fp8_matmul` takes this weight (2-D, ``fp8_tiles_ok``)."""
+    return w.q.dim() == 2 and fp8_tiles_ok(w)
 
 
 def fp8_matmul(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -66,15 +75,12 @@ def fp8_matmul(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Te
 
 
 @triton.jit
-def load_weight(w_ptr, s_ptr, rows, cols, mask, ROW: tl.constexpr, SK: tl.constexpr, SBN: tl.constexpr,
-                SBK: tl.constexpr, FP8: tl.constexpr):
-    """A float32 tile of a weight with rows of ROW elements, at (``rows``, ``cols``) (index tensors that broadcast
-    to the tile); with FP8, each element times the float32 scale of its [SBN, SBK] block (``s_ptr``: SK scales a
-    row of blocks). The expert kernels of ``moe_triton`` load their weights through it."""
-    w = tl.load(w_ptr + rows * ROW + cols, mask=mask, other=0.0).to(tl.float32)
-    if FP8:
-        w = w * tl.load(s_ptr + (rows // SBN) * SK + cols // SBK, mask=mask, other=0.0)
-    return w
+def block_scale(s_ptr, rows, row_mask, k0, SK: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr):
+    """The float32 scales of weight rows ``rows`` (any shape) for the K tile starting at ``k0``, which lies inside
+    one column block (the launcher keeps BK <= SBK, both powers of two): one scale per row, so a kernel multiplies
+    a tile's partial dot products by it instead of every loaded element (``s_ptr``: SK scales a row of blocks).
+    The expert kernels of ``moe_triton`` use it."""
+    return tl.load(s_ptr + (rows // SBN) * SK + k0 // SBK, mask=row_mask, other=0.0)
 
 
 def fp8_kernel_args(w, prefix: str = "") -> dict:

@@ -60,7 +60,11 @@ def fused_moe(x: torch.Tensor, w13, w2, topk_weights: torch.Tensor,
     """[T, H] (the expert weights tensors or block-FP8 ``ops.fp8.Fp8Weight``); the Triton path with ``reduce=False`` returns the unreduced pair rows [T, J, H] instead, or, for
     large prefill chunks, :class:`SortedPairRows` (both for ``add_rms_norm`` to sum)."""
     if use_triton(x):
+        from .fp8_triton import fp8_tiles_ok
         from .moe_triton import fused_moe as fused_moe_triton
+
+        if not isinstance(w13, torch.Tensor) and not (fp8_tiles_ok(w13) and fp8_tiles_ok(w2)):
+            w13, w2 = w13.dequantize(x.dtype), w2.dequantize(x.dtype)  # blocks the kernels' tiles cannot follow
 
         return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, reduce=reduce)
     if not isinstance(w13, torch.Tensor):  # block FP8 (ops.fp8.Fp8Weight): the reference dequantizes it whole

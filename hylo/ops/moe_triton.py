@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .fp8_triton import fp8_kernel_args, load_weight
+from .fp8_triton import block_scale, fp8_kernel_args
 from .pair_rows import SortedPairRows
 from .moe_grouped_mm import fused_moe_grouped_mm, grouped_mm_usable
 from .triton_pdl import l2_prefetch, pdl_enter
@@ -40,7 +40,7 @@ def _pair_gate_up_kernel(x_ptr, w13_ptr, ids_ptr, act_ptr, H: tl.constexpr, I: t
                          BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr = False, s_ptr=None, S_E: tl.constexpr = 0, SK: tl.constexpr = 1, SBN: tl.constexpr = 1,
                          SBK: tl.constexpr = 1, FP8: tl.constexpr = False):
     """Program (pair, block of BN intermediate columns): silu(x W_gate^T) * (x W_up^T) of that pair's expert (with
-    FP8, its blocks dequantized as they load: ``fp8_triton.load_weight``)."""
+    FP8, each K tile's partial sums times its rows' block scales: ``fp8_triton.block_scale``)."""
     pdl_enter(PDL)
     pair = tl.program_id(0)
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -56,10 +56,15 @@ def _pair_gate_up_kernel(x_ptr, w13_ptr, ids_ptr, act_ptr, H: tl.constexpr, I: t
         mk = offs_k < H
         x = tl.load(x_ptr + tok * H + offs_k, mask=mk, other=0.0).to(tl.float32)
         m2 = mn[:, None] & mk[None, :]
-        wg = load_weight(w_base, s_base, offs_n[:, None], offs_k[None, :], m2, H, SK, SBN, SBK, FP8)
-        wu = load_weight(w_base, s_base, (I + offs_n)[:, None], offs_k[None, :], m2, H, SK, SBN, SBK, FP8)
-        acc_g += tl.sum(wg * x[None, :], 1)
-        acc_u += tl.sum(wu * x[None, :], 1)
+        wg = tl.load(w_base + offs_n[:, None] * H + offs_k[None, :], mask=m2, other=0.0).to(tl.float32)
+        wu = tl.load(w_base + (I + offs_n)[:, None] * H + offs_k[None, :], mask=m2, other=0.0).to(tl.float32)
+        part_g = tl.sum(wg * x[None, :], 1)
+        part_u = tl.sum(wu * x[None, :], 1)
+        if FP8:  # one scale per output row for this K tile
+            part_g *= block_scale(s_base, offs_n, mn, k0, SK, SBN, SBK)
+            part_u *= block_scale(s_base, I + offs_n, mn, k0, SK, SBN, SBK)
+        acc_g += part_g
+        acc_u += part_u
     act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
     tl.store(act_ptr + pair * I + offs_n, act.to(act_ptr.dtype.element_ty), mask=mn)
 
@@ -103,9 +108,12 @@ def _pair_down_row(act_ptr, w2_ptr, ids_ptr, pair, offs_n, mn, H: tl.constexpr, 
         offs_k = k0 + tl.arange(0, BK)
         mk = offs_k < I
         a = tl.load(act_ptr + pair * I + offs_k, mask=mk, other=0.0).to(tl.float32)
-        w = load_weight(w_base, s_base, offs_n[:, None], offs_k[None, :], mn[:, None] & mk[None, :], I, SK, SBN,
-                        SBK, FP8)
-        acc += tl.sum(w * a[None, :], 1)
+        w = tl.load(w_base + offs_n[:, None] * I + offs_k[None, :], mask=mn[:, None] & mk[None, :],
+                    other=0.0).to(tl.float32)
+        part = tl.sum(w * a[None, :], 1)
+        if FP8:
+            part *= block_scale(s_base, offs_n, mn, k0, SK, SBN, SBK)
+        acc += part
     return acc
 
 
@@ -154,15 +162,16 @@ def _grouped_gate_up_kernel(x_ptr, w13_ptr, sorted_ptr, block_expert_ptr, act_pt
         mk = offs_k < H
         x = tl.load(x_ptr + toks[:, None] * H + offs_k[None, :], mask=mp[:, None] & mk[None, :], other=0.0)
         m2 = mk[:, None] & mn[None, :]
-        if FP8:
-            wg = load_weight(w_base, s_base, offs_n[None, :], offs_k[:, None], m2, H, SK, SBN, SBK, FP8).to(x.dtype)
-            wu = load_weight(w_base, s_base, (I + offs_n)[None, :], offs_k[:, None], m2, H, SK, SBN, SBK,
-                             FP8).to(x.dtype)
+        wg = tl.load(w_base + offs_n[None, :] * H + offs_k[:, None], mask=m2, other=0.0)
+        wu = tl.load(w_base + (I + offs_n)[None, :] * H + offs_k[:, None], mask=m2, other=0.0)
+        if FP8:  # FP8 values are exact in x's dtype; the tile's one scale per output column after the dot
+            acc_g += tl.dot(x, wg.to(x.dtype), input_precision=PREC) * block_scale(s_base, offs_n, mn, k0, SK, SBN,
+                                                                                SBK)[None, :]
+            acc_u += tl.dot(x, wu.to(x.dtype), input_precision=PREC) * block_scale(s_base, I + offs_n, mn, k0, SK,
+                                                                                SBN, SBK)[None, :]
         else:
-            wg = tl.load(w_base + offs_n[None, :] * H + offs_k[:, None], mask=m2, other=0.0)
-            wu = tl.load(w_base + (I + offs_n)[None, :] * H + offs_k[:, None], mask=m2, other=0.0)
-        acc_g += tl.dot(x, wg, input_precision=PREC)
-        acc_u += tl.dot(x, wu, input_precision=PREC)
+            acc_g += tl.dot(x, wg, input_precision=PREC)
+            acc_u += tl.dot(x, wu, input_precision=PREC)
     act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
     tl.store(act_ptr + pairs[:, None] * I + offs_n[None, :], act.to(act_ptr.dtype.element_ty),
              mask=mp[:, None] & mn[None, :])
@@ -189,12 +198,12 @@ def _grouped_down_kernel(act_ptr, w2_ptr, sorted_ptr, block_expert_ptr, wts_ptr,
         offs_k = k0 + tl.arange(0, BK)
         mk = offs_k < I
         a = tl.load(act_ptr + pairs[:, None] * I + offs_k[None, :], mask=mp[:, None] & mk[None, :], other=0.0)
+        w = tl.load(w_base + offs_n[None, :] * I + offs_k[:, None], mask=mk[:, None] & mn[None, :], other=0.0)
         if FP8:
-            w = load_weight(w_base, s_base, offs_n[None, :], offs_k[:, None], mk[:, None] & mn[None, :], I, SK, SBN,
-                            SBK, FP8).to(a.dtype)
+            acc += tl.dot(a, w.to(a.dtype), input_precision=PREC) * block_scale(s_base, offs_n, mn, k0, SK, SBN,
+                                                                               SBK)[None, :]
         else:
-            w = tl.load(w_base + offs_n[None, :] * I + offs_k[:, None], mask=mk[:, None] & mn[None, :], other=0.0)
-        acc += tl.dot(a, w, input_precision=PREC)
+            acc += tl.dot(a, w, input_precision=PREC)
     wts = tl.load(wts_ptr + pairs, mask=mp, other=0.0).to(tl.float32)
     acc = acc * wts[:, None]
     tl.store(out_ptr + pairs[:, None] * H + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
@@ -345,10 +354,10 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
         grid_blocks = block_expert.shape[0]
         _grouped_gate_up_kernel[(grid_blocks, triton.cdiv(inter, bn))](
-            x, _q(w13), sorted_pairs, block_expert, act, hidden, inter, num_pairs, TOP_K=top_k, BM=bm, BN=bn, BK=bk,
+            x, _q(w13), sorted_pairs, block_expert, act, hidden, inter, num_pairs, TOP_K=top_k, BM=bm, BN=bn, BK=_bk(bk, w13),
             PREC=prec, num_warps=warps, num_stages=stages, **fp8_kernel_args(w13))
         _grouped_down_kernel[(grid_blocks, triton.cdiv(hidden, dbn))](
-            act, _q(w2), sorted_pairs, block_expert, wts, out, hidden, inter, num_pairs, BM=bm, BN=dbn, BK=dbk,
+            act, _q(w2), sorted_pairs, block_expert, wts, out, hidden, inter, num_pairs, BM=bm, BN=dbn, BK=_bk(dbk, w2),
             PREC=prec, num_warps=dwarps, num_stages=dstages, **fp8_kernel_args(w2))
     out = out.view(num_tokens, top_k, hidden)
     return out.sum(1, dtype=torch.float32).to(x.dtype) if reduce else out
@@ -362,22 +371,27 @@ def _pair_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.T
     act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     bn, bk, warps, stages = PAIR_GATE_UP_CFG
     _pair_gate_up_kernel[(num_pairs, triton.cdiv(inter, bn))](
-        x, _q(w13), ids, act, hidden, inter, TOP_K=top_k, BN=bn, BK=min(bk, next_pow2(hidden)), num_warps=warps,
+        x, _q(w13), ids, act, hidden, inter, TOP_K=top_k, BN=bn, BK=_bk(min(bk, next_pow2(hidden)), w13), num_warps=warps,
         num_stages=stages, **pdl_launch(x), **fp8_kernel_args(w13))
     if PAIR_DOWN_SUM:  # one float32 row per token, [T, 1, H]
         bn, bk, warps, stages = PAIR_DOWN_SUM_CFG
         out = torch.empty(num_tokens, hidden, dtype=torch.float32, device=x.device)
         _pair_down_sum_kernel[(num_tokens, triton.cdiv(hidden, bn))](
-            act, _q(w2), ids, wts, out, hidden, inter, TOP_K=top_k, BN=bn, BK=min(bk, next_pow2(inter)),
+            act, _q(w2), ids, wts, out, hidden, inter, TOP_K=top_k, BN=bn, BK=_bk(min(bk, next_pow2(inter)), w2),
             num_warps=warps, num_stages=stages, **pdl_launch(x), **fp8_kernel_args(w2))
         return out.to(x.dtype) if reduce else out.view(num_tokens, 1, hidden)
     bn, bk, warps, stages = next((cfg for limit, cfg in PAIR_DOWN_CFG if num_pairs <= limit), PAIR_DOWN_CFG[-1][1])
     out = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
     _pair_down_kernel[(num_pairs, triton.cdiv(hidden, bn))](
-        act, _q(w2), ids, wts, out, hidden, inter, BN=bn, BK=min(bk, next_pow2(inter)),
+        act, _q(w2), ids, wts, out, hidden, inter, BN=bn, BK=_bk(min(bk, next_pow2(inter)), w2),
         num_warps=warps, num_stages=stages, **prefetch_args(inter, _q(w2)), **pdl_launch(x), **fp8_kernel_args(w2))
     out = out.view(num_tokens, top_k, hidden)
     return out.sum(1, dtype=torch.float32).to(x.dtype) if reduce else out
+
+
+def _bk(bk: int, w) -> int:
+    """A K tile for weight ``w``: an FP8 weight's tiles stay inside one column block of scales (BK <= SBK)."""
+    return bk if isinstance(w, torch.Tensor) else min(bk, w.block[1])
 
 
 def _q(w) -> torch.Tensor:
