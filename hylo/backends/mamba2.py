@@ -1,0 +1,136 @@
+"""Mamba2 backend: the causal conv (with bias) and the SSD recurrence over the state pool, per forward mode, under
+the contract the GDN backend keeps (DESIGN.md sections 4 and 10).
+
+- EXTEND: the conv over the new tokens from the slot's conv window, the chunked scan from the slot's state, both
+  final states written back (a chunk continues exactly where the previous one stopped).
+- DECODE: one conv update and one recurrence step, reading and writing the slot in place.
+- TARGET_VERIFY: k + 1 steps from the slot, keeping the conv window and the state after every step in the verify
+  buffers at ``[row, step]`` (the "checkpoints" commit); the slot itself is never written, and
+  ``commit_verified`` copies each row's last accepted checkpoint into it.
+State slot -1 marks a padded row: it reads zeros and writes nothing. The pool's recurrent state of a Mamba2 layer
+is ``[H, P, N]`` (heads, head channels, state size) where a GDN layer's is ``[Hv, Dk, Dv]``.
+
+This is the reference path (plain PyTorch, every device); the Triton kernels come with the GPU work of issue 36.
+As in transformers and the released kernels, prefill clamps dt to the config's limit and a decode step does not.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..cache.state_pool import StatePool
+from ..core import ForwardBatch, ForwardMode
+from ..ops import conv1d as conv_ops
+from ..ops import mamba2 as ops
+from .base import Backend
+from .gdn import commit_checkpoints
+
+
+@dataclass(frozen=True)
+class Mamba2Shape:
+    num_heads: int
+    head_dim: int
+    n_groups: int
+    state_size: int
+
+    @property
+    def inner(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels through the conv: x, B and C."""
+        return self.inner + 2 * self.n_groups * self.state_size
+
+    def split(self, xbc: torch.Tensor):
+        """[..., conv_dim] -> x [..., H, P], B and C [..., G, N]."""
+        gn = self.n_groups * self.state_size
+        x, B, C = xbc.split([self.inner, gn, gn], dim=-1)
+        lead = xbc.shape[:-1]
+        return (x.reshape(*lead, self.num_heads, self.head_dim), B.reshape(*lead, self.n_groups, self.state_size),
+                C.reshape(*lead, self.n_groups, self.state_size))
+
+
+@dataclass
+class Mamba2Params:
+    """One Mamba2 layer's parameters that the backend needs (views of the layer's own tensors)."""
+
+    conv_weight: torch.Tensor  # [conv_dim, K]
+    conv_bias: torch.Tensor | None  # [conv_dim]
+    A_log: torch.Tensor  # [H]
+    D: torch.Tensor  # [H]
+    dt_bias: torch.Tensor  # [H]
+    dt_limit: tuple[float, float]  # prefill's clamp of softplus(dt + dt_bias)
+    chunk_size: int = 128  # the prefill scan's chunk (the result does not depend on it)
+
+
+class Mamba2Backend(Backend):
+    needs_cpu_seq_lens = False
+
+    def __init__(self, state_pool: StatePool):
+        self.state_pool = state_pool
+
+    def init_forward_metadata_replay(self, batch: ForwardBatch) -> None:
+        """Padded rows get state slot -1: they read zeros and write nothing (only their own verify rows)."""
+        if batch.num_padding:
+            batch.state_slots[batch.batch_size - batch.num_padding:] = -1
+
+    def forward(self, layer: int, xbc: torch.Tensor, dt: torch.Tensor, params: Mamba2Params, shape: Mamba2Shape,
+                batch: ForwardBatch) -> torch.Tensor:
+        """xbc: [T, conv_dim] (before the conv); dt: [T, H] raw. ``layer`` indexes the linear layers only.
+        Returns y [T, H, P] in float32 (the D skip included, before the gated norm)."""
+        conv_pool = self.state_pool.conv[layer]
+        rec_pool = self.state_pool.recurrent[layer]
+        A = -torch.exp(params.A_log.float())
+        if batch.mode.is_extend:
+            return self._extend(conv_pool, rec_pool, xbc, dt, A, params, shape, batch)
+        if batch.mode.is_decode:
+            x = conv_ops.causal_conv1d_update_ref(xbc, conv_pool, params.conv_weight, batch.state_slots,
+                                                  params.conv_bias)
+            xs, B, C = shape.split(x)
+            return ops.ssd_decode_ref(xs, ops.discretize(dt, params.dt_bias), A, B, C, params.D, rec_pool,
+                                      batch.state_slots)
+        assert batch.mode is ForwardMode.TARGET_VERIFY
+        return self._verify(layer, conv_pool, rec_pool, xbc, dt, A, params, shape, batch)
+
+    def _extend(self, conv_pool, rec_pool, xbc, dt, A, params, shape, batch):
+        out = torch.empty(xbc.shape[0], shape.num_heads, shape.head_dim, dtype=torch.float32, device=xbc.device)
+        start = 0
+        for slot, length in zip(batch.state_slots_cpu, batch.extend_lens_cpu):
+            end = start + length
+            x, new_conv = conv_ops.causal_conv1d_ref(xbc[start:end], conv_pool[slot] if slot >= 0 else None,
+                                                     params.conv_weight, params.conv_bias)
+            xs, B, C = shape.split(x)
+            y, state = ops.ssd_chunk_scan_ref(xs, ops.discretize(dt[start:end], params.dt_bias, params.dt_limit), A,
+                                              B, C, params.D, rec_pool[slot] if slot >= 0 else None,
+                                              chunk_size=params.chunk_size)
+            out[start:end] = y
+            if slot >= 0:
+                conv_pool[slot] = new_conv.to(conv_pool.dtype)
+                rec_pool[slot] = state.to(rec_pool.dtype)
+            start = end
+        return out
+
+    def _verify(self, layer, conv_pool, rec_pool, xbc, dt, A, params, shape, batch):
+        pool = self.state_pool
+        steps = batch.tokens_per_row
+        bs = xbc.shape[0] // steps
+        slots = batch.state_slots
+        valid = (slots >= 0)[:, None, None]
+        idx = slots.clamp(min=0)
+        conv0 = conv_pool[idx].float() * valid
+        x, conv_states = conv_ops.causal_conv1d_windows_ref(xbc.view(bs, steps, -1), conv0, params.conv_weight,
+                                                            params.conv_bias)
+        xs, B, C = shape.split(x)
+        rec0 = rec_pool[idx].float() * valid[..., None]
+        y, states = ops.ssd_verify_ref(xs, ops.discretize(dt.view(bs, steps, -1), params.dt_bias), A, B, C,
+                                       params.D, rec0)
+        pool.verify_conv[layer, :bs] = conv_states.to(pool.verify_conv.dtype)
+        pool.verify_recurrent[layer, :bs] = states.to(pool.verify_recurrent.dtype)
+        return y.reshape(bs * steps, shape.num_heads, shape.head_dim)
+
+    def commit_verified(self, state_slots: torch.Tensor, accepted: torch.Tensor) -> None:
+        """After a verify: each row's conv window and state at its last accepted step into its slot."""
+        commit_checkpoints(self.state_pool, state_slots, accepted)

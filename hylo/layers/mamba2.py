@@ -1,0 +1,84 @@
+"""Mamba2 mixer layer (Nemotron-H, Granite-4.0-H, Falcon-H1): the input projection into ``[z | x B C | dt]``, the
+conv and the SSD recurrence in the backend (``backends/mamba2.py``), then ``rms_norm(y * silu(z))`` per group of
+channels and the output projection. Family scalars come in as data (``Mamba2Config``); the checkpoint names are
+the ones every Mamba2 family uses (``in_proj``, ``conv1d``, ``dt_bias``, ``A_log``, ``D``, ``norm``, ``out_proj``).
+
+Rounding, as transformers does it: a prefill's scan output reaches the norm in float32; a decode or verify step's
+output is rounded to the activations' dtype first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..backends.mamba2 import Mamba2Params, Mamba2Shape
+from ..core import ForwardBatch
+from ..ops.linear import linear
+from ..ops.mamba2 import gated_rms_norm_ref
+from .weights import TensorReader, copy_into
+
+
+@dataclass(frozen=True)
+class Mamba2Config:
+    shape: Mamba2Shape
+    conv_kernel: int
+    conv_bias: bool  # the conv has a bias (use_conv_bias)
+    proj_bias: bool  # in_proj and out_proj have biases (use_bias)
+    norm_eps: float
+    dt_limit: tuple[float, float]  # prefill's clamp of softplus(dt + dt_bias)
+    chunk_size: int = 128
+
+
+class Mamba2Mixer(nn.Module):
+    def __init__(self, hidden: int, cfg: Mamba2Config, layer_id: int, dtype: torch.dtype, device=None):
+        super().__init__()
+        self.layer_id, self.hidden, self.cfg, self.dtype = layer_id, hidden, cfg, dtype
+        s = cfg.shape
+        kw = dict(dtype=dtype, device=device)
+        rows = s.inner + s.conv_dim + s.num_heads  # [z | x B C | dt]
+
+        def param(*shape):
+            return nn.Parameter(torch.empty(*shape, **kw), requires_grad=False)
+
+        self.in_proj = param(rows, hidden)
+        self.in_proj_bias = param(rows) if cfg.proj_bias else None
+        self.conv_weight = param(s.conv_dim, cfg.conv_kernel)
+        self.conv_bias = param(s.conv_dim) if cfg.conv_bias else None
+        self.A_log, self.D, self.dt_bias = param(s.num_heads), param(s.num_heads), param(s.num_heads)
+        self.norm_weight = param(s.inner)
+        self.out_proj = param(hidden, s.inner)
+        self.out_proj_bias = param(hidden) if cfg.proj_bias else None
+
+    def params(self) -> Mamba2Params:
+        c = self.cfg
+        return Mamba2Params(self.conv_weight, self.conv_bias, self.A_log, self.D, self.dt_bias, c.dt_limit,
+                            c.chunk_size)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, backend) -> torch.Tensor:
+        """[T, hidden] -> [T, hidden]."""
+        s = self.cfg.shape
+        z, xbc, dt = linear(x, self.in_proj, self.in_proj_bias).split([s.inner, s.conv_dim, s.num_heads], dim=-1)
+        y = backend.linear_attention(self.layer_id, xbc, dt, self.params(), s, batch)  # [T, H, P] float32
+        y = y.reshape(x.shape[0], s.inner)
+        if not batch.mode.is_extend:
+            y = y.to(x.dtype)
+        y = gated_rms_norm_ref(y, z, self.norm_weight, s.inner // s.n_groups, self.cfg.norm_eps)
+        return linear(y.to(x.dtype), self.out_proj, self.out_proj_bias)
+
+    def load(self, r: TensorReader, prefix: str) -> None:
+        s, c = self.cfg.shape, self.cfg
+        copy_into(self.in_proj, r.get(f"{prefix}.in_proj.weight", tuple(self.in_proj.shape)))
+        if self.in_proj_bias is not None:
+            copy_into(self.in_proj_bias, r.get(f"{prefix}.in_proj.bias", tuple(self.in_proj_bias.shape)))
+        copy_into(self.conv_weight, r.get(f"{prefix}.conv1d.weight", (s.conv_dim, 1, c.conv_kernel))[:, 0])
+        if self.conv_bias is not None:
+            copy_into(self.conv_bias, r.get(f"{prefix}.conv1d.bias", (s.conv_dim,)))
+        for name in ("A_log", "D", "dt_bias"):
+            copy_into(getattr(self, name), r.get(f"{prefix}.{name}", (s.num_heads,)))
+        copy_into(self.norm_weight, r.get(f"{prefix}.norm.weight", (s.inner,)))
+        copy_into(self.out_proj, r.get(f"{prefix}.out_proj.weight", (self.hidden, s.inner)))
+        if self.out_proj_bias is not None:
+            copy_into(self.out_proj_bias, r.get(f"{prefix}.out_proj.bias", (self.hidden,)))
