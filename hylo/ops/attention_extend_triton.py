@@ -90,6 +90,8 @@ def extend_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     heads, dim = q.shape[1], q.shape[2]
     if num_blocks == 0:
         return
+    if q.stride(-1) != 1:  # the kernel reads each head's channels as one contiguous run
+        q = q.contiguous()
     bt = block_tokens(dim)
     _extend_attn_kernel[(num_blocks, heads)](
         q, k_cache, v_cache, out, req_to_token, req_slots, seq_lens, query_start_loc, blocks,
