@@ -21,6 +21,33 @@ class QuantConfig:
 
 
 @dataclass(frozen=True)
+class Mamba2Spec:
+    """A Mamba2 family's mixer shape and scalars (Nemotron-H, ...): ``num_heads`` heads of ``head_dim`` channels,
+    ``n_groups`` groups of heads sharing B and C of ``state_size``, the conv's kernel and bias, the projections'
+    biases, the gated norm's epsilon, the prefill's clamp of dt and its scan chunk."""
+
+    num_heads: int
+    head_dim: int
+    n_groups: int
+    state_size: int
+    conv_kernel: int
+    conv_bias: bool
+    proj_bias: bool
+    norm_eps: float
+    dt_limit: tuple[float, float]
+    chunk_size: int = 128
+
+    @property
+    def inner(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels through the conv: x, B and C."""
+        return self.inner + 2 * self.n_groups * self.state_size
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """The shape of a hybrid model (Qwen3-Next, Qwen3.5, ...), as its family's parser read it from ``config.json``
     (``models.registry.read_config``). ``model_type`` names the family in the registry."""
@@ -60,6 +87,7 @@ class ModelConfig:
     hidden_act: str = "silu"
     model_type: str = "qwen3_next"
     quantization: QuantConfig | None = None  # None: the weights are stored in a float dtype
+    mamba: Mamba2Spec | None = None  # the linear layers are Mamba2 mixers of this shape (else GDN)
 
     # ---- derived shapes -------------------------------------------------------------------------------------
     @property
@@ -84,6 +112,16 @@ class ModelConfig:
         return 2 * self.linear_key_dim + self.linear_value_dim
 
     @property
+    def state_dims(self) -> tuple[int, int, int, int, int]:
+        """A linear layer's state in the pool: (conv channels, conv kernel, heads, and the recurrent state's two
+        dims per head): GDN's [Hv, Dk, Dv], Mamba2's [H, P, N]."""
+        m = self.mamba
+        if m is not None:
+            return m.conv_dim, m.conv_kernel, m.num_heads, m.head_dim, m.state_size
+        return (self.conv_dim, self.linear_conv_kernel_dim, self.linear_num_value_heads, self.linear_key_head_dim,
+                self.linear_value_head_dim)
+
+    @property
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
 
@@ -104,8 +142,9 @@ class ModelConfig:
             problems.append("head_dim * partial_rotary_factor must be even")
         if self.num_experts and not (0 < self.num_experts_per_tok <= self.num_experts):
             problems.append("num_experts_per_tok must be in [1, num_experts]")
-        if self.hidden_act != "silu":
-            problems.append(f"hidden_act {self.hidden_act!r} is not supported (only 'silu')")
+        act = "relu2" if self.mamba is not None else "silu"  # the MLPs hylo has: Mamba2 families', Qwen's
+        if self.hidden_act != act:
+            problems.append(f"hidden_act {self.hidden_act!r} is not supported (only {act!r})")
         if problems:
             raise ValueError(f"invalid {self.model_type} config: " + "; ".join(problems))
 

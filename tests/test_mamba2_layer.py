@@ -8,7 +8,8 @@ import torch
 from hylo.backends.mamba2 import Mamba2Backend, Mamba2Shape
 from hylo.cache.state_pool import StatePool
 from hylo.core import ForwardBatch, ForwardMode
-from hylo.layers.mamba2 import Mamba2Config, Mamba2Mixer
+from hylo.config import Mamba2Spec
+from hylo.layers.mamba2 import Mamba2Mixer
 from hylo.layers.weights import DictReader
 
 hf = pytest.importorskip("transformers.models.nemotron_h.modeling_nemotron_h")
@@ -30,8 +31,9 @@ def pair():
             p.copy_(torch.randn_like(p) * 0.3)
         mixer.dt_bias.add_(1.0)  # softplus well above the prefill's dt limit: prefill and decode agree
     shape = Mamba2Shape(HEADS, HEAD_DIM, GROUPS, STATE)
-    ours = Mamba2Mixer(HIDDEN, Mamba2Config(shape, KERNEL, True, True, 1e-5, cfg.time_step_limit, chunk_size=4), 0,
-                       torch.float32)
+    spec = Mamba2Spec(HEADS, HEAD_DIM, GROUPS, STATE, KERNEL, True, True, 1e-5, (cfg.time_step_min, float("inf")),
+                      chunk_size=4)
+    ours = Mamba2Mixer(HIDDEN, spec, 0, torch.float32)
     ours.load(DictReader({f"m.{k}": v.detach() for k, v in mixer.state_dict().items()}), "m")
     return mixer, ours, shape
 

@@ -6,10 +6,11 @@ from ..core import ForwardBatch, ForwardMode
 from .attention import AttentionBackend
 from .base import Backend
 from .gdn import GDNBackend
+from .mamba2 import Mamba2Backend
 
 
 class HybridBackend(Backend):
-    def __init__(self, attn: AttentionBackend, linear: GDNBackend, layer_types: tuple[str, ...],
+    def __init__(self, attn: AttentionBackend, linear: "GDNBackend | Mamba2Backend", layer_types: tuple[str, ...],
                  extra_attn_layers: int = 0):
         """``extra_attn_layers``: attention layers numbered after the model's (the MTP head's), each with its own KV
         layer after the model's attention layers."""
@@ -18,10 +19,11 @@ class HybridBackend(Backend):
         self.children = (attn, linear)
         # global layer id -> index inside that kind's cache (KV pool layers, state pool layers)
         self.local_index: dict[int, int] = {}
-        counts = {"full_attention": 0, "linear_attention": 0}
+        counts = {"full_attention": 0, "linear_attention": 0}  # other kinds (MLP blocks) hold no cache
         for i, t in enumerate(layer_types):
-            self.local_index[i] = counts[t]
-            counts[t] += 1
+            if t in counts:
+                self.local_index[i] = counts[t]
+                counts[t] += 1
         for i in range(extra_attn_layers):
             self.local_index[len(layer_types) + i] = counts["full_attention"] + i
         self.needs_cpu_seq_lens = any(c.needs_cpu_seq_lens for c in self.children)

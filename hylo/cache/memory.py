@@ -62,13 +62,10 @@ def allocate_caches(mc: ModelConfig, ec: EngineConfig, dtype: torch.dtype, devic
     state_dtype = getattr(torch, ec.state_dtype)
     k = ec.spec_tokens
     n_lin, n_attn = len(mc.linear_layer_ids), len(mc.attn_layer_ids) + extra_attn_layers
-    slot_bytes = StatePool.bytes_per_slot(
-        n_lin, mc.conv_dim, mc.linear_conv_kernel_dim, mc.linear_num_value_heads, mc.linear_key_head_dim,
-        mc.linear_value_head_dim, dtype, state_dtype)
-    keep_inputs = ec.spec_commit == "replay"
-    verify_bytes = StatePool.verify_bytes_per_row(
-        n_lin, mc.conv_dim, mc.linear_conv_kernel_dim, mc.linear_num_value_heads, mc.linear_key_head_dim,
-        mc.linear_value_head_dim, dtype, state_dtype, k + 1, keep_inputs) if k else 0
+    dims = mc.state_dims  # (conv channels, conv kernel, heads, and the recurrent state's two dims per head)
+    slot_bytes = StatePool.bytes_per_slot(n_lin, *dims, dtype, state_dtype)
+    keep_inputs = ec.spec_commit == "replay" and mc.mamba is None  # the replay commit is GDN's; Mamba2 keeps states
+    verify_bytes = StatePool.verify_bytes_per_row(n_lin, *dims, dtype, state_dtype, k + 1, keep_inputs) if k else 0
     budget = _budget_bytes(ec, device)
     snapshots = 0
     if ec.enable_prefix_caching:
@@ -106,9 +103,7 @@ def allocate_caches(mc: ModelConfig, ec: EngineConfig, dtype: torch.dtype, devic
         # columns past max_model_len: positions a verify pass and its drafts reserve ahead of the last token
         req_slots=ReqSlots(ec.max_num_seqs, max_model_len + 2 * k + 1, device),
         kv_pool=KVPool(n_attn, kv_tokens, mc.num_key_value_heads, mc.head_dim, dtype, device),
-        state_pool=StatePool(n_lin, ec.max_num_seqs + snapshots, mc.conv_dim, mc.linear_conv_kernel_dim,
-                             mc.linear_num_value_heads, mc.linear_key_head_dim, mc.linear_value_head_dim,
-                             dtype, state_dtype, device),
+        state_pool=StatePool(n_lin, ec.max_num_seqs + snapshots, *dims, dtype, state_dtype, device),
         max_model_len=max_model_len,
         snapshot_slots=snapshots,
         slot_bytes=slot_bytes,

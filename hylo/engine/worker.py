@@ -9,6 +9,7 @@ import torch
 from ..backends.attention import AttentionBackend
 from ..backends.gdn import GDNBackend
 from ..backends.hybrid import HybridBackend
+from ..backends.mamba2 import Mamba2Backend
 from ..cache.memory import Caches
 from ..cache.req_slots import SAMPLING_INTS
 from ..core import ForwardBatch, ForwardMode, SamplingBatch, to_device
@@ -88,8 +89,10 @@ class ModelWorker:
         self.caches = caches
         self.device = device
         self.vocab_size = vocab_size or model.config.vocab_size  # the whole vocabulary (logits are gathered)
-        self.backend = HybridBackend(AttentionBackend(caches.kv_pool, caches.req_slots),
-                                     GDNBackend(caches.state_pool), model.config.layer_types, extra_attn_layers)
+        linear = (Mamba2Backend(caches.state_pool) if model.config.mamba is not None
+                  else GDNBackend(caches.state_pool))
+        self.backend = HybridBackend(AttentionBackend(caches.kv_pool, caches.req_slots), linear,
+                                     model.config.layer_types, extra_attn_layers)
         self.graphs: GraphRunner | None = None
         self.eos_ids: set[int] = set()  # the model's stop ids (min_tokens masks them); the engine sets them
         self.eos_tensor = torch.empty(0, dtype=torch.int64, device=device)  # the same, on the device

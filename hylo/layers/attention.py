@@ -84,3 +84,39 @@ class GatedAttention(nn.Module):
                   self.dtype)
         copy_into(self.q_norm, r.get(f"{prefix}.q_norm.weight", (d,)))
         copy_into(self.k_norm, r.get(f"{prefix}.k_norm.weight", (d,)))
+
+
+class Attention(nn.Module):
+    """Plain multi-head attention with grouped KV heads and no positional encoding, no q/k norm, no output gate
+    (Nemotron-H's). ``q_proj``, ``k_proj`` and ``v_proj`` are fused at load into one ``[q | k | v]`` projection."""
+
+    def __init__(self, mc: ModelConfig, layer_id: int, dtype: torch.dtype, device=None):
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads, self.num_kv_heads, self.head_dim = mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim
+        self.hidden = mc.hidden_size
+        self.scaling = self.head_dim ** -0.5
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        kw = dict(dtype=dtype, device=device)
+        rows = self.q_size + 2 * self.kv_size
+        self.qkv_proj = nn.Parameter(torch.empty(rows, self.hidden, **kw), requires_grad=False)
+        self.qkv_bias = nn.Parameter(torch.empty(rows, **kw), requires_grad=False) if mc.attention_bias else None
+        self.o_proj = nn.Parameter(torch.empty(self.hidden, self.q_size, **kw), requires_grad=False)
+        self.o_bias = nn.Parameter(torch.empty(self.hidden, **kw), requires_grad=False) if mc.attention_bias else None
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, backend) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = dense(x, self.qkv_proj, self.qkv_bias).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        out = backend.attention(self.layer_id, q.reshape(n, self.num_heads, self.head_dim),
+                                k.reshape(n, self.num_kv_heads, self.head_dim),
+                                v.reshape(n, self.num_kv_heads, self.head_dim), batch, self.scaling)
+        return out_proj(out.reshape(n, self.q_size), self.o_proj, self.o_bias)
+
+    def load(self, r: TensorReader, prefix: str) -> None:
+        parts = [("q", self.q_size), ("k", self.kv_size), ("v", self.kv_size)]
+        copy_into(self.qkv_proj, torch.cat([r.get(f"{prefix}.{p}_proj.weight", (rows, self.hidden))
+                                            for p, rows in parts]))
+        copy_into(self.o_proj, r.get(f"{prefix}.o_proj.weight", (self.hidden, self.q_size)))
+        if self.qkv_bias is not None:
+            copy_into(self.qkv_bias, torch.cat([r.get(f"{prefix}.{p}_proj.bias", (rows,)) for p, rows in parts]))
+            copy_into(self.o_bias, r.get(f"{prefix}.o_proj.bias", (self.hidden,)))

@@ -1,6 +1,6 @@
 """Mamba2 mixer layer (Nemotron-H, Granite-4.0-H, Falcon-H1): the input projection into ``[z | x B C | dt]``, the
 conv and the SSD recurrence in the backend (``backends/mamba2.py``), then ``rms_norm(y * silu(z))`` per group of
-channels and the output projection. Family scalars come in as data (``Mamba2Config``); the checkpoint names are
+channels and the output projection. Family scalars come in as data (``config.Mamba2Spec``); the checkpoint names are
 the ones every Mamba2 family uses (``in_proj``, ``conv1d``, ``dt_bias``, ``A_log``, ``D``, ``norm``, ``out_proj``).
 
 Rounding, as transformers does it: a prefill's scan output reaches the norm in float32; a decode or verify step's
@@ -9,34 +9,22 @@ output is rounded to the activations' dtype first.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
 from ..backends.mamba2 import Mamba2Params, Mamba2Shape
+from ..config import Mamba2Spec
 from ..core import ForwardBatch
 from ..ops.linear import linear
 from ..ops.mamba2 import gated_rms_norm_ref
 from .weights import TensorReader, copy_into
 
 
-@dataclass(frozen=True)
-class Mamba2Config:
-    shape: Mamba2Shape
-    conv_kernel: int
-    conv_bias: bool  # the conv has a bias (use_conv_bias)
-    proj_bias: bool  # in_proj and out_proj have biases (use_bias)
-    norm_eps: float
-    dt_limit: tuple[float, float]  # prefill's clamp of softplus(dt + dt_bias)
-    chunk_size: int = 128
-
-
 class Mamba2Mixer(nn.Module):
-    def __init__(self, hidden: int, cfg: Mamba2Config, layer_id: int, dtype: torch.dtype, device=None):
+    def __init__(self, hidden: int, cfg: Mamba2Spec, layer_id: int, dtype: torch.dtype, device=None):
         super().__init__()
         self.layer_id, self.hidden, self.cfg, self.dtype = layer_id, hidden, cfg, dtype
-        s = cfg.shape
+        self.shape = s = Mamba2Shape(cfg.num_heads, cfg.head_dim, cfg.n_groups, cfg.state_size)
         kw = dict(dtype=dtype, device=device)
         rows = s.inner + s.conv_dim + s.num_heads  # [z | x B C | dt]
 
@@ -59,7 +47,7 @@ class Mamba2Mixer(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, backend) -> torch.Tensor:
         """[T, hidden] -> [T, hidden]."""
-        s = self.cfg.shape
+        s = self.shape
         z, xbc, dt = linear(x, self.in_proj, self.in_proj_bias).split([s.inner, s.conv_dim, s.num_heads], dim=-1)
         y = backend.linear_attention(self.layer_id, xbc, dt, self.params(), s, batch)  # [T, H, P] float32
         y = y.reshape(x.shape[0], s.inner)
@@ -69,7 +57,7 @@ class Mamba2Mixer(nn.Module):
         return linear(y.to(x.dtype), self.out_proj, self.out_proj_bias)
 
     def load(self, r: TensorReader, prefix: str) -> None:
-        s, c = self.cfg.shape, self.cfg
+        s, c = self.shape, self.cfg
         copy_into(self.in_proj, r.get(f"{prefix}.in_proj.weight", tuple(self.in_proj.shape)))
         if self.in_proj_bias is not None:
             copy_into(self.in_proj_bias, r.get(f"{prefix}.in_proj.bias", tuple(self.in_proj_bias.shape)))

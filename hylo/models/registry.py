@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..config import ModelConfig, eos_ids, replace_fields
-from . import qwen3_5, qwen3_next
+from . import nemotron_h, qwen3_5, qwen3_next
 from .hybrid import HybridForCausalLM
 from .mtp import MTPHead
 from .quant import parse_quantization
@@ -35,6 +35,8 @@ FAMILIES = (
     Family("Qwen3-Next", ("qwen3_next",), qwen3_next.parse_config, qwen3_next.Qwen3NextForCausalLM, MTPHead),
     Family("Qwen3.5", qwen3_5.MULTIMODAL_TYPES + qwen3_5.TEXT_TYPES, qwen3_5.parse_config,
            qwen3_5.Qwen3_5ForCausalLM, MTPHead, ignored=((qwen3_5.VISION_PREFIX, "the vision tower"),)),
+    Family("Nemotron-H", nemotron_h.MODEL_TYPES, nemotron_h.parse_config, nemotron_h.NemotronHForCausalLM, None,
+           ignored=((nemotron_h.MTP_PREFIX, "the MTP layers (not yet used as a drafter)"),)),
 )
 _BY_TYPE = {t: f for f in FAMILIES for t in f.model_types}
 

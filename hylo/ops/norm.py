@@ -1,4 +1,4 @@
-"""RMSNorm variants of Qwen3-Next."""
+"""RMSNorm variants: Qwen3-Next's (zero-centred, gated) and the Mamba2 families' plain one."""
 
 from __future__ import annotations
 
@@ -32,6 +32,14 @@ def add_rms_norm(x: torch.Tensor, delta, weight: torch.Tensor, eps: float):
     else:
         res = x + delta
     return res, rms_norm_ref(res, weight, eps)
+
+
+def rms_norm_plain(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm with a plain weight, ``x / rms(x) * w``, all in float32, then rounded to x's dtype (the Mamba2
+    families' block and final norms; plain PyTorch on every device for now)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight.float() * xf).to(x.dtype)
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -1,0 +1,154 @@
+"""Nemotron-H (NVIDIA Nemotron-H, Nemotron Nano 2): a stack of blocks, each one pre-norm mixer with a residual add:
+Mamba2 (``M``), full attention without positional encoding (``*``), or a squared-ReLU MLP (``-``), as
+``layers_block_type`` (or the older ``hybrid_override_pattern``) lists them. Tensors live under ``backbone.``.
+
+Not yet served, refused by name before a weight is read: MoE blocks (``E``, Nemotron 3) and tensor parallelism.
+MTP layers a checkpoint may carry are not read (n-gram speculation serves these models meanwhile).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import Mamba2Spec, ModelConfig, eos_ids
+from ..core import ForwardBatch
+from ..layers.attention import Attention
+from ..layers.mamba2 import Mamba2Mixer
+from ..layers.mlp import SquaredReluMLP
+from ..layers.weights import TensorReader, copy_into
+from ..ops.norm import rms_norm_plain
+from ..parallel.group import SINGLE, TPGroup
+from ..progress import progress as progress_of
+
+MODEL_TYPES = ("nemotron_h",)
+PATTERN = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
+LEGACY = {"mamba": "linear_attention", "attention": "full_attention"}
+MTP_PREFIX = "mtp."
+
+
+def _block_types(cfg: dict[str, Any]) -> tuple[str, ...]:
+    types = cfg.get("layers_block_type") or cfg.get("layer_types")
+    if types is None:
+        pattern = cfg.get("hybrid_override_pattern")
+        if not pattern:
+            raise ValueError("nemotron_h config: neither layers_block_type nor hybrid_override_pattern is set")
+        unknown = sorted(set(pattern) - set(PATTERN))
+        if unknown:
+            raise ValueError(f"nemotron_h config: hybrid_override_pattern has unknown block letters {unknown} "
+                             f"(known: {', '.join(PATTERN)})")
+        types = [PATTERN[c] for c in pattern]
+    types = tuple(LEGACY.get(t, t) for t in types)
+    unknown = sorted(set(types) - set(PATTERN.values()))
+    if unknown:
+        raise ValueError(f"nemotron_h config: unknown block types {unknown}")
+    if "moe" in types:
+        raise ValueError("nemotron_h checkpoints with MoE blocks (Nemotron 3; 'E' in the pattern) are not supported "
+                         "yet: hylo serves Nemotron-H models of Mamba2, attention and MLP blocks")
+    return types
+
+
+def parse_config(cfg: dict[str, Any]) -> ModelConfig:
+    """A Nemotron-H ``config.json`` (as transformers 5.24 writes it, or as released) as hylo's ModelConfig."""
+    types = _block_types(cfg)
+    for key, want in (("mlp_hidden_act", "relu2"), ("mamba_hidden_act", "silu")):
+        if cfg.get(key, want) != want:
+            raise ValueError(f"nemotron_h config: {key}={cfg[key]!r} is not supported (only {want!r})")
+    if cfg.get("mlp_bias"):
+        raise ValueError("nemotron_h config: mlp_bias=true is not supported")
+    heads = cfg.get("num_attention_heads", 32)
+    hidden = cfg.get("hidden_size", 4096)
+    mamba = Mamba2Spec(
+        num_heads=cfg.get("mamba_num_heads", 128), head_dim=cfg.get("mamba_head_dim", 64),
+        n_groups=cfg.get("n_groups", cfg.get("mamba_n_groups", 8)),
+        state_size=cfg.get("ssm_state_size", 128), conv_kernel=cfg.get("conv_kernel", cfg.get("mamba_d_conv", 4)),
+        conv_bias=cfg.get("use_conv_bias", cfg.get("mamba_conv_bias", True)), proj_bias=cfg.get("use_bias", False),
+        norm_eps=cfg.get("layer_norm_epsilon", 1e-5),
+        # transformers' mixer clamps the prefill's dt from below at time_step_min, never above
+        dt_limit=(float(cfg.get("time_step_min", cfg.get("mamba_dt_min", 0.001))), float("inf")),
+        chunk_size=cfg.get("chunk_size", cfg.get("mamba_chunk_size", 128)))
+    if mamba.num_heads % mamba.n_groups:
+        raise ValueError(f"nemotron_h config: mamba_num_heads={mamba.num_heads} is not a multiple of "
+                         f"n_groups={mamba.n_groups}")
+    kv_heads = cfg.get("num_key_value_heads") or heads
+    return ModelConfig(
+        vocab_size=cfg.get("vocab_size", 131072), hidden_size=hidden, num_hidden_layers=len(types), layer_types=types,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=cfg.get("head_dim") or hidden // heads,
+        rope_theta=0.0, partial_rotary_factor=0.0, attention_bias=bool(cfg.get("attention_bias", False)),
+        # the GDN fields do not apply (no GDN layer); the state pool takes its shapes from ``mamba``
+        linear_num_key_heads=1, linear_num_value_heads=1, linear_key_head_dim=1, linear_value_head_dim=1,
+        linear_conv_kernel_dim=mamba.conv_kernel, intermediate_size=cfg.get("intermediate_size", 21504),
+        num_experts=0, num_experts_per_tok=0, moe_intermediate_size=0, shared_expert_intermediate_size=0,
+        norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=(),
+        rms_norm_eps=cfg.get("layer_norm_epsilon", 1e-5),
+        max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        eos_token_ids=eos_ids(cfg.get("eos_token_id")), num_nextn_predict_layers=0, hidden_act="relu2",
+        model_type=cfg.get("model_type", "nemotron_h"), mamba=mamba)
+
+
+class Block(nn.Module):
+    """Pre-norm, one mixer, residual add (in the activations' dtype, as the reference does)."""
+
+    def __init__(self, mc: ModelConfig, layer_id: int, dtype: torch.dtype, device=None):
+        super().__init__()
+        self.kind = mc.layer_types[layer_id]
+        self.eps = mc.rms_norm_eps
+        self.norm = nn.Parameter(torch.empty(mc.hidden_size, dtype=dtype, device=device), requires_grad=False)
+        if self.kind == "linear_attention":
+            self.mixer = Mamba2Mixer(mc.hidden_size, mc.mamba, layer_id, dtype, device)
+        elif self.kind == "full_attention":
+            self.mixer = Attention(mc, layer_id, dtype, device)
+        else:
+            self.mixer = SquaredReluMLP(mc.hidden_size, mc.intermediate_size, dtype, device)
+
+    def forward(self, h: torch.Tensor, batch: ForwardBatch, backend) -> torch.Tensor:
+        x = rms_norm_plain(h, self.norm, self.eps)
+        out = self.mixer(x) if self.kind == "mlp" else self.mixer(x, batch, backend)
+        return h + out
+
+    def load(self, r: TensorReader, prefix: str) -> None:
+        copy_into(self.norm, r.get(f"{prefix}.norm.weight", tuple(self.norm.shape)))
+        self.mixer.load(r, f"{prefix}.mixer")
+
+
+class NemotronHForCausalLM(nn.Module):
+    family = "nemotron_h"
+
+    def __init__(self, mc: ModelConfig, dtype: torch.dtype, device=None, tp: TPGroup = SINGLE):
+        super().__init__()
+        if tp.size > 1:
+            raise ValueError("Nemotron-H models do not run with tensor parallelism yet: use tensor_parallel_size=1")
+        self.config, self.dtype, self.tp = mc, dtype, tp
+        kw = dict(dtype=dtype, device=device)
+        self.embed = nn.Parameter(torch.empty(mc.vocab_size, mc.hidden_size, **kw), requires_grad=False)
+        self.layers = nn.ModuleList(Block(mc, i, dtype, device) for i in range(mc.num_hidden_layers))
+        self.norm = nn.Parameter(torch.empty(mc.hidden_size, **kw), requires_grad=False)
+        self.lm_head = (self.embed if mc.tie_word_embeddings
+                        else nn.Parameter(torch.empty(mc.vocab_size, mc.hidden_size, **kw), requires_grad=False))
+
+    def forward(self, batch: ForwardBatch, backend) -> torch.Tensor:
+        """Returns the final hidden states (after the final norm), [T, hidden]."""
+        h = self.embed_tokens(batch.input_ids)
+        for layer in self.layers:
+            h = layer(h, batch, backend)
+        return rms_norm_plain(h, self.norm, self.config.rms_norm_eps)
+
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.embed)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head)
+
+    def load(self, r: TensorReader, progress: bool = False) -> None:
+        mc = self.config
+        shape = (mc.vocab_size, mc.hidden_size)
+        copy_into(self.embed, r.get("backbone.embeddings.weight", shape))
+        if not mc.tie_word_embeddings:
+            copy_into(self.lm_head, r.get("lm_head.weight", shape))
+        for i, layer in enumerate(progress_of(self.layers, "loading layers", enabled=progress, unit="layers")):
+            layer.load(r, f"backbone.layers.{i}")
+        copy_into(self.norm, r.get("backbone.norm_f.weight", (mc.hidden_size,)))
