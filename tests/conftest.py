@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny Qwen3-Next checkpoints written by transformers' own ``save_pretrained``."""
+"""Shared fixtures: tiny Qwen3-Next, Qwen3.5 and Nemotron-H checkpoints written by transformers' own
+``save_pretrained``."""
 
 import pytest
 
@@ -65,3 +66,11 @@ def q35(request):
     """(path, kind, form) of each Qwen3.5 checkpoint form."""
     fixture, kind, form = Q35[request.param]
     return request.getfixturevalue(fixture), kind, form
+
+
+@pytest.fixture(scope="session")
+def nemotron_h(tmp_path_factory):
+    """(path, transformers model) of a tiny Nemotron-H (Mamba2 hybrid)."""
+    from helpers import make_nemotron_h_checkpoint
+
+    return make_nemotron_h_checkpoint(str(tmp_path_factory.mktemp("nemotron_h")))

@@ -294,3 +294,25 @@ def fuse_experts(tensors: dict) -> dict:
 
 def load_hf_qwen35(path: str, kind: str, form: str):
     return qwen35_classes(kind, form)[1].from_pretrained(path, dtype=torch.float32).eval()
+
+
+def make_nemotron_h_checkpoint(path: str, **overrides):
+    """A tiny Nemotron-H (Mamba2, attention and MLP blocks; 3 groups, head dim 6, state 5: not powers of two)
+    written by transformers' ``save_pretrained``; returns (path, the transformers model)."""
+    import transformers
+
+    cfg = dict(hybrid_override_pattern="M*M-M-*M", vocab_size=97, hidden_size=32, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=8, mamba_num_heads=6, mamba_head_dim=6, ssm_state_size=5, n_groups=3,
+               conv_kernel=4, chunk_size=8, intermediate_size=40, use_conv_bias=True, num_nextn_predict_layers=0,
+               eos_token_id=None, tie_word_embeddings=False)
+    cfg.update(overrides)
+    torch.manual_seed(0)
+    model = transformers.NemotronHForCausalLM(transformers.NemotronHConfig(**cfg)).eval()
+    with torch.no_grad():  # weights large enough that every block matters
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.15)
+            elif "norm" in name:
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+    model.save_pretrained(path)
+    return path, model

@@ -15,31 +15,10 @@ from hylo.engine.engine import Engine
 
 from helpers import all_freed, hf_greedy, random_prompts, run_all, spec_engine
 
-transformers = pytest.importorskip("transformers")
 
-
-def _config(**kw):
-    cfg = dict(hybrid_override_pattern="M*M-M-*M", vocab_size=97, hidden_size=32, num_attention_heads=4,
-               num_key_value_heads=2, head_dim=8, mamba_num_heads=6, mamba_head_dim=6, ssm_state_size=5, n_groups=3,
-               conv_kernel=4, chunk_size=8, intermediate_size=40, use_conv_bias=True, num_nextn_predict_layers=0,
-               eos_token_id=None, tie_word_embeddings=False)
-    cfg.update(kw)
-    return transformers.NemotronHConfig(**cfg)
-
-
-@pytest.fixture(scope="module")
-def nemotron(tmp_path_factory):
-    torch.manual_seed(0)
-    model = transformers.NemotronHForCausalLM(_config()).eval()
-    with torch.no_grad():  # weights large enough that the blocks matter
-        for name, p in model.named_parameters():
-            if p.dim() >= 2:
-                p.normal_(0, 0.15)
-            elif "norm" in name:
-                p.copy_(1 + 0.2 * torch.randn_like(p))
-    path = str(tmp_path_factory.mktemp("nemotron_h"))
-    model.save_pretrained(path)
-    return path, model
+@pytest.fixture
+def nemotron(nemotron_h):  # (path, the transformers model): conftest's session checkpoint
+    return nemotron_h
 
 
 def test_prefill_logits_match_transformers(nemotron):

@@ -96,8 +96,11 @@ def _poison_on_free(eng):
     return counts
 
 
-@pytest.mark.parametrize("spec", [None, "mtp"])
-def test_stress_random_traffic_never_reads_freed_memory(ckpt_b_mtp, spec):
+@pytest.mark.parametrize("model,spec", [("qwen3_next", None), ("qwen3_next", "mtp"), ("nemotron_h", "ngram")])
+def test_stress_random_traffic_never_reads_freed_memory(request, model, spec):
+    """Qwen3-Next (GDN, plain and MTP) and Nemotron-H (Mamba2, n-gram)."""
+    ckpt_b_mtp = (request.getfixturevalue("ckpt_b_mtp") if model == "qwen3_next"
+                  else request.getfixturevalue("nemotron_h")[0])
     vocab = vocab_of(ckpt_b_mtp)
     # shared prefixes: prefix-cache hits, snapshots and evictions under the same poisoned frees
     work = traffic(vocab, 450, seed=11 if spec else 12, max_steps_between=5, abort_frac=0.25, max_tokens=(1, 30),
