@@ -77,3 +77,9 @@ def test_unsupported_forms_are_refused_before_any_weight(tmp_path, nemotron):
             Engine(str(bad), device="cpu", engine_config=EngineConfig(verbose=False))
     with pytest.raises(ValueError, match="no MTP head"):
         spec_engine(path, "mtp")
+
+
+def test_tensor_parallelism_is_refused_by_name(nemotron):
+    path, _ = nemotron
+    with pytest.raises(ValueError, match="tensor parallelism"):
+        LLM(path, device="cpu", tensor_parallel_size=2, verbose=False)
