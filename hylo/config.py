@@ -48,6 +48,18 @@ class Mamba2Spec:
 
 
 @dataclass(frozen=True)
+class MuP:
+    """A family's muP multipliers (Granite-4.0-H): the embeddings times ``embedding``, each block's output times
+    ``residual`` before its residual add, attention scores times ``attention`` (in place of 1/sqrt(head_dim)),
+    logits divided by ``logits``."""
+
+    embedding: float = 1.0
+    residual: float = 1.0
+    attention: float | None = None
+    logits: float = 1.0
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """The shape of a hybrid model (Qwen3-Next, Qwen3.5, ...), as its family's parser read it from ``config.json``
     (``models.registry.read_config``). ``model_type`` names the family in the registry."""
@@ -88,6 +100,7 @@ class ModelConfig:
     model_type: str = "qwen3_next"
     quantization: QuantConfig | None = None  # None: the weights are stored in a float dtype
     mamba: Mamba2Spec | None = None  # the linear layers are Mamba2 mixers of this shape (else GDN)
+    mup: MuP | None = None  # the family's multipliers, where it has them
 
     # ---- derived shapes -------------------------------------------------------------------------------------
     @property
@@ -142,9 +155,9 @@ class ModelConfig:
             problems.append("head_dim * partial_rotary_factor must be even")
         if self.num_experts and not (0 < self.num_experts_per_tok <= self.num_experts):
             problems.append("num_experts_per_tok must be in [1, num_experts]")
-        act = "relu2" if self.mamba is not None else "silu"  # the MLPs hylo has: Mamba2 families', Qwen's
-        if self.hidden_act != act:
-            problems.append(f"hidden_act {self.hidden_act!r} is not supported (only {act!r})")
+        acts = ("silu", "relu2") if self.mamba is not None else ("silu",)  # the MLPs hylo has
+        if self.hidden_act not in acts:
+            problems.append(f"hidden_act {self.hidden_act!r} is not supported (only {' or '.join(acts)})")
         if problems:
             raise ValueError(f"invalid {self.model_type} config: " + "; ".join(problems))
 

@@ -74,3 +74,11 @@ def nemotron_h(tmp_path_factory):
     from helpers import make_nemotron_h_checkpoint
 
     return make_nemotron_h_checkpoint(str(tmp_path_factory.mktemp("nemotron_h")))
+
+
+@pytest.fixture(scope="session")
+def granite_hybrid(tmp_path_factory):
+    """(path, transformers model) of a tiny Granite-4.0-H (Mamba2 hybrid with MoE and muP multipliers)."""
+    from helpers import make_granite_hybrid_checkpoint
+
+    return make_granite_hybrid_checkpoint(str(tmp_path_factory.mktemp("granite_hybrid")))

@@ -316,3 +316,27 @@ def make_nemotron_h_checkpoint(path: str, **overrides):
                 p.copy_(1 + 0.2 * torch.randn_like(p))
     model.save_pretrained(path)
     return path, model
+
+
+def make_granite_hybrid_checkpoint(path: str, **overrides):
+    """A tiny Granite-4.0-H (Mamba2 and RoPE attention layers, each followed by a MoE plus a shared MLP; muP
+    multipliers away from 1) written by transformers' ``save_pretrained``; returns (path, the transformers model)."""
+    import transformers
+
+    cfg = dict(num_hidden_layers=5, layers_block_type=["mamba", "attention", "mamba", "mamba", "attention"],
+               vocab_size=89, hidden_size=24, num_attention_heads=4, num_key_value_heads=2, mamba_n_heads=6,
+               mamba_d_head=8, mamba_d_state=5, mamba_n_groups=3, mamba_expand=2, mamba_chunk_size=8,
+               intermediate_size=12, shared_intermediate_size=20, num_local_experts=5, num_experts_per_tok=2,
+               position_embedding_type="rope", embedding_multiplier=1.7, residual_multiplier=0.6,
+               attention_multiplier=0.3, logits_scaling=2.5, eos_token_id=None, tie_word_embeddings=False)
+    cfg.update(overrides)
+    torch.manual_seed(1)
+    model = transformers.GraniteMoeHybridForCausalLM(transformers.GraniteMoeHybridConfig(**cfg)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.15)
+            elif "norm" in name:
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+    model.save_pretrained(path)
+    return path, model

@@ -87,15 +87,18 @@ class GatedAttention(nn.Module):
 
 
 class Attention(nn.Module):
-    """Plain multi-head attention with grouped KV heads and no positional encoding, no q/k norm, no output gate
-    (Nemotron-H's). ``q_proj``, ``k_proj`` and ``v_proj`` are fused at load into one ``[q | k | v]`` projection."""
+    """Plain multi-head attention with grouped KV heads, no q/k norm, no output gate, and rotary on the whole head
+    where ``mc.rotary_dim`` says so (Granite-4.0-H's with RoPE) or no positional encoding (Nemotron-H's); scores
+    scaled by ``scaling`` (default 1/sqrt(head_dim)). ``q_proj``, ``k_proj`` and ``v_proj`` are fused at load into
+    one ``[q | k | v]`` projection."""
 
-    def __init__(self, mc: ModelConfig, layer_id: int, dtype: torch.dtype, device=None):
+    def __init__(self, mc: ModelConfig, layer_id: int, dtype: torch.dtype, device=None, scaling: float | None = None):
         super().__init__()
         self.layer_id = layer_id
         self.num_heads, self.num_kv_heads, self.head_dim = mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim
         self.hidden = mc.hidden_size
-        self.scaling = self.head_dim ** -0.5
+        self.scaling = self.head_dim ** -0.5 if scaling is None else scaling
+        self.rotary = RotaryEmbedding(mc.rotary_dim, mc.rope_theta, device=device) if mc.rotary_dim else None
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         kw = dict(dtype=dtype, device=device)
         rows = self.q_size + 2 * self.kv_size
@@ -107,9 +110,11 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch, backend) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = dense(x, self.qkv_proj, self.qkv_bias).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        out = backend.attention(self.layer_id, q.reshape(n, self.num_heads, self.head_dim),
-                                k.reshape(n, self.num_kv_heads, self.head_dim),
-                                v.reshape(n, self.num_kv_heads, self.head_dim), batch, self.scaling)
+        q, k = q.reshape(n, self.num_heads, self.head_dim), k.reshape(n, self.num_kv_heads, self.head_dim)
+        if self.rotary is not None:
+            q, k = self.rotary(batch.positions, q, k)
+        out = backend.attention(self.layer_id, q, k, v.reshape(n, self.num_kv_heads, self.head_dim), batch,
+                                self.scaling)
         return out_proj(out.reshape(n, self.q_size), self.o_proj, self.o_bias)
 
     def load(self, r: TensorReader, prefix: str) -> None:

@@ -36,6 +36,11 @@ class MLP(nn.Module):
         (the few-row path, ``ops.linear.swiglu_down``), which the residual add that follows sums."""
         return swiglu_down(dense(x, self.gate_up), self.down, reduce=reduce)
 
+    def load_fused(self, r: TensorReader, gate_up_name: str, down_name: str) -> None:
+        """From a checkpoint that stores gate and up fused (gate rows first: Granite's ``input_linear``)."""
+        load_proj(self, "gate_up", r, lambda rd: rd.get(gate_up_name, (2 * self.inter, self.hidden)), self.dtype)
+        load_proj(self, "down", r, lambda rd: rd.get(down_name, (self.hidden, self.inter)), self.dtype)
+
     def load(self, r: TensorReader, prefix: str) -> None:
         load_proj(self, "gate_up", r, lambda rd: _load_gate_up(rd, prefix, self.inter, self.hidden), self.dtype)
         load_proj(self, "down", r, lambda rd: rd.get(f"{prefix}.down_proj.weight", (self.hidden, self.inter)),

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..config import ModelConfig, eos_ids, replace_fields
-from . import nemotron_h, qwen3_5, qwen3_next
+from . import granite_hybrid, nemotron_h, qwen3_5, qwen3_next
 from .hybrid import HybridForCausalLM
 from .mtp import MTPHead
 from .quant import parse_quantization
@@ -37,6 +37,8 @@ FAMILIES = (
            qwen3_5.Qwen3_5ForCausalLM, MTPHead, ignored=((qwen3_5.VISION_PREFIX, "the vision tower"),)),
     Family("Nemotron-H", nemotron_h.MODEL_TYPES, nemotron_h.parse_config, nemotron_h.NemotronHForCausalLM, None,
            ignored=((nemotron_h.MTP_PREFIX, "the MTP layers (not yet used as a drafter)"),)),
+    Family("Granite-4.0-H", granite_hybrid.MODEL_TYPES, granite_hybrid.parse_config,
+           granite_hybrid.GraniteMoeHybridForCausalLM, None),
 )
 _BY_TYPE = {t: f for f in FAMILIES for t in f.model_types}
 

@@ -34,12 +34,15 @@ def add_rms_norm(x: torch.Tensor, delta, weight: torch.Tensor, eps: float):
     return res, rms_norm_ref(res, weight, eps)
 
 
-def rms_norm_plain(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm with a plain weight, ``x / rms(x) * w``, all in float32, then rounded to x's dtype (the Mamba2
-    families' block and final norms; plain PyTorch on every device for now)."""
+def rms_norm_plain(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_in_float32: bool = True) -> torch.Tensor:
+    """RMSNorm with a plain weight, ``x / rms(x) * w``: normalized in float32, then the weight applied in float32
+    and rounded to x's dtype (Nemotron-H's), or with ``weight_in_float32=False`` rounded first and multiplied in x's
+    dtype (Granite's, Llama's). The Mamba2 families' block and final norms; plain PyTorch on every device for now."""
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (weight.float() * xf).to(x.dtype)
+    if weight_in_float32:
+        return (weight.float() * xf).to(x.dtype)
+    return weight * xf.to(x.dtype)
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -28,7 +28,7 @@ from ..layers.weights import TensorReader
 
 def check_divisible(mc: ModelConfig, n: int) -> None:
     if mc.mamba is not None and n > 1:
-        raise ValueError(f"{mc.model_type} models (Mamba2) do not run with tensor parallelism yet: use "
+        raise ValueError(f"{mc.model_type} models (Mamba2 hybrids) do not run with tensor parallelism yet: use "
                          f"tensor_parallel_size=1")
     problems = []
     for name in ("num_attention_heads", "linear_num_key_heads", "linear_num_value_heads", "vocab_size",

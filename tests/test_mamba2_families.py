@@ -1,0 +1,142 @@
+"""The Mamba2 families against transformers 5.24's own models, on checkpoints it wrote with ``save_pretrained`` (the
+released names): Nemotron-H (Mamba2, attention without positional encoding, squared-ReLU MLP blocks; ``backbone.*``)
+and Granite-4.0-H (Mamba2 or RoPE attention, then a MoE plus a shared MLP, muP multipliers). Prompt logits, greedy
+batches of mixed lengths through chunked prefill whose chunks split the scan's, n-gram speculation and prefix
+caching exact, and what is not served yet refused before a weight is read."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from hylo import LLM, SamplingParams
+from hylo.config import EngineConfig
+from hylo.engine.engine import Engine
+
+from helpers import all_freed, hf_greedy, random_prompts, run_all, spec_engine
+
+
+@pytest.fixture(params=["nemotron_h", "granite_hybrid"])
+def family(request):  # (path, the transformers model): conftest's session checkpoints
+    return request.getfixturevalue(request.param)
+
+
+@pytest.fixture
+def nemotron(nemotron_h):
+    return nemotron_h
+
+
+def test_prefill_logits_match_transformers(family):
+    path, hf = family
+    eng = Engine(path, device="cpu", dtype="float32",
+                 engine_config=EngineConfig(chunk_size=6, max_num_seqs=4, verbose=False))
+    for prompt in random_prompts(hf.config.vocab_size, [1, 11, 53], seed=11):
+        with torch.no_grad():
+            ref = hf(torch.tensor([prompt])).logits[0]
+        ours = eng.prompt_logits(prompt)
+        assert ours.shape == ref.shape
+        assert (ours - ref).abs().max().item() < 1e-4
+
+
+def test_greedy_batch_of_mixed_lengths_matches_transformers(family):
+    path, hf = family
+    prompts = random_prompts(hf.config.vocab_size, [4, 37, 1, 19, 66], seed=12)
+    llm = LLM(path, device="cpu", dtype="float32", chunk_size=13, max_num_seqs=8, verbose=False)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0), use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == hf_greedy(hf, prompt, 10)
+
+
+def test_ngram_speculation_and_prefix_caching_are_exact(family):
+    path, hf = family
+    vocab = hf.config.vocab_size
+    # repetitive prompts, so that n-gram drafts get accepted
+    prompts = [(p * 4)[:n] for p, n in zip(random_prompts(vocab, [5, 7, 3], seed=13), [20, 31, 12])]
+    params = SamplingParams(max_tokens=12, temperature=0)
+    plain = run_all(spec_engine(path, enable_prefix_caching=False), prompts, params)
+    eng = spec_engine(path, "ngram")
+    outs = run_all(eng, prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    # drafts that are right (the plain outputs) but for every third: accepted and rejected drafts in one verify
+    oracle = spec_engine(path, "ngram")
+    ref = {tuple(p): o.token_ids for p, o in zip(prompts, plain)}
+
+    def hook(reqs, drafts, first_out):
+        out = drafts.clone()
+        for b, (req, start) in enumerate(zip(reqs, first_out.tolist())):
+            want = ref[tuple(req.prompt_ids)]
+            for i in range(drafts.shape[1]):
+                idx = start + i
+                tok = want[idx] if idx < len(want) else 0
+                out[b, i] = tok if idx % 3 else (tok + 1) % vocab
+        return out
+
+    oracle.worker.draft_hook = hook
+    forced = run_all(oracle, prompts, params)
+    assert [o.token_ids for o in forced] == [o.token_ids for o in plain]
+    assert sum(o.spec.accepted_tokens for o in forced) >= 6
+    # next turns resume from the cached state snapshots (and n-gram keeps verifying them)
+    turn2 = [p + o.token_ids + q for p, o, q in zip(prompts, plain, random_prompts(vocab, [3, 9, 4], seed=14))]
+    cold = run_all(spec_engine(path, enable_prefix_caching=False), turn2, params)
+    hot = run_all(eng, turn2, params)
+    assert [o.token_ids for o in hot] == [o.token_ids for o in cold]
+    assert all(o.num_cached_tokens >= len(p) for o, p in zip(hot, prompts))
+    assert all_freed(eng)
+
+
+def test_unsupported_forms_are_refused_before_any_weight(tmp_path, nemotron):
+    path, _ = nemotron
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    for change, words in (({"layers_block_type": ["linear_attention", "moe"]}, "MoE blocks"),
+                          ({"mlp_hidden_act": "silu"}, "mlp_hidden_act"),
+                          ({"mamba_num_heads": 5}, "n_groups")):
+        bad = tmp_path / words.replace(" ", "_")
+        bad.mkdir()
+        with open(bad / "config.json", "w") as f:
+            json.dump({**cfg, **change}, f)
+        # no weights at all in the folder: the refusal comes from the config alone
+        with pytest.raises(ValueError, match=words):
+            Engine(str(bad), device="cpu", engine_config=EngineConfig(verbose=False))
+    with pytest.raises(ValueError, match="no MTP head"):
+        spec_engine(path, "mtp")
+
+
+def test_tensor_parallelism_is_refused_by_name(family):
+    path, _ = family
+    with pytest.raises(ValueError, match="tensor parallelism"):
+        LLM(path, device="cpu", tensor_parallel_size=2, verbose=False)
+
+
+def test_granite_without_positional_encoding_or_experts_matches_transformers(tmp_path):
+    """Granite-4.0-H as released uses no positional encoding ("nope"); its dense variants have no experts (the
+    shared MLP alone)."""
+    from helpers import make_granite_hybrid_checkpoint
+
+    path, hf = make_granite_hybrid_checkpoint(str(tmp_path / "g"), position_embedding_type="nope",
+                                              num_local_experts=0)
+    eng = Engine(path, device="cpu", dtype="float32", engine_config=EngineConfig(chunk_size=7, verbose=False))
+    assert eng.model.layers[1].mixer.rotary is None and eng.model.layers[0].moe is None
+    prompt = random_prompts(hf.config.vocab_size, [29], seed=15)[0]
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0]
+    assert (eng.prompt_logits(prompt) - ref).abs().max().item() < 1e-4
+    out = LLM(path, device="cpu", dtype="float32", chunk_size=7, verbose=False).generate(
+        [prompt], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)[0]
+    assert out.token_ids == hf_greedy(hf, prompt, 8)
+
+
+def test_granite_refusals(tmp_path, granite_hybrid):
+    path, _ = granite_hybrid
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    for change, words in (({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}}, "rope_type"),
+                          ({"hidden_act": "gelu"}, "hidden_act"),
+                          ({"mamba_d_head": 7}, "mamba_expand")):
+        bad = tmp_path / words
+        bad.mkdir()
+        with open(bad / "config.json", "w") as f:
+            json.dump({**cfg, **change}, f)
+        with pytest.raises(ValueError, match=words):
+            Engine(str(bad), device="cpu", engine_config=EngineConfig(verbose=False))
