@@ -36,6 +36,10 @@ class Mamba2Spec:
     norm_eps: float
     dt_limit: tuple[float, float]
     chunk_size: int = 128
+    # the output's gate and norm: "gate_then_norm" rms_norm(y * silu(z)) per group (Nemotron-H, Granite),
+    # "norm_then_gate" rms_norm(y) * silu(z) (Falcon-H1 with mamba_rms_norm), "gate" y * silu(z) alone
+    norm: str = "gate_then_norm"
+    out_bias: bool | None = None  # out_proj's bias (None: as ``proj_bias``)
 
     @property
     def inner(self) -> int:
@@ -49,14 +53,24 @@ class Mamba2Spec:
 
 @dataclass(frozen=True)
 class MuP:
-    """A family's muP multipliers (Granite-4.0-H): the embeddings times ``embedding``, each block's output times
-    ``residual`` before its residual add, attention scores times ``attention`` (in place of 1/sqrt(head_dim)),
-    logits divided by ``logits``."""
+    """A family's muP multipliers: the embeddings times ``embedding``, each block's output times ``residual`` before
+    its residual add, attention scores times ``attention`` (in place of 1/sqrt(head_dim)), logits divided by
+    ``logits`` (Granite-4.0-H); and Falcon-H1's, folded into the projections at load: the Mamba2 input projection's
+    input times ``ssm_in`` and its [z, x, B, C, dt] rows times ``ssm_segments``, its output times ``ssm_out``; the
+    attention's input times ``attention_in``, its keys times ``key``, its output times ``attention_out``; the MLP's
+    gate pre-activation and output times ``mlp``."""
 
     embedding: float = 1.0
     residual: float = 1.0
     attention: float | None = None
     logits: float = 1.0
+    ssm_in: float = 1.0
+    ssm_segments: tuple[float, ...] = (1.0,) * 5
+    ssm_out: float = 1.0
+    attention_in: float = 1.0
+    key: float = 1.0
+    attention_out: float = 1.0
+    mlp: tuple[float, float] = (1.0, 1.0)
 
 
 @dataclass(frozen=True)
@@ -67,7 +81,9 @@ class ModelConfig:
     vocab_size: int
     hidden_size: int
     num_hidden_layers: int
-    layer_types: tuple[str, ...]  # "linear_attention" | "full_attention", one per layer
+    # "linear_attention" | "full_attention" per layer; Mamba2 families also "mlp" / "moe" (blocks with no cache) and
+    # "hybrid" (attention and a linear mixer side by side)
+    layer_types: tuple[str, ...]
     # full attention
     num_attention_heads: int
     num_key_value_heads: int
@@ -105,11 +121,12 @@ class ModelConfig:
     # ---- derived shapes -------------------------------------------------------------------------------------
     @property
     def attn_layer_ids(self) -> list[int]:
-        return [i for i, t in enumerate(self.layer_types) if t == "full_attention"]
+        """Layers with full attention ("hybrid" layers have both it and a linear mixer: Falcon-H1's)."""
+        return [i for i, t in enumerate(self.layer_types) if t in ("full_attention", "hybrid")]
 
     @property
     def linear_layer_ids(self) -> list[int]:
-        return [i for i, t in enumerate(self.layer_types) if t == "linear_attention"]
+        return [i for i, t in enumerate(self.layer_types) if t in ("linear_attention", "hybrid")]
 
     @property
     def linear_key_dim(self) -> int:

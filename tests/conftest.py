@@ -82,3 +82,11 @@ def granite_hybrid(tmp_path_factory):
     from helpers import make_granite_hybrid_checkpoint
 
     return make_granite_hybrid_checkpoint(str(tmp_path_factory.mktemp("granite_hybrid")))
+
+
+@pytest.fixture(scope="session")
+def falcon_h1(tmp_path_factory):
+    """(path, transformers model) of a tiny Falcon-H1 (attention and Mamba2 side by side, muP multipliers)."""
+    from helpers import make_falcon_h1_checkpoint
+
+    return make_falcon_h1_checkpoint(str(tmp_path_factory.mktemp("falcon_h1")))

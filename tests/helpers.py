@@ -340,3 +340,27 @@ def make_granite_hybrid_checkpoint(path: str, **overrides):
                 p.copy_(1 + 0.2 * torch.randn_like(p))
     model.save_pretrained(path)
     return path, model
+
+
+def make_falcon_h1_checkpoint(path: str, **overrides):
+    """A tiny Falcon-H1 (Mamba2 and RoPE attention side by side in every layer, every muP multiplier away from 1)
+    written by transformers' ``save_pretrained``; returns (path, the transformers model)."""
+    import transformers
+
+    cfg = dict(num_hidden_layers=3, vocab_size=83, hidden_size=24, intermediate_size=28, num_attention_heads=4,
+               num_key_value_heads=2, mamba_d_ssm=30, mamba_n_heads=6, mamba_d_state=5, mamba_n_groups=3,
+               mamba_chunk_size=8, embedding_multiplier=1.3, lm_head_multiplier=0.7, ssm_in_multiplier=1.2,
+               ssm_out_multiplier=0.8, ssm_multipliers=[0.9, 1.1, 0.8, 1.2, 0.7], attention_in_multiplier=0.9,
+               key_multiplier=1.4, attention_out_multiplier=0.6, mlp_multipliers=[1.3, 0.7], eos_token_id=None,
+               tie_word_embeddings=False)
+    cfg.update(overrides)
+    torch.manual_seed(2)
+    model = transformers.FalconH1ForCausalLM(transformers.FalconH1Config(**cfg)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.15)
+            elif "norm" in name:
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+    model.save_pretrained(path)
+    return path, model

@@ -1,6 +1,7 @@
 """The Mamba2 families against transformers 5.24's own models, on checkpoints it wrote with ``save_pretrained`` (the
-released names): Nemotron-H (Mamba2, attention without positional encoding, squared-ReLU MLP blocks; ``backbone.*``)
-and Granite-4.0-H (Mamba2 or RoPE attention, then a MoE plus a shared MLP, muP multipliers). Prompt logits, greedy
+released names): Nemotron-H (Mamba2, attention without positional encoding, squared-ReLU MLP blocks; ``backbone.*``),
+Granite-4.0-H (Mamba2 or RoPE attention, then a MoE plus a shared MLP, muP multipliers) and Falcon-H1 (Mamba2 and
+attention side by side in every layer, muP multipliers folded into the projections). Prompt logits, greedy
 batches of mixed lengths through chunked prefill whose chunks split the scan's, n-gram speculation and prefix
 caching exact, and what is not served yet refused before a weight is read."""
 
@@ -17,7 +18,7 @@ from hylo.engine.engine import Engine
 from helpers import all_freed, hf_greedy, random_prompts, run_all, spec_engine
 
 
-@pytest.fixture(params=["nemotron_h", "granite_hybrid"])
+@pytest.fixture(params=["nemotron_h", "granite_hybrid", "falcon_h1"])
 def family(request):  # (path, the transformers model): conftest's session checkpoints
     return request.getfixturevalue(request.param)
 
@@ -140,3 +141,20 @@ def test_granite_refusals(tmp_path, granite_hybrid):
             json.dump({**cfg, **change}, f)
         with pytest.raises(ValueError, match=words):
             Engine(str(bad), device="cpu", engine_config=EngineConfig(verbose=False))
+
+
+def test_falcon_with_its_gated_norm_matches_transformers(tmp_path):
+    """Falcon-H1 with ``mamba_rms_norm`` (the norm before the gate, and after it)."""
+    from helpers import make_falcon_h1_checkpoint
+
+    for before in (True, False):
+        path, hf = make_falcon_h1_checkpoint(str(tmp_path / f"f{before}"), mamba_rms_norm=True,
+                                             mamba_norm_before_gate=before)
+        prompt = random_prompts(hf.config.vocab_size, [23], seed=16)[0]
+        with torch.no_grad():
+            ref = hf(torch.tensor([prompt])).logits[0]
+        eng = Engine(path, device="cpu", dtype="float32", engine_config=EngineConfig(chunk_size=5, verbose=False))
+        assert (eng.prompt_logits(prompt) - ref).abs().max().item() < 1e-4
+        out = LLM(path, device="cpu", dtype="float32", chunk_size=5, verbose=False).generate(
+            [prompt], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)[0]
+        assert out.token_ids == hf_greedy(hf, prompt, 8)

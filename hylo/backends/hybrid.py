@@ -17,25 +17,28 @@ class HybridBackend(Backend):
         self.attn = attn
         self.linear = linear
         self.children = (attn, linear)
-        # global layer id -> index inside that kind's cache (KV pool layers, state pool layers)
-        self.local_index: dict[int, int] = {}
-        counts = {"full_attention": 0, "linear_attention": 0}  # other kinds (MLP blocks) hold no cache
+        # global layer id -> index inside each kind's cache (KV pool layers, state pool layers); a "hybrid" layer
+        # (Falcon-H1) has one of each, an MLP block none
+        self.attn_index: dict[int, int] = {}
+        self.linear_index: dict[int, int] = {}
         for i, t in enumerate(layer_types):
-            if t in counts:
-                self.local_index[i] = counts[t]
-                counts[t] += 1
+            if t in ("full_attention", "hybrid"):
+                self.attn_index[i] = len(self.attn_index)
+            if t in ("linear_attention", "hybrid"):
+                self.linear_index[i] = len(self.linear_index)
+        model_attn = len(self.attn_index)
         for i in range(extra_attn_layers):
-            self.local_index[len(layer_types) + i] = counts["full_attention"] + i
+            self.attn_index[len(layer_types) + i] = model_attn + i
         self.needs_cpu_seq_lens = any(c.needs_cpu_seq_lens for c in self.children)
 
     def attention(self, layer_id: int, *args, **kwargs):
-        return self.attn.forward(self.local_index[layer_id], *args, **kwargs)
+        return self.attn.forward(self.attn_index[layer_id], *args, **kwargs)
 
     def kv_store(self, layer_id: int, *args, **kwargs):
-        return self.attn.kv_store(self.local_index[layer_id], *args, **kwargs)
+        return self.attn.kv_store(self.attn_index[layer_id], *args, **kwargs)
 
     def linear_attention(self, layer_id: int, *args, **kwargs):
-        return self.linear.forward(self.local_index[layer_id], *args, **kwargs)
+        return self.linear.forward(self.linear_index[layer_id], *args, **kwargs)
 
     def commit_verified(self, state_slots, accepted) -> None:
         """After a verify: the accepted state of every row into its slot (the linear-attention layers' job)."""

@@ -10,13 +10,14 @@ output is rounded to the activations' dtype first.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..backends.mamba2 import Mamba2Params, Mamba2Shape
 from ..config import Mamba2Spec
 from ..core import ForwardBatch
 from ..ops.linear import linear
-from ..ops.mamba2 import gated_rms_norm_ref
+from ..ops.mamba2 import gated_rms_norm_ref, norm_then_gate_ref
 from .weights import TensorReader, copy_into
 
 
@@ -36,9 +37,9 @@ class Mamba2Mixer(nn.Module):
         self.conv_weight = param(s.conv_dim, cfg.conv_kernel)
         self.conv_bias = param(s.conv_dim) if cfg.conv_bias else None
         self.A_log, self.D, self.dt_bias = param(s.num_heads), param(s.num_heads), param(s.num_heads)
-        self.norm_weight = param(s.inner)
+        self.norm_weight = param(s.inner) if cfg.norm != "gate" else None
         self.out_proj = param(hidden, s.inner)
-        self.out_proj_bias = param(hidden) if cfg.proj_bias else None
+        self.out_proj_bias = param(hidden) if (cfg.proj_bias if cfg.out_bias is None else cfg.out_bias) else None
 
     def params(self) -> Mamba2Params:
         c = self.cfg
@@ -53,7 +54,13 @@ class Mamba2Mixer(nn.Module):
         y = y.reshape(x.shape[0], s.inner)
         if not batch.mode.is_extend:
             y = y.to(x.dtype)
-        y = gated_rms_norm_ref(y, z, self.norm_weight, s.inner // s.n_groups, self.cfg.norm_eps)
+        norm, group = self.cfg.norm, s.inner // s.n_groups
+        if norm == "gate_then_norm":
+            y = gated_rms_norm_ref(y, z, self.norm_weight, group, self.cfg.norm_eps)
+        elif norm == "norm_then_gate":
+            y = norm_then_gate_ref(y, z, self.norm_weight, group, self.cfg.norm_eps)
+        else:
+            y = y * F.silu(z)
         return linear(y.to(x.dtype), self.out_proj, self.out_proj_bias)
 
     def load(self, r: TensorReader, prefix: str) -> None:
@@ -66,7 +73,8 @@ class Mamba2Mixer(nn.Module):
             copy_into(self.conv_bias, r.get(f"{prefix}.conv1d.bias", (s.conv_dim,)))
         for name in ("A_log", "D", "dt_bias"):
             copy_into(getattr(self, name), r.get(f"{prefix}.{name}", (s.num_heads,)))
-        copy_into(self.norm_weight, r.get(f"{prefix}.norm.weight", (s.inner,)))
+        if self.norm_weight is not None:
+            copy_into(self.norm_weight, r.get(f"{prefix}.norm.weight", (s.inner,)))
         copy_into(self.out_proj, r.get(f"{prefix}.out_proj.weight", (self.hidden, s.inner)))
         if self.out_proj_bias is not None:
             copy_into(self.out_proj_bias, r.get(f"{prefix}.out_proj.bias", (self.hidden,)))

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..config import ModelConfig, eos_ids, replace_fields
-from . import granite_hybrid, nemotron_h, qwen3_5, qwen3_next
+from . import falcon_h1, granite_hybrid, nemotron_h, qwen3_5, qwen3_next
 from .hybrid import HybridForCausalLM
 from .mtp import MTPHead
 from .quant import parse_quantization
@@ -39,6 +39,7 @@ FAMILIES = (
            ignored=((nemotron_h.MTP_PREFIX, "the MTP layers (not yet used as a drafter)"),)),
     Family("Granite-4.0-H", granite_hybrid.MODEL_TYPES, granite_hybrid.parse_config,
            granite_hybrid.GraniteMoeHybridForCausalLM, None),
+    Family("Falcon-H1", falcon_h1.MODEL_TYPES, falcon_h1.parse_config, falcon_h1.FalconH1ForCausalLM, None),
 )
 _BY_TYPE = {t: f for f in FAMILIES for t in f.model_types}
 
@@ -57,8 +58,12 @@ def family_of(model_type: str | None) -> Family:
 def parse_config(cfg: dict[str, Any]) -> ModelConfig:
     """A ``config.json``'s contents as hylo's ModelConfig, checked (an unsupported family, shape or quantization is
     a ValueError naming it)."""
-    mc = family_of(cfg.get("model_type")).parse(cfg)
+    family = family_of(cfg.get("model_type"))
+    mc = family.parse(cfg)
     mc = replace_fields(mc, quantization=parse_quantization(cfg))
+    if mc.quantization is not None and mc.mamba is not None:
+        raise ValueError(f"quantized {family.name} checkpoints are not supported yet (block FP8 is served for the "
+                         f"Qwen families only)")
     mc.validate()
     return mc
 

@@ -117,3 +117,12 @@ def gated_rms_norm_ref(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, g
     g = h.unflatten(-1, (-1, group_size))
     g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + eps)
     return weight * g.flatten(-2).to(y.dtype)
+
+
+def norm_then_gate_ref(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group_size: int,
+                       eps: float) -> torch.Tensor:
+    """``weight * rms_norm(y) * silu(z)``, the mean of squares per group of ``group_size`` channels, all in float32,
+    then rounded to y's dtype (Falcon-H1's norm with ``mamba_norm_before_gate``)."""
+    g = y.float().unflatten(-1, (-1, group_size))
+    g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight.float() * g.flatten(-2) * F.silu(z.float())).to(y.dtype)

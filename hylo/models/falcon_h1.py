@@ -1,0 +1,191 @@
+"""Falcon-H1 (``falcon_h1``): in every layer a Mamba2 mixer and RoPE attention side by side on the same normed input,
+their outputs summed into the residual, then a SwiGLU MLP; muP multipliers everywhere. Names as released and as
+transformers writes them: ``model.layers.N.{mamba, self_attn, feed_forward, input_layernorm, pre_ff_layernorm}``,
+``model.final_layernorm``.
+
+The multipliers that scale a projection's input or output (``ssm_in_multiplier``, ``ssm_multipliers`` per
+segment of the Mamba2 input projection, ``ssm_out_multiplier``, ``attention_in_multiplier``, ``key_multiplier``,
+``attention_out_multiplier``, ``mlp_multipliers``) are folded into those projections' weights at load, so the
+layers run unscaled (in float32 the same numbers; in bfloat16 a rounding apart from scaling the activations); the
+embedding and LM-head multipliers are applied as they come. Not yet served, refused before a weight is read: tensor
+parallelism, MLP biases, RoPE scaling other than the default.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import Mamba2Spec, ModelConfig, MuP, eos_ids
+from ..core import ForwardBatch
+from ..layers.attention import Attention
+from ..layers.mamba2 import Mamba2Mixer
+from ..layers.moe import MLP
+from ..layers.weights import TensorReader, copy_into
+from ..ops.norm import rms_norm_plain
+from ..parallel.group import SINGLE, TPGroup
+from ..progress import progress as progress_of
+
+MODEL_TYPES = ("falcon_h1",)
+
+
+def _inf(v) -> float:
+    return float("inf") if isinstance(v, dict) else float(v)  # JSON writes infinity as {"__float__": "Infinity"}
+
+
+def parse_config(cfg: dict[str, Any]) -> ModelConfig:
+    """A Falcon-H1 ``config.json`` as hylo's ModelConfig; its multipliers go to ``FalconH1ForCausalLM``."""
+    name = "falcon_h1 config"
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{name}: hidden_act={cfg['hidden_act']!r} is not supported (only 'silu')")
+    if cfg.get("mlp_bias"):
+        raise ValueError(f"{name}: mlp_bias=true is not supported")
+    rope = cfg.get("rope_parameters") or {}
+    if rope.get("rope_type", "default") != "default":
+        raise ValueError(f"{name}: rope_type {rope['rope_type']!r} is not supported (only the default RoPE)")
+    hidden = cfg.get("hidden_size", 4096)
+    heads = cfg.get("mamba_n_heads", 128)
+    inner = cfg.get("mamba_d_ssm") or int(cfg.get("mamba_expand", 2) * hidden)
+    head_dim = cfg.get("mamba_d_head", "auto")
+    head_dim = inner // heads if head_dim in (None, "auto") else head_dim
+    if head_dim * heads != inner:
+        raise ValueError(f"{name}: mamba_n_heads * mamba_d_head = {heads * head_dim} is not the Mamba2 inner size "
+                         f"{inner} (mamba_d_ssm, or mamba_expand * hidden_size)")
+    for key, count in (("ssm_multipliers", 5), ("mlp_multipliers", 2)):
+        if cfg.get(key) is not None and len(cfg[key]) != count:
+            raise ValueError(f"{name}: {key} must hold {count} numbers")
+    mamba = Mamba2Spec(num_heads=heads, head_dim=head_dim, n_groups=cfg.get("mamba_n_groups", 1),
+                       state_size=cfg.get("mamba_d_state", 256), conv_kernel=cfg.get("mamba_d_conv", 4),
+                       conv_bias=cfg.get("mamba_conv_bias", True), proj_bias=cfg.get("mamba_proj_bias", False),
+                       norm_eps=cfg.get("rms_norm_eps", 1e-5),
+                       dt_limit=tuple(_inf(v) for v in cfg.get("time_step_limit") or (0.0, float("inf"))),
+                       chunk_size=cfg.get("mamba_chunk_size", 256),
+                       norm=(("norm_then_gate" if cfg.get("mamba_norm_before_gate", True) else "gate_then_norm")
+                             if cfg.get("mamba_rms_norm", False) else "gate"),
+                       out_bias=cfg.get("projectors_bias", False))
+    if heads % mamba.n_groups:
+        raise ValueError(f"{name}: mamba_n_heads={heads} is not a multiple of mamba_n_groups={mamba.n_groups}")
+    attn_heads = cfg.get("num_attention_heads", 32)
+    layers = cfg.get("num_hidden_layers", 32)
+    return ModelConfig(
+        vocab_size=cfg.get("vocab_size", 128000), hidden_size=hidden, num_hidden_layers=layers,
+        layer_types=("hybrid",) * layers, num_attention_heads=attn_heads,
+        num_key_value_heads=cfg.get("num_key_value_heads") or attn_heads,
+        head_dim=cfg.get("head_dim") or hidden // attn_heads,
+        rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))), partial_rotary_factor=1.0,
+        attention_bias=bool(cfg.get("attention_bias", False)),
+        # the GDN fields do not apply (no GDN layer); the state pool takes its shapes from ``mamba``
+        linear_num_key_heads=1, linear_num_value_heads=1, linear_key_head_dim=1, linear_value_head_dim=1,
+        linear_conv_kernel_dim=mamba.conv_kernel, intermediate_size=cfg.get("intermediate_size", 14336),
+        num_experts=0, num_experts_per_tok=0, moe_intermediate_size=0, shared_expert_intermediate_size=0,
+        norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=(), rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
+        max_position_embeddings=cfg.get("max_position_embeddings", 8192),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        eos_token_ids=eos_ids(cfg.get("eos_token_id")), num_nextn_predict_layers=0, hidden_act="silu",
+        model_type=cfg.get("model_type", "falcon_h1"), mamba=mamba,
+        mup=MuP(embedding=float(cfg.get("embedding_multiplier", 1.0)),
+                logits=1.0 / float(cfg.get("lm_head_multiplier", 1.0)),
+                ssm_in=float(cfg.get("ssm_in_multiplier", 1.0)),
+                ssm_segments=tuple(float(v) for v in cfg.get("ssm_multipliers") or (1.0,) * 5),
+                ssm_out=float(cfg.get("ssm_out_multiplier", 1.0)),
+                attention_in=float(cfg.get("attention_in_multiplier", 1.0)),
+                key=float(cfg.get("key_multiplier", 1.0)),
+                attention_out=float(cfg.get("attention_out_multiplier", 1.0)),
+                mlp=tuple(float(v) for v in cfg.get("mlp_multipliers") or (1.0, 1.0))))
+
+
+class FalconH1Layer(nn.Module):
+    def __init__(self, mc: ModelConfig, layer_id: int, dtype: torch.dtype, device=None):
+        super().__init__()
+        self.eps = mc.rms_norm_eps
+        kw = dict(dtype=dtype, device=device)
+        self.input_norm = nn.Parameter(torch.empty(mc.hidden_size, **kw), requires_grad=False)
+        self.pre_ff_norm = nn.Parameter(torch.empty(mc.hidden_size, **kw), requires_grad=False)
+        self.mamba = Mamba2Mixer(mc.hidden_size, mc.mamba, layer_id, dtype, device)
+        self.attn = Attention(mc, layer_id, dtype, device)
+        self.mlp = MLP(mc.hidden_size, mc.intermediate_size, dtype, device)
+        self.mup = mc.mup
+
+    def _norm(self, h, w):
+        return rms_norm_plain(h, w, self.eps, weight_in_float32=False)
+
+    def forward(self, h: torch.Tensor, batch: ForwardBatch, backend) -> torch.Tensor:
+        x = self._norm(h, self.input_norm)
+        h = h + (self.mamba(x, batch, backend) + self.attn(x, batch, backend))
+        return h + self.mlp(self._norm(h, self.pre_ff_norm))
+
+    @torch.no_grad()
+    def load(self, r: TensorReader, prefix: str) -> None:
+        copy_into(self.input_norm, r.get(f"{prefix}.input_layernorm.weight", tuple(self.input_norm.shape)))
+        copy_into(self.pre_ff_norm, r.get(f"{prefix}.pre_ff_layernorm.weight", tuple(self.pre_ff_norm.shape)))
+        self.mamba.load(r, f"{prefix}.mamba")
+        self.attn.load(r, f"{prefix}.self_attn")
+        self.mlp.load(r, f"{prefix}.feed_forward")
+        self._fold()
+
+    def _fold(self) -> None:
+        """The multipliers into the projections (module docstring)."""
+        m, a, mup = self.mamba, self.attn, self.mup
+        s = m.shape
+        gn = s.n_groups * s.state_size
+        seg = torch.tensor(mup.ssm_segments, dtype=torch.float32)
+        scale = torch.repeat_interleave(seg, torch.tensor([s.inner, s.inner, gn, gn, s.num_heads]))
+        scale = scale.to(m.in_proj.device)
+        m.in_proj.copy_(m.in_proj.float() * (scale * mup.ssm_in)[:, None])
+        if m.in_proj_bias is not None:
+            m.in_proj_bias.copy_(m.in_proj_bias.float() * scale)
+        m.out_proj.mul_(mup.ssm_out)
+        if m.out_proj_bias is not None:
+            m.out_proj_bias.mul_(mup.ssm_out)
+        key = mup.key
+        a.qkv_proj.mul_(mup.attention_in)
+        a.qkv_proj[a.q_size:a.q_size + a.kv_size].mul_(key)
+        if a.qkv_bias is not None:
+            a.qkv_bias[a.q_size:a.q_size + a.kv_size].mul_(key)
+        a.o_proj.mul_(mup.attention_out)
+        if a.o_bias is not None:
+            a.o_bias.mul_(mup.attention_out)
+        gate, down = mup.mlp
+        self.mlp.gate_up[:self.mlp.inter].mul_(gate)
+        self.mlp.down.mul_(down)
+
+
+class FalconH1ForCausalLM(nn.Module):
+    family = "falcon_h1"
+
+    def __init__(self, mc: ModelConfig, dtype: torch.dtype, device=None, tp: TPGroup = SINGLE):
+        super().__init__()
+        if tp.size > 1:
+            raise ValueError("Falcon-H1 models do not run with tensor parallelism yet: use tensor_parallel_size=1")
+        self.config, self.dtype, self.tp = mc, dtype, tp
+        kw = dict(dtype=dtype, device=device)
+        self.embed = nn.Parameter(torch.empty(mc.vocab_size, mc.hidden_size, **kw), requires_grad=False)
+        self.layers = nn.ModuleList(FalconH1Layer(mc, i, dtype, device) for i in range(mc.num_hidden_layers))
+        self.norm = nn.Parameter(torch.empty(mc.hidden_size, **kw), requires_grad=False)
+        self.lm_head = (self.embed if mc.tie_word_embeddings
+                        else nn.Parameter(torch.empty(mc.vocab_size, mc.hidden_size, **kw), requires_grad=False))
+
+    def forward(self, batch: ForwardBatch, backend) -> torch.Tensor:
+        h = self.embed_tokens(batch.input_ids)
+        for layer in self.layers:
+            h = layer(h, batch, backend)
+        return rms_norm_plain(h, self.norm, self.config.rms_norm_eps, weight_in_float32=False)
+
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.embed) * self.config.mup.embedding
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head) / self.config.mup.logits
+
+    def load(self, r: TensorReader, progress: bool = False) -> None:
+        mc = self.config
+        shape = (mc.vocab_size, mc.hidden_size)
+        copy_into(self.embed, r.get("model.embed_tokens.weight", shape))
+        if not mc.tie_word_embeddings:
+            copy_into(self.lm_head, r.get("lm_head.weight", shape))
+        for i, layer in enumerate(progress_of(self.layers, "loading layers", enabled=progress, unit="layers")):
+            layer.load(r, f"model.layers.{i}")
+        copy_into(self.norm, r.get("model.final_layernorm.weight", (mc.hidden_size,)))
