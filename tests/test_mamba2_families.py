@@ -92,7 +92,9 @@ def test_unsupported_forms_are_refused_before_any_weight(tmp_path, nemotron):
         cfg = json.load(f)
     for change, words in (({"layers_block_type": ["linear_attention", "moe"]}, "MoE blocks"),
                           ({"mlp_hidden_act": "silu"}, "mlp_hidden_act"),
-                          ({"mamba_num_heads": 5}, "n_groups")):
+                          ({"mamba_num_heads": 5}, "n_groups"),
+                          ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128],
+                                                    "activation_scheme": "dynamic"}}, "quantized")):
         bad = tmp_path / words.replace(" ", "_")
         bad.mkdir()
         with open(bad / "config.json", "w") as f:
