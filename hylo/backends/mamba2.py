@@ -10,7 +10,8 @@ the contract the GDN backend keeps (DESIGN.md sections 4 and 10).
 State slot -1 marks a padded row: it reads zeros and writes nothing. The pool's recurrent state of a Mamba2 layer
 is ``[H, P, N]`` (heads, head channels, state size) where a GDN layer's is ``[Hv, Dk, Dv]``.
 
-This is the reference path (plain PyTorch, every device); the Triton kernels come with the GPU work of issue 36.
+On CUDA the decode and verify recurrence runs one Triton launch per layer (``ops/mamba2_triton.py``); the conv,
+the prefill scan and the gated norm run their PyTorch references on every device for now.
 As in transformers and the released kernels, prefill clamps dt to the config's limit and a decode step does not.
 """
 
@@ -24,6 +25,7 @@ from ..cache.state_pool import StatePool
 from ..core import ForwardBatch, ForwardMode
 from ..ops import conv1d as conv_ops
 from ..ops import mamba2 as ops
+from ..ops.triton_utils import use_triton
 from .base import Backend
 from .gdn import commit_checkpoints
 
@@ -71,6 +73,7 @@ class Mamba2Backend(Backend):
 
     def __init__(self, state_pool: StatePool):
         self.state_pool = state_pool
+        self.fast = use_triton(state_pool.recurrent)  # the decode / verify steps in one Triton launch per layer
 
     def init_forward_metadata_replay(self, batch: ForwardBatch) -> None:
         """Padded rows get state slot -1: they read zeros and write nothing (only their own verify rows)."""
@@ -89,6 +92,8 @@ class Mamba2Backend(Backend):
         if batch.mode.is_decode:
             x = conv_ops.causal_conv1d_update_ref(xbc, conv_pool, params.conv_weight, batch.state_slots,
                                                   params.conv_bias)
+            if self.fast:
+                return self._steps_triton(x, dt, rec_pool, params, shape, batch, None)
             xs, B, C = shape.split(x)
             return ops.ssd_decode_ref(xs, ops.discretize(dt, params.dt_bias), A, B, C, params.D, rec_pool,
                                       batch.state_slots)
@@ -123,13 +128,24 @@ class Mamba2Backend(Backend):
         conv0 = conv_pool[idx].float() * valid
         x, conv_states = conv_ops.causal_conv1d_windows_ref(xbc.view(bs, steps, -1), conv0, params.conv_weight,
                                                             params.conv_bias)
+        pool.verify_conv[layer, :bs] = conv_states.to(pool.verify_conv.dtype)
+        if self.fast:
+            return self._steps_triton(x.reshape(bs * steps, -1), dt, rec_pool, params, shape, batch,
+                                      pool.verify_recurrent[layer])
         xs, B, C = shape.split(x)
         rec0 = rec_pool[idx].float() * valid[..., None]
         y, states = ops.ssd_verify_ref(xs, ops.discretize(dt.view(bs, steps, -1), params.dt_bias), A, B, C,
                                        params.D, rec0)
-        pool.verify_conv[layer, :bs] = conv_states.to(pool.verify_conv.dtype)
         pool.verify_recurrent[layer, :bs] = states.to(pool.verify_recurrent.dtype)
         return y.reshape(bs * steps, shape.num_heads, shape.head_dim)
+
+    @staticmethod
+    def _steps_triton(x, dt, rec_pool, params, shape, batch, verify):
+        from ..ops.mamba2_triton import mamba2_steps
+
+        return mamba2_steps(x, dt, params.A_log, params.D, params.dt_bias, rec_pool, batch.state_slots,
+                            shape.num_heads, shape.head_dim, shape.n_groups, shape.state_size,
+                            batch.tokens_per_row, verify)
 
     def commit_verified(self, state_slots: torch.Tensor, accepted: torch.Tensor) -> None:
         """After a verify: each row's conv window and state at its last accepted step into its slot."""

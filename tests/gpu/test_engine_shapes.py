@@ -2,7 +2,7 @@
 (tests/helpers.py: head sizes that are not powers of two, one to three value heads per key head, conv kernels of 3
 and 4, a shared expert of the routed size and one of another, dense layers among MoE layers, biases, tied
 embeddings, top-k without renormalisation) and two Qwen3.5 ones (a dense MLP in every layer; three value heads per
-key head), and a Nemotron-H (Mamba2). The engine with the Triton kernels (and CUDA graphs, on a GPU) against
+key head), and the three Mamba2 families'. The engine with the Triton kernels (and CUDA graphs, on a GPU) against
 the same engine on the torch reference ops. On CUDA, or on CPU tensors through Triton's interpreter."""
 
 import pytest
@@ -35,8 +35,9 @@ CHECKPOINTS = {"a": "ckpt_a", "b": "ckpt_b", "a-mtp": "ckpt_a_mtp", "b-mtp": "ck
                # Qwen3.5: a dense model in the released form (dense MLP in every layer, tied embeddings) and a MoE
                # model in the text-only form (its MTP experts stored fused); both carry an MTP head
                "q35-dense": "q35_dense_vl", "q35-moe": "q35_moe_text",
-               # Nemotron-H (Mamba2 on the reference ops; its attention, MLPs, graphs and padding on the fast path)
-               "nemotron-h": "nemotron_h"}
+               # the Mamba2 families (the recurrence's steps in Triton; attention, MLPs, MoE, graphs and padding on
+               # the fast path)
+               "nemotron-h": "nemotron_h", "granite-h": "granite_hybrid", "falcon-h1": "falcon_h1"}
 
 
 # block-FP8 copies (tools/quantize_fp8.py), kept FP8 in memory: the W8A16 kernels against the reference's
@@ -69,7 +70,8 @@ def fp8_copies(tmp_path_factory):
 @pytest.mark.parametrize("name,spec", [("a", None), ("b", None), ("a-mtp", "mtp"), ("b-mtp", "mtp"),
                                        ("q35-dense", None), ("q35-moe", None), ("q35-dense", "mtp"),
                                        ("q35-moe", "mtp"), ("a-mtp-fp8", None), ("a-mtp-fp8", "mtp"),
-                                       ("q35-moe-fp8", "mtp"), ("nemotron-h", None), ("nemotron-h", "ngram")])
+                                       ("q35-moe-fp8", "mtp"), ("nemotron-h", None), ("nemotron-h", "ngram"),
+                                       ("granite-h", "ngram"), ("falcon-h1", "ngram")])
 def test_fast_path_on_other_shapes_matches_the_reference_ops(dev, name, spec, request, monkeypatch, fp8_copies):
     """Prompt logits (chunked prefill: 16-token chunks over a 37-token prompt) agree with the reference ops; a batch
     of three (padded to a captured 4 on a GPU) generates the reference's greedy tokens wherever the reference's

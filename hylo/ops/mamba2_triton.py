@@ -1,0 +1,76 @@
+"""Triton kernel for Mamba2's decode and verify steps (``ops.mamba2.ssd_decode_ref`` / ``ssd_verify_ref`` in one
+launch): a program holds a [BP, N] block of one head's state of one row in registers across the row's S steps,
+and for each step computes dt = softplus(dt_raw + dt_bias) (no clamp, as in the reference's steps), the decay
+exp(dt * A), the update ``S = S * decay + (dt * x) (outer) B``, and ``y = S C + D x``. Decode writes the state
+back to the row's slot; a verify writes each step's state to the verify buffer instead and never the slot. A row
+with state slot -1 (padding) starts from zeros and writes nothing but its own verify rows.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_utils import next_pow2
+
+
+@triton.jit
+def _mamba2_steps_kernel(x_ptr, dt_ptr, A_log_ptr, D_ptr, dt_bias_ptr, pool_ptr, slots_ptr, y_ptr, verify_ptr,
+                         stride_x, stride_dt, stride_pool, stride_vrow, stride_vstep,
+                         H: tl.constexpr, P: tl.constexpr, N: tl.constexpr, G: tl.constexpr, INNER: tl.constexpr,
+                         S: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, VERIFY: tl.constexpr):
+    row = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_p = tl.program_id(2) * BP + tl.arange(0, BP)
+    offs_n = tl.arange(0, BN)
+    mp, mn = offs_p < P, offs_n < N
+    m2 = mp[:, None] & mn[None, :]
+    slot = tl.load(slots_ptr + row)
+    valid = slot >= 0
+    safe = tl.where(valid, slot, 0).to(tl.int64)
+    state_off = h * P * N + offs_p[:, None] * N + offs_n[None, :]
+    state = tl.load(pool_ptr + safe * stride_pool + state_off, mask=m2 & valid, other=0.0).to(tl.float32)
+    A = -tl.exp(tl.load(A_log_ptr + h).to(tl.float32))
+    Dh = tl.load(D_ptr + h).to(tl.float32)
+    bias = tl.load(dt_bias_ptr + h).to(tl.float32)
+    g = h // (H // G)  # the group whose B and C this head reads
+    for s in range(S):
+        tok = (row * S + s).to(tl.int64)
+        raw = tl.load(dt_ptr + tok * stride_dt + h).to(tl.float32) + bias
+        dt = tl.where(raw > 20.0, raw, tl.log(1.0 + tl.exp(tl.minimum(raw, 20.0))))
+        x = tl.load(x_ptr + tok * stride_x + h * P + offs_p, mask=mp, other=0.0).to(tl.float32)
+        Bv = tl.load(x_ptr + tok * stride_x + INNER + g * N + offs_n, mask=mn, other=0.0).to(tl.float32)
+        Cv = tl.load(x_ptr + tok * stride_x + INNER + G * N + g * N + offs_n, mask=mn, other=0.0).to(tl.float32)
+        state = state * tl.exp(dt * A) + (dt * x)[:, None] * Bv[None, :]
+        y = tl.sum(state * Cv[None, :], 1) + Dh * x
+        tl.store(y_ptr + (tok * H + h) * P + offs_p, y, mask=mp)
+        if VERIFY:
+            tl.store(verify_ptr + row * stride_vrow + s * stride_vstep + state_off,
+                     state.to(verify_ptr.dtype.element_ty), mask=m2)
+    if not VERIFY:
+        tl.store(pool_ptr + safe * stride_pool + state_off, state.to(pool_ptr.dtype.element_ty), mask=m2 & valid)
+
+
+def mamba2_steps(xbc: torch.Tensor, dt: torch.Tensor, A_log: torch.Tensor, D: torch.Tensor, dt_bias: torch.Tensor,
+                 pool: torch.Tensor, slots: torch.Tensor, num_heads: int, head_dim: int, n_groups: int,
+                 state_size: int, steps: int = 1, verify: torch.Tensor | None = None) -> torch.Tensor:
+    """xbc: [B * steps, conv_dim] (the conv's output: x | B | C, unit stride along channels); dt: [B * steps, H]
+    raw (unit stride along heads); pool: [slots, H, P, N] (one layer, contiguous per slot); slots: [B];
+    verify: None (decode: the slot is updated) or [max_B, steps, H, P, N] (one layer: every step's state, the slot
+    untouched). Returns y [B * steps, H, P] in float32."""
+    num_tokens = xbc.shape[0]
+    batch = num_tokens // steps
+    y = torch.empty(num_tokens, num_heads, head_dim, dtype=torch.float32, device=xbc.device)
+    if batch == 0:
+        return y
+    assert xbc.stride(-1) == 1 and dt.stride(-1) == 1 and pool[0].is_contiguous()
+    bp = min(next_pow2(head_dim), 32)
+    grid = (batch, num_heads, triton.cdiv(head_dim, bp))
+    _mamba2_steps_kernel[grid](
+        xbc, dt, A_log, D, dt_bias, pool, slots, y, verify if verify is not None else pool,
+        xbc.stride(0), dt.stride(0), pool.stride(0),
+        verify.stride(0) if verify is not None else 0, verify.stride(1) if verify is not None else 0,
+        H=num_heads, P=head_dim, N=state_size, G=n_groups, INNER=num_heads * head_dim, S=steps, BP=bp,
+        BN=next_pow2(state_size), VERIFY=verify is not None, num_warps=4)
+    return y
