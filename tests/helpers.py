@@ -296,6 +296,19 @@ def load_hf_qwen35(path: str, kind: str, form: str):
     return qwen35_classes(kind, form)[1].from_pretrained(path, dtype=torch.float32).eval()
 
 
+def _save_randomized(model, path: str):
+    """Weights large enough that every block matters (matrices N(0, 0.15), norms 1 + N(0, 0.2)), written by
+    ``save_pretrained``; returns (path, model)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.15)
+            elif "norm" in name:
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+    model.save_pretrained(path)
+    return path, model
+
+
 def make_nemotron_h_checkpoint(path: str, **overrides):
     """A tiny Nemotron-H (Mamba2, attention and MLP blocks; 3 groups, head dim 6, state 5: not powers of two)
     written by transformers' ``save_pretrained``; returns (path, the transformers model)."""
@@ -308,14 +321,7 @@ def make_nemotron_h_checkpoint(path: str, **overrides):
     cfg.update(overrides)
     torch.manual_seed(0)
     model = transformers.NemotronHForCausalLM(transformers.NemotronHConfig(**cfg)).eval()
-    with torch.no_grad():  # weights large enough that every block matters
-        for name, p in model.named_parameters():
-            if p.dim() >= 2:
-                p.normal_(0, 0.15)
-            elif "norm" in name:
-                p.copy_(1 + 0.2 * torch.randn_like(p))
-    model.save_pretrained(path)
-    return path, model
+    return _save_randomized(model, path)
 
 
 def make_granite_hybrid_checkpoint(path: str, **overrides):
@@ -332,14 +338,7 @@ def make_granite_hybrid_checkpoint(path: str, **overrides):
     cfg.update(overrides)
     torch.manual_seed(1)
     model = transformers.GraniteMoeHybridForCausalLM(transformers.GraniteMoeHybridConfig(**cfg)).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() >= 2:
-                p.normal_(0, 0.15)
-            elif "norm" in name:
-                p.copy_(1 + 0.2 * torch.randn_like(p))
-    model.save_pretrained(path)
-    return path, model
+    return _save_randomized(model, path)
 
 
 def make_falcon_h1_checkpoint(path: str, **overrides):
@@ -356,11 +355,4 @@ def make_falcon_h1_checkpoint(path: str, **overrides):
     cfg.update(overrides)
     torch.manual_seed(2)
     model = transformers.FalconH1ForCausalLM(transformers.FalconH1Config(**cfg)).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() >= 2:
-                p.normal_(0, 0.15)
-            elif "norm" in name:
-                p.copy_(1 + 0.2 * torch.randn_like(p))
-    model.save_pretrained(path)
-    return path, model
+    return _save_randomized(model, path)

@@ -5,7 +5,7 @@ slot, whose commit lands each row on its accepted step."""
 import pytest
 import torch
 
-from hylo.backends.mamba2 import Mamba2Backend, Mamba2Shape
+from hylo.backends.mamba2 import Mamba2Backend
 from hylo.cache.state_pool import StatePool
 from hylo.core import ForwardBatch, ForwardMode
 from hylo.config import Mamba2Spec
@@ -30,10 +30,9 @@ def pair():
         for p in mixer.parameters():
             p.copy_(torch.randn_like(p) * 0.3)
         mixer.dt_bias.add_(1.0)  # softplus well above the prefill's dt limit: prefill and decode agree
-    shape = Mamba2Shape(HEADS, HEAD_DIM, GROUPS, STATE)
-    spec = Mamba2Spec(HEADS, HEAD_DIM, GROUPS, STATE, KERNEL, True, True, 1e-5, (cfg.time_step_min, float("inf")),
-                      chunk_size=4)
-    ours = Mamba2Mixer(HIDDEN, spec, 0, torch.float32)
+    shape = Mamba2Spec(HEADS, HEAD_DIM, GROUPS, STATE, KERNEL, True, True, 1e-5, (cfg.time_step_min, float("inf")),
+                       chunk_size=4)
+    ours = Mamba2Mixer(HIDDEN, shape, 0, torch.float32)
     ours.load(DictReader({f"m.{k}": v.detach() for k, v in mixer.state_dict().items()}), "m")
     return mixer, ours, shape
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from ..cache.state_pool import StatePool
+from ..config import Mamba2Spec
 from ..core import ForwardBatch, ForwardMode
 from ..ops import conv1d as conv_ops
 from ..ops import mamba2 as ops
@@ -30,29 +31,13 @@ from .base import Backend
 from .gdn import commit_checkpoints
 
 
-@dataclass(frozen=True)
-class Mamba2Shape:
-    num_heads: int
-    head_dim: int
-    n_groups: int
-    state_size: int
-
-    @property
-    def inner(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def conv_dim(self) -> int:
-        """Channels through the conv: x, B and C."""
-        return self.inner + 2 * self.n_groups * self.state_size
-
-    def split(self, xbc: torch.Tensor):
-        """[..., conv_dim] -> x [..., H, P], B and C [..., G, N]."""
-        gn = self.n_groups * self.state_size
-        x, B, C = xbc.split([self.inner, gn, gn], dim=-1)
-        lead = xbc.shape[:-1]
-        return (x.reshape(*lead, self.num_heads, self.head_dim), B.reshape(*lead, self.n_groups, self.state_size),
-                C.reshape(*lead, self.n_groups, self.state_size))
+def split_xbc(shape: Mamba2Spec, xbc: torch.Tensor):
+    """[..., conv_dim] -> x [..., H, P], B and C [..., G, N]."""
+    gn = shape.n_groups * shape.state_size
+    x, B, C = xbc.split([shape.inner, gn, gn], dim=-1)
+    lead = xbc.shape[:-1]
+    return (x.reshape(*lead, shape.num_heads, shape.head_dim), B.reshape(*lead, shape.n_groups, shape.state_size),
+            C.reshape(*lead, shape.n_groups, shape.state_size))
 
 
 @dataclass
@@ -80,7 +65,7 @@ class Mamba2Backend(Backend):
         if batch.num_padding:
             batch.state_slots[batch.batch_size - batch.num_padding:] = -1
 
-    def forward(self, layer: int, xbc: torch.Tensor, dt: torch.Tensor, params: Mamba2Params, shape: Mamba2Shape,
+    def forward(self, layer: int, xbc: torch.Tensor, dt: torch.Tensor, params: Mamba2Params, shape: Mamba2Spec,
                 batch: ForwardBatch) -> torch.Tensor:
         """xbc: [T, conv_dim] (before the conv); dt: [T, H] raw. ``layer`` indexes the linear layers only.
         Returns y [T, H, P] in float32 (the D skip included, before the gated norm)."""
@@ -94,7 +79,7 @@ class Mamba2Backend(Backend):
                                                   params.conv_bias)
             if self.fast:
                 return self._steps_triton(x, dt, rec_pool, params, shape, batch, None)
-            xs, B, C = shape.split(x)
+            xs, B, C = split_xbc(shape, x)
             return ops.ssd_decode_ref(xs, ops.discretize(dt, params.dt_bias), A, B, C, params.D, rec_pool,
                                       batch.state_slots)
         assert batch.mode is ForwardMode.TARGET_VERIFY
@@ -107,7 +92,7 @@ class Mamba2Backend(Backend):
             end = start + length
             x, new_conv = conv_ops.causal_conv1d_ref(xbc[start:end], conv_pool[slot] if slot >= 0 else None,
                                                      params.conv_weight, params.conv_bias)
-            xs, B, C = shape.split(x)
+            xs, B, C = split_xbc(shape, x)
             y, state = ops.ssd_chunk_scan_ref(xs, ops.discretize(dt[start:end], params.dt_bias, params.dt_limit), A,
                                               B, C, params.D, rec_pool[slot] if slot >= 0 else None,
                                               chunk_size=params.chunk_size)
@@ -132,7 +117,7 @@ class Mamba2Backend(Backend):
         if self.fast:
             return self._steps_triton(x.reshape(bs * steps, -1), dt, rec_pool, params, shape, batch,
                                       pool.verify_recurrent[layer])
-        xs, B, C = shape.split(x)
+        xs, B, C = split_xbc(shape, x)
         rec0 = rec_pool[idx].float() * valid[..., None]
         y, states = ops.ssd_verify_ref(xs, ops.discretize(dt.view(bs, steps, -1), params.dt_bias), A, B, C,
                                        params.D, rec0)

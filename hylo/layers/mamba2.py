@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..backends.mamba2 import Mamba2Params, Mamba2Shape
+from ..backends.mamba2 import Mamba2Params
 from ..config import Mamba2Spec
 from ..core import ForwardBatch
 from ..ops.linear import linear
@@ -25,7 +25,7 @@ class Mamba2Mixer(nn.Module):
     def __init__(self, hidden: int, cfg: Mamba2Spec, layer_id: int, dtype: torch.dtype, device=None):
         super().__init__()
         self.layer_id, self.hidden, self.cfg, self.dtype = layer_id, hidden, cfg, dtype
-        self.shape = s = Mamba2Shape(cfg.num_heads, cfg.head_dim, cfg.n_groups, cfg.state_size)
+        self.shape = s = cfg
         kw = dict(dtype=dtype, device=device)
         rows = s.inner + s.conv_dim + s.num_heads  # [z | x B C | dt]
 

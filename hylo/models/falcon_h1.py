@@ -16,7 +16,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..config import Mamba2Spec, ModelConfig, MuP, eos_ids
@@ -26,8 +25,7 @@ from ..layers.mamba2 import Mamba2Mixer
 from ..layers.moe import MLP
 from ..layers.weights import TensorReader, copy_into
 from ..ops.norm import rms_norm_plain
-from ..parallel.group import SINGLE, TPGroup
-from ..progress import progress as progress_of
+from .stack import LayerStack
 
 MODEL_TYPES = ("falcon_h1",)
 
@@ -153,39 +151,9 @@ class FalconH1Layer(nn.Module):
         self.mlp.down.mul_(down)
 
 
-class FalconH1ForCausalLM(nn.Module):
-    family = "falcon_h1"
+class FalconH1ForCausalLM(LayerStack):
+    family = "Falcon-H1"
+    FINAL_NORM = "model.final_layernorm.weight"
 
-    def __init__(self, mc: ModelConfig, dtype: torch.dtype, device=None, tp: TPGroup = SINGLE):
-        super().__init__()
-        if tp.size > 1:
-            raise ValueError("Falcon-H1 models do not run with tensor parallelism yet: use tensor_parallel_size=1")
-        self.config, self.dtype, self.tp = mc, dtype, tp
-        kw = dict(dtype=dtype, device=device)
-        self.embed = nn.Parameter(torch.empty(mc.vocab_size, mc.hidden_size, **kw), requires_grad=False)
-        self.layers = nn.ModuleList(FalconH1Layer(mc, i, dtype, device) for i in range(mc.num_hidden_layers))
-        self.norm = nn.Parameter(torch.empty(mc.hidden_size, **kw), requires_grad=False)
-        self.lm_head = (self.embed if mc.tie_word_embeddings
-                        else nn.Parameter(torch.empty(mc.vocab_size, mc.hidden_size, **kw), requires_grad=False))
-
-    def forward(self, batch: ForwardBatch, backend) -> torch.Tensor:
-        h = self.embed_tokens(batch.input_ids)
-        for layer in self.layers:
-            h = layer(h, batch, backend)
-        return rms_norm_plain(h, self.norm, self.config.rms_norm_eps, weight_in_float32=False)
-
-    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.embed) * self.config.mup.embedding
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head) / self.config.mup.logits
-
-    def load(self, r: TensorReader, progress: bool = False) -> None:
-        mc = self.config
-        shape = (mc.vocab_size, mc.hidden_size)
-        copy_into(self.embed, r.get("model.embed_tokens.weight", shape))
-        if not mc.tie_word_embeddings:
-            copy_into(self.lm_head, r.get("lm_head.weight", shape))
-        for i, layer in enumerate(progress_of(self.layers, "loading layers", enabled=progress, unit="layers")):
-            layer.load(r, f"model.layers.{i}")
-        copy_into(self.norm, r.get("model.final_layernorm.weight", (mc.hidden_size,)))
+    def make_layer(self, mc, layer_id, dtype, device):
+        return FalconH1Layer(mc, layer_id, dtype, device)

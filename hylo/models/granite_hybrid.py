@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..config import Mamba2Spec, ModelConfig, MuP, eos_ids
@@ -23,8 +22,7 @@ from ..layers.moe import MLP
 from ..layers.weights import TensorReader, copy_into
 from ..ops.moe import fused_moe, route_hidden
 from ..ops.norm import rms_norm_plain
-from ..parallel.group import SINGLE, TPGroup
-from ..progress import progress as progress_of
+from .stack import LayerStack
 
 MODEL_TYPES = ("granitemoehybrid",)
 LEGACY = {"mamba": "linear_attention", "attention": "full_attention"}
@@ -142,39 +140,8 @@ class GraniteLayer(nn.Module):
                                    f"{prefix}.shared_mlp.output_linear.weight")
 
 
-class GraniteMoeHybridForCausalLM(nn.Module):
-    family = "granitemoehybrid"
+class GraniteMoeHybridForCausalLM(LayerStack):
+    family = "Granite-4.0-H"
 
-    def __init__(self, mc: ModelConfig, dtype: torch.dtype, device=None, tp: TPGroup = SINGLE):
-        super().__init__()
-        if tp.size > 1:
-            raise ValueError("Granite-4.0-H models do not run with tensor parallelism yet: use tensor_parallel_size=1")
-        self.config, self.dtype, self.tp = mc, dtype, tp
-        kw = dict(dtype=dtype, device=device)
-        self.embed = nn.Parameter(torch.empty(mc.vocab_size, mc.hidden_size, **kw), requires_grad=False)
-        self.layers = nn.ModuleList(GraniteLayer(mc, i, dtype, device) for i in range(mc.num_hidden_layers))
-        self.norm = nn.Parameter(torch.empty(mc.hidden_size, **kw), requires_grad=False)
-        self.lm_head = (self.embed if mc.tie_word_embeddings
-                        else nn.Parameter(torch.empty(mc.vocab_size, mc.hidden_size, **kw), requires_grad=False))
-
-    def forward(self, batch: ForwardBatch, backend) -> torch.Tensor:
-        h = self.embed_tokens(batch.input_ids)
-        for layer in self.layers:
-            h = layer(h, batch, backend)
-        return rms_norm_plain(h, self.norm, self.config.rms_norm_eps, weight_in_float32=False)
-
-    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.embed) * self.config.mup.embedding
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head) / self.config.mup.logits
-
-    def load(self, r: TensorReader, progress: bool = False) -> None:
-        mc = self.config
-        shape = (mc.vocab_size, mc.hidden_size)
-        copy_into(self.embed, r.get("model.embed_tokens.weight", shape))
-        if not mc.tie_word_embeddings:
-            copy_into(self.lm_head, r.get("lm_head.weight", shape))
-        for i, layer in enumerate(progress_of(self.layers, "loading layers", enabled=progress, unit="layers")):
-            layer.load(r, f"model.layers.{i}")
-        copy_into(self.norm, r.get("model.norm.weight", (mc.hidden_size,)))
+    def make_layer(self, mc, layer_id, dtype, device):
+        return GraniteLayer(mc, layer_id, dtype, device)

@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..config import Mamba2Spec, ModelConfig, eos_ids
@@ -21,8 +20,7 @@ from ..layers.mamba2 import Mamba2Mixer
 from ..layers.mlp import SquaredReluMLP
 from ..layers.weights import TensorReader, copy_into
 from ..ops.norm import rms_norm_plain
-from ..parallel.group import SINGLE, TPGroup
-from ..progress import progress as progress_of
+from .stack import LayerStack
 
 MODEL_TYPES = ("nemotron_h",)
 PATTERN = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
@@ -115,40 +113,10 @@ class Block(nn.Module):
         self.mixer.load(r, f"{prefix}.mixer")
 
 
-class NemotronHForCausalLM(nn.Module):
-    family = "nemotron_h"
+class NemotronHForCausalLM(LayerStack):
+    family = "Nemotron-H"
+    EMBED, LAYERS, FINAL_NORM = "backbone.embeddings.weight", "backbone.layers", "backbone.norm_f.weight"
+    NORM_WEIGHT_IN_FLOAT32 = True
 
-    def __init__(self, mc: ModelConfig, dtype: torch.dtype, device=None, tp: TPGroup = SINGLE):
-        super().__init__()
-        if tp.size > 1:
-            raise ValueError("Nemotron-H models do not run with tensor parallelism yet: use tensor_parallel_size=1")
-        self.config, self.dtype, self.tp = mc, dtype, tp
-        kw = dict(dtype=dtype, device=device)
-        self.embed = nn.Parameter(torch.empty(mc.vocab_size, mc.hidden_size, **kw), requires_grad=False)
-        self.layers = nn.ModuleList(Block(mc, i, dtype, device) for i in range(mc.num_hidden_layers))
-        self.norm = nn.Parameter(torch.empty(mc.hidden_size, **kw), requires_grad=False)
-        self.lm_head = (self.embed if mc.tie_word_embeddings
-                        else nn.Parameter(torch.empty(mc.vocab_size, mc.hidden_size, **kw), requires_grad=False))
-
-    def forward(self, batch: ForwardBatch, backend) -> torch.Tensor:
-        """Returns the final hidden states (after the final norm), [T, hidden]."""
-        h = self.embed_tokens(batch.input_ids)
-        for layer in self.layers:
-            h = layer(h, batch, backend)
-        return rms_norm_plain(h, self.norm, self.config.rms_norm_eps)
-
-    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.embed)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head)
-
-    def load(self, r: TensorReader, progress: bool = False) -> None:
-        mc = self.config
-        shape = (mc.vocab_size, mc.hidden_size)
-        copy_into(self.embed, r.get("backbone.embeddings.weight", shape))
-        if not mc.tie_word_embeddings:
-            copy_into(self.lm_head, r.get("lm_head.weight", shape))
-        for i, layer in enumerate(progress_of(self.layers, "loading layers", enabled=progress, unit="layers")):
-            layer.load(r, f"backbone.layers.{i}")
-        copy_into(self.norm, r.get("backbone.norm_f.weight", (mc.hidden_size,)))
+    def make_layer(self, mc, layer_id, dtype, device):
+        return Block(mc, layer_id, dtype, device)
