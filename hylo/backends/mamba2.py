@@ -10,8 +10,9 @@ the contract the GDN backend keeps (DESIGN.md sections 4 and 10).
 State slot -1 marks a padded row: it reads zeros and writes nothing. The pool's recurrent state of a Mamba2 layer
 is ``[H, P, N]`` (heads, head channels, state size) where a GDN layer's is ``[Hv, Dk, Dv]``.
 
-On CUDA the decode and verify recurrence runs one Triton launch per layer (``ops/mamba2_triton.py``); the conv,
-the prefill scan and the gated norm run their PyTorch references on every device for now.
+On CUDA a decode or verify step is two Triton launches per layer: the conv with its bias (``ops.conv1d_triton``'s
+``conv_steps``) and the recurrence (``ops/mamba2_triton.py``); the prefill's conv and scan and the gated norm run
+their PyTorch references on every device for now.
 As in transformers and the released kernels, prefill clamps dt to the config's limit and a decode step does not.
 """
 
@@ -74,11 +75,17 @@ class Mamba2Backend(Backend):
         A = -torch.exp(params.A_log.float())
         if batch.mode.is_extend:
             return self._extend(conv_pool, rec_pool, xbc, dt, A, params, shape, batch)
+        if self.fast and not batch.mode.is_extend:  # conv and recurrence steps: one Triton launch each
+            from ..ops.conv1d_triton import conv_steps
+
+            pool, verify = self.state_pool, batch.mode is ForwardMode.TARGET_VERIFY
+            x = conv_steps(xbc, params.conv_weight, conv_pool, batch.state_slots, batch.tokens_per_row,
+                           pool.verify_conv[layer] if verify else None, bias=params.conv_bias)
+            return self._steps_triton(x, dt, rec_pool, params, shape, batch,
+                                      pool.verify_recurrent[layer] if verify else None)
         if batch.mode.is_decode:
             x = conv_ops.causal_conv1d_update_ref(xbc, conv_pool, params.conv_weight, batch.state_slots,
                                                   params.conv_bias)
-            if self.fast:
-                return self._steps_triton(x, dt, rec_pool, params, shape, batch, None)
             xs, B, C = split_xbc(shape, x)
             return ops.ssd_decode_ref(xs, ops.discretize(dt, params.dt_bias), A, B, C, params.D, rec_pool,
                                       batch.state_slots)
@@ -114,9 +121,6 @@ class Mamba2Backend(Backend):
         x, conv_states = conv_ops.causal_conv1d_windows_ref(xbc.view(bs, steps, -1), conv0, params.conv_weight,
                                                             params.conv_bias)
         pool.verify_conv[layer, :bs] = conv_states.to(pool.verify_conv.dtype)
-        if self.fast:
-            return self._steps_triton(x.reshape(bs * steps, -1), dt, rec_pool, params, shape, batch,
-                                      pool.verify_recurrent[layer])
         xs, B, C = split_xbc(shape, x)
         rec0 = rec_pool[idx].float() * valid[..., None]
         y, states = ops.ssd_verify_ref(xs, ops.discretize(dt.view(bs, steps, -1), params.dt_bias), A, B, C,

@@ -26,11 +26,11 @@ def _conv_steps_kernel(
     x_ptr, w_ptr, pool_ptr, slots_ptr, out_ptr, verify_ptr,
     stride_x, stride_out, stride_pool, stride_vrow, stride_vstep, C,
     S: tl.constexpr, K: tl.constexpr, BC: tl.constexpr, VERIFY: tl.constexpr, EARLY: tl.constexpr = False,
-    KP: tl.constexpr = 4, PDL: tl.constexpr = False,
+    KP: tl.constexpr = 4, PDL: tl.constexpr = False, bias_ptr=None, HAS_BIAS: tl.constexpr = False,
 ):
     """EARLY (one decode step, S = 1, no VERIFY): the window and the weights (KP >= K columns) are loaded before
     ``pdl_enter`` (the kernel before this one writes neither: ``triton_pdl.EARLY_LOADS``), then only the new input
-    column after it."""
+    column after it. HAS_BIAS: a per-channel bias added before the SiLU (Mamba2's conv)."""
     if not EARLY:
         pdl_enter(PDL)
     row = tl.program_id(0)
@@ -42,8 +42,9 @@ def _conv_steps_kernel(
     state_base = pool_ptr + safe_slot * stride_pool + offs * (K - 1)  # state[c, j] at state_base + j
     if EARLY:
         _conv_decode_early(x_ptr + row * stride_x, w_ptr, state_base, out_ptr + row * stride_out, offs, mc, valid,
-                           K, KP, PDL)
+                           K, KP, PDL, bias_ptr, HAS_BIAS)
         return
+    bias = tl.load(bias_ptr + offs, mask=mc, other=0.0).to(tl.float32) if HAS_BIAS else 0.0
     for s in tl.static_range(S):
         acc = tl.zeros([BC], dtype=tl.float32)
         for j in tl.static_range(K):
@@ -53,6 +54,7 @@ def _conv_steps_kernel(
             else:
                 val = tl.load(x_ptr + (row * S + idx - (K - 1)) * stride_x + offs, mask=mc, other=0.0).to(tl.float32)
             acc += val * tl.load(w_ptr + offs * K + j, mask=mc, other=0.0).to(tl.float32)
+        acc += bias
         out = acc / (1.0 + tl.exp(-acc))
         tl.store(out_ptr + (row * S + s) * stride_out + offs, out.to(out_ptr.dtype.element_ty), mask=mc)
         if VERIFY:
@@ -79,7 +81,7 @@ def _conv_steps_kernel(
 
 @triton.jit
 def _conv_decode_early(x_row, w_ptr, state_base, out_row, offs, mc, valid, K: tl.constexpr, KP: tl.constexpr,
-                       PDL: tl.constexpr):
+                       PDL: tl.constexpr, bias_ptr, HAS_BIAS: tl.constexpr):
     """One decode step of ``_conv_steps_kernel`` with the window [BC, K - 1] and the weights [BC, K] loaded as
     blocks before ``pdl_enter``; after it, the new input column: the output silu(window . w[:, :K-1] + x w[:, K-1])
     and the window shifted by one in place."""
@@ -92,9 +94,10 @@ def _conv_decode_early(x_row, w_ptr, state_base, out_row, offs, mc, valid, K: tl
     w = tl.load(w_ptr + offs[:, None] * K + offs_j[None, :], mask=mc[:, None] & (offs_j < K)[None, :],
                 other=0.0).to(tl.float32)
     w_new = tl.sum(tl.where((offs_j == K - 1)[None, :], w, 0.0), 1)
+    bias = tl.load(bias_ptr + offs, mask=mc, other=0.0).to(tl.float32) if HAS_BIAS else 0.0
     pdl_enter(PDL)
     x = tl.load(x_row + offs, mask=mc, other=0.0)
-    acc = tl.sum(win * w, 1) + x.to(tl.float32) * w_new
+    acc = tl.sum(win * w, 1) + x.to(tl.float32) * w_new + bias
     tl.store(out_row + offs, (acc / (1.0 + tl.exp(-acc))).to(out_row.dtype.element_ty), mask=mc)
     shifted = tl.where((offs_j == K - 2)[None, :], x[:, None].to(rest.dtype), rest)
     tl.store(state_base[:, None] + offs_j[None, :], shifted.to(state_base.dtype.element_ty), mask=mw & valid)
@@ -106,10 +109,10 @@ CONV_STEPS_CFG = env_cfg("HYLO_CONV_STEPS_CFG", (256, 4))
 
 def conv_steps(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, steps: int = 1,
                verify: torch.Tensor | None = None, cfg: tuple[int, int] | None = None,
-               out: torch.Tensor | None = None) -> torch.Tensor:
+               out: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x: [B * steps, C] (may be a strided view); weight: [C, K]; pool: [slots, C, K-1] (one layer);
-    verify: [max_B, steps, C, K-1] (one layer) or None. Returns silu(conv) [B * steps, C] in x's dtype, written
-    into ``out`` when given (rows of unit stride)."""
+    verify: [max_B, steps, C, K-1] (one layer) or None; bias: [C] or None. Returns silu(conv + bias)
+    [B * steps, C] in x's dtype, written into ``out`` when given (rows of unit stride)."""
     num_tokens, channels = x.shape
     k = weight.shape[-1]
     if out is None:
@@ -126,6 +129,7 @@ def conv_steps(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor, slots:
         vbuf.stride(0) if verify is not None else 0, vbuf.stride(1) if verify is not None else 0, channels,
         S=steps, K=k, BC=bc, VERIFY=verify is not None, EARLY=EARLY_LOADS and steps == 1 and verify is None,
         KP=next_pow2(k), num_warps=warps, **pdl_launch(x),
+        **({"bias_ptr": bias, "HAS_BIAS": True} if bias is not None else {}),
     )
     return out
 

@@ -96,7 +96,9 @@ def test_verify_keeping_inputs_then_replay_commit_matches_reference(dev, hk, hv,
 @pytest.mark.parametrize("steps", [1, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("early", [False, True])
-def test_conv_steps_matches_reference(dev, channels, kernel, batch, steps, dtype, early, monkeypatch):
+@pytest.mark.parametrize("bias", [False, True])
+def test_conv_steps_matches_reference(dev, channels, kernel, batch, steps, dtype, early, bias, monkeypatch):
+    """With a bias too (Mamba2's conv)."""
     from hylo.ops import conv1d_triton
     from hylo.ops.conv1d_triton import conv_steps
 
@@ -111,11 +113,13 @@ def test_conv_steps_matches_reference(dev, channels, kernel, batch, steps, dtype
     slots = torch.tensor([batch + 1 - i if i != 0 else -1 for i in range(batch)])
     valid = slots >= 0
     init = pool[slots.clamp(min=0)] * valid[:, None, None]
-    ro, rstates = conv_ref.causal_conv1d_windows_ref(x.view(batch, steps, channels), init, w)
+    b = torch.randn(channels, generator=g).to(dtype) if bias else None
+    ro, rstates = conv_ref.causal_conv1d_windows_ref(x.view(batch, steps, channels), init, w, b)
+    kw = {"bias": b.to(dev)} if bias else {}
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     dpool = pool.clone().to(dev)
     if steps == 1:
-        out = conv_steps(x.to(dev), w.to(dev), dpool, slots.to(dev))
+        out = conv_steps(x.to(dev), w.to(dev), dpool, slots.to(dev), **kw)
         for i, s in enumerate(slots.tolist()):
             if s >= 0:
                 assert torch.allclose(dpool[s].cpu().float(), rstates[i, 0], atol=tol)
@@ -123,7 +127,7 @@ def test_conv_steps_matches_reference(dev, channels, kernel, batch, steps, dtype
         assert torch.equal(dpool[untouched].cpu(), pool[untouched])
     else:
         verify = torch.full((batch, steps, channels, kernel - 1), float("nan"), device=dev, dtype=dtype)
-        out = conv_steps(x.to(dev), w.to(dev), dpool, slots.to(dev), steps, verify)
+        out = conv_steps(x.to(dev), w.to(dev), dpool, slots.to(dev), steps, verify, **kw)
         assert torch.equal(dpool.cpu(), pool)
         assert torch.allclose(verify.cpu().float(), rstates, atol=tol)
     assert torch.allclose(out.cpu().float().view(batch, steps, channels), ro.float(), atol=tol * 10, rtol=tol * 10)
