@@ -270,3 +270,38 @@ def test_fp8_bench_model_builds_with_fp8_weights_and_computes_their_values():
     a = Engine(lm, device="cpu", engine_config=ec).prompt_logits(list(range(3, 40)))
     b = Engine(plain, device="cpu", engine_config=ec).prompt_logits(list(range(3, 40)))
     torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-3)
+
+
+def test_mamba2_bench_shapes():
+    """``nemotron-h-8b`` is Nemotron-H-8B's size (8.1 B parameters, dense: the same bytes at every batch size) and
+    its footprint counts the Mamba2 state; ``tiny-mamba2`` builds as the bench builds models and decodes through the
+    fake-prefilled rows the bench times."""
+    from hylo.bench.run import build_model as bench_build
+    from hylo.models.registry import build_model
+    from hylo.parallel.group import SINGLE
+
+    mc = bench_config("nemotron-h-8b")
+    with torch.device("meta"):
+        model = build_model(mc, torch.bfloat16, "meta", SINGLE)
+    assert type(model).family == "Nemotron-H"
+    assert 8.0e9 < sum(p.numel() for p in model.parameters()) < 8.2e9
+    conv, kernel, heads, p, n = mc.state_dims
+
+    class FakeCaches:  # shapes only
+        class state_pool:
+            conv = torch.empty(24, 2, 10240, kernel - 1, dtype=torch.bfloat16, device="meta")
+            recurrent = torch.empty(24, 2, heads, p, n, dtype=torch.float32, device="meta")
+
+        class kv_pool:
+            k = torch.empty(4, 2, 8, 128, dtype=torch.bfloat16, device="meta")
+
+    fp = Footprint.of(model, None, FakeCaches)
+    assert fp.state_per_req == 24 * (10240 * 3 * 2 + 128 * 64 * 128 * 4)
+    # 8.1 B bfloat16 weights less the embedding table (a row is read), plus the state read and written
+    assert 15.0e9 < fp.decode_bytes(1, 1) < 15.6e9 and fp.moe_layers == 0
+    lm = bench_build(bench_config("tiny-mamba2"), "cpu", name="tiny-mamba2")
+    eng = Engine(lm, device="cpu", engine_config=EngineConfig(enable_prefix_caching=False, verbose=False,
+                                                               max_num_seqs=2))
+    rids = fake_prefill(eng, 2, 20)
+    assert time_steps(eng, 2, warmup=1) > 0
+    assert all(len(eng._reqs[r].output_ids) == 4 for r in rids)

@@ -23,7 +23,7 @@ from ..engine.engine import Engine, LoadedModel
 from .floors import Footprint, measure_copy_rate, measure_matmul_rate
 from .shapes import bench_config
 from .steps import clear, fake_prefill, graph_alone_ms, overlap_profile, prefill_times, time_steps
-from ..models.registry import build_model as build_family_model
+from ..models.registry import build_model as build_family_model, family_of
 from ..models.random_init import RandomFp8Reader, RandomReader
 from ..ops.triton_utils import pdl_settings
 from ..parallel.group import SINGLE
@@ -163,6 +163,10 @@ def run_bench(model_name: str = "bench-6b", vs_hf: bool = False, quick: bool = F
     # speculative decoding, MTP k = 3, simulated acceptance
     k = 3
     spec_batches = [1, 8] if quick else [1, 8, 64]
+    if family_of(mc.model_type).mtp is None:  # a family without an MTP head: the plain records only
+        save()
+        print(f"[bench] {model_name}: no MTP head in this family, no speculative records; wrote {path}", flush=True)
+        return records
     eng = _spec_records(lm, spec_batches, (3.0,) if short else (2.0, 3.0, 4.0), "replay", k, copy_rate, steps,
                         plain_ms, records, save)
     if short:

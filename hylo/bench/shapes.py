@@ -5,7 +5,10 @@
 - ``qwen3-next-80b``: Qwen3-Next-80B-A3B (160 GB in bfloat16: more than one GPU holds, for tensor parallelism);
 - ``qwen3.5-9b``: Qwen3.5-9B (dense: a SwiGLU MLP in each of its 32 layers);
 - ``qwen3.5-35b-a3b``: Qwen3.5-35B-A3B (40 layers, 256 experts, 8 routed and a shared one; 67 GiB in bfloat16);
-- ``tiny``, ``tiny-dense``: for the harness's CPU tests;
+- ``nemotron-h-8b``: a Nemotron-H of Nemotron-H-8B's sizes (hidden 4096; 52 blocks: 24 Mamba2 of 128 heads x 64
+  channels with state 128 in 8 groups, 4 attention, 24 squared-ReLU MLPs of 21504; vocabulary 131072), the Mamba2
+  backend's shape (no MTP head: plain records only);
+- ``tiny``, ``tiny-dense``, ``tiny-mamba2``: for the harness's CPU tests;
 - any of them with ``-fp8``: the same shape with its projections in block FP8 (128 x 128 blocks; 16 x 16 for the
   tiny shapes), kept FP8 in memory as an FP8 release is: ``qwen3-next-80b-fp8`` fits one H200.
 The Qwen3.5 shapes are the released configs' text models (vocabulary 248320, RoPE theta 1e7 on a quarter of each
@@ -17,7 +20,15 @@ from __future__ import annotations
 from ..config import ModelConfig, QuantConfig, replace_fields
 
 BASE_MODELS = ("bench-6b", "qwen3-next-80b", "qwen3.5-9b", "qwen3.5-35b-a3b", "tiny", "tiny-dense")
-BENCH_MODELS = BASE_MODELS + tuple(f"{m}-fp8" for m in BASE_MODELS)
+MAMBA2_MODELS = ("nemotron-h-8b", "tiny-mamba2")  # no FP8 copies: quantized Mamba2 checkpoints are not served yet
+BENCH_MODELS = BASE_MODELS + tuple(f"{m}-fp8" for m in BASE_MODELS) + MAMBA2_MODELS
+
+
+def _nemotron(pattern: str, **fields) -> ModelConfig:
+    from ..models.nemotron_h import parse_config
+
+    return parse_config(dict(model_type="nemotron_h", hybrid_override_pattern=pattern, conv_kernel=4,
+                             max_position_embeddings=65536, eos_token_id=None, **fields))
 
 
 def _hybrid(n_layers: int, **fields) -> ModelConfig:
@@ -56,6 +67,15 @@ def bench_config(name: str) -> ModelConfig:
         return _hybrid(40, vocab_size=248320, hidden_size=2048, num_attention_heads=16, head_dim=256,
                        num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
                        shared_expert_intermediate_size=512, model_type="qwen3_5_moe", **big_gdn)
+    if name == "nemotron-h-8b":
+        pattern = "M-M-M-M*-" * 4 + "M-" * 8  # 24 Mamba2, 4 attention, 24 MLP blocks
+        return _nemotron(pattern, vocab_size=131072, hidden_size=4096, num_attention_heads=32,
+                         num_key_value_heads=8, head_dim=128, intermediate_size=21504, mamba_num_heads=128,
+                         mamba_head_dim=64, ssm_state_size=128, n_groups=8, chunk_size=128)
+    if name == "tiny-mamba2":
+        return _nemotron("M*M-", vocab_size=512, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16, intermediate_size=96, mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=16,
+                         n_groups=2, chunk_size=32)
     if name == "tiny":
         return _hybrid(4, vocab_size=512, hidden_size=64, num_attention_heads=4, head_dim=16, intermediate_size=128,
                        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
