@@ -18,6 +18,7 @@ from ..config import Mamba2Spec
 from ..core import ForwardBatch
 from ..ops.linear import linear
 from ..ops.mamba2 import gated_rms_norm_ref, norm_then_gate_ref
+from ..ops.triton_utils import use_triton
 from .weights import TensorReader, copy_into
 
 
@@ -55,7 +56,12 @@ class Mamba2Mixer(nn.Module):
         if not batch.mode.is_extend:
             y = y.to(x.dtype)
         norm, group = self.cfg.norm, s.inner // s.n_groups
-        if norm == "gate_then_norm":
+        if norm != "gate" and use_triton(y):
+            from ..ops.mamba2_triton import gated_group_norm
+
+            y = gated_group_norm(y, z, self.norm_weight, s.n_groups, self.cfg.norm_eps, norm == "gate_then_norm",
+                                 x.dtype)
+        elif norm == "gate_then_norm":
             y = gated_rms_norm_ref(y, z, self.norm_weight, group, self.cfg.norm_eps)
         elif norm == "norm_then_gate":
             y = norm_then_gate_ref(y, z, self.norm_weight, group, self.cfg.norm_eps)

@@ -156,3 +156,39 @@ def mamba2_scan(xbc: torch.Tensor, dt: torch.Tensor, A_log: torch.Tensor, D: tor
         BN=max(16, next_pow2(state_size)), CLAMP=clamp, PREC="ieee" if xbc.dtype == torch.float32 else "tf32",
         num_warps=4)
     return y
+
+
+@triton.jit
+def _gated_group_norm_kernel(y_ptr, z_ptr, w_ptr, out_ptr, stride_y, stride_z, stride_out, eps,
+                             GS: tl.constexpr, BG: tl.constexpr, GATE_FIRST: tl.constexpr):
+    """Token t, group g: ``w * rms_norm(y * silu(z))`` (GATE_FIRST) or ``w * rms_norm(y) * silu(z)`` over the
+    group's GS channels, in float32."""
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * GS + tl.arange(0, BG)
+    m = tl.arange(0, BG) < GS
+    y = tl.load(y_ptr + t * stride_y + offs, mask=m, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + t * stride_z + offs, mask=m, other=0.0).to(tl.float32)
+    gate = z / (1.0 + tl.exp(-z))
+    h = y * gate if GATE_FIRST else y
+    inv = tl.rsqrt(tl.sum(h * h, 0) / GS + eps)
+    out = h * inv * tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    if not GATE_FIRST:
+        out = out * gate
+    tl.store(out_ptr + t * stride_out + offs, out.to(out_ptr.dtype.element_ty), mask=m)
+
+
+def gated_group_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, groups: int, eps: float,
+                     gate_first: bool, out_dtype: torch.dtype) -> torch.Tensor:
+    """Mamba2's output norm in one pass: y [T, C] (the scan's output), z [T, C] (the gate, rows may be strided: a
+    slice of the input projection), weight [C]; the mean of squares per group of C / groups channels. Returns
+    [T, C] in ``out_dtype``."""
+    tokens, channels = y.shape
+    out = torch.empty(tokens, channels, dtype=out_dtype, device=y.device)
+    if tokens == 0:
+        return out
+    assert y.stride(-1) == 1 and z.stride(-1) == 1
+    gs = channels // groups
+    _gated_group_norm_kernel[(tokens, groups)](y, z, weight, out, y.stride(0), z.stride(0), out.stride(0), eps,
+                                               GS=gs, BG=next_pow2(gs), GATE_FIRST=gate_first,
+                                               num_warps=4 if gs <= 2048 else 8)
+    return out

@@ -37,7 +37,12 @@ def add_rms_norm(x: torch.Tensor, delta, weight: torch.Tensor, eps: float):
 def rms_norm_plain(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_in_float32: bool = True) -> torch.Tensor:
     """RMSNorm with a plain weight, ``x / rms(x) * w``: normalized in float32, then the weight applied in float32
     and rounded to x's dtype (Nemotron-H's), or with ``weight_in_float32=False`` rounded first and multiplied in x's
-    dtype (Granite's, Llama's). The Mamba2 families' block and final norms; plain PyTorch on every device for now."""
+    dtype (Granite's, Llama's). The Mamba2 families' block and final norms. On CUDA one Triton pass, the weight
+    applied in float32 either way (``weight_in_float32=False`` then differs from the reference by a rounding)."""
+    if use_triton(x):
+        from .norm_triton import rms_norm_triton
+
+        return rms_norm_triton(x, weight, eps, plain=True)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     if weight_in_float32:

@@ -16,7 +16,7 @@ from .triton_utils import next_pow2, pdl_launch
 def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, res_out_ptr, y_ptr, gate_ptr, ROWS, N: tl.constexpr, eps,
                      ADD: tl.constexpr, GATED: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr = 1,
                      GATE_ROWS: tl.constexpr = 1, gate_stride=0, J: tl.constexpr = 1, PDL: tl.constexpr = False,
-                     pos_ptr=None, wts_ptr=None, GATHER: tl.constexpr = False):
+                     pos_ptr=None, wts_ptr=None, GATHER: tl.constexpr = False, PLAIN: tl.constexpr = False):
     """BR rows per program (one at decode; more at prefill, where one narrow row per program leaves most of each
     program's threads idle). GATHER: the J delta rows of row r are rows pos[r * J + j] of r_ptr, weighted by
     wts[r * J + j] (``ops.pair_rows.SortedPairRows``)."""
@@ -55,6 +55,8 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, res_out_ptr, y_ptr, gate_ptr, ROWS, N:
         g_off = (rows64 // GATE_ROWS) * gate_stride + (rows64 % GATE_ROWS) * N
         gate = tl.load(gate_ptr + g_off[:, None] + offs[None, :], mask=m, other=0.0).to(tl.float32)
         y = y * (gate / (1.0 + tl.exp(-gate)))
+    elif PLAIN:  # a plain weight (the Mamba2 families' norms), applied in float32
+        y = x * inv * w
     else:
         y = x * inv * (1.0 + w)
     tl.store(y_ptr + at, y.to(y_ptr.dtype.element_ty), mask=m)
@@ -77,12 +79,13 @@ def _run(rows: int, n: int, args: tuple, per_row: int = 1, **kw) -> None:
     _rms_norm_kernel[(triton.cdiv(rows, br),)](*args, BR=br, BN=bn, num_warps=warps, **kw)
 
 
-def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, plain: bool = False) -> torch.Tensor:
+    """Zero-centred (``x / rms(x) * (1 + w)``), or with ``plain`` ``x / rms(x) * w``; in float32, rounded once."""
     x2, n = _rows(x.contiguous())
     y = torch.empty_like(x2)
     if x2.shape[0]:
         _run(x2.shape[0], n, (x2, x2, weight, x2, y, x2, x2.shape[0], n, eps), ADD=False, GATED=False,
-             **pdl_launch(x2))
+             PLAIN=plain, **pdl_launch(x2))
     return y.view(x.shape)
 
 
