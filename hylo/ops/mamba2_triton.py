@@ -16,10 +16,10 @@ from .triton_utils import next_pow2
 
 
 @triton.jit
-def _mamba2_steps_kernel(x_ptr, dt_ptr, A_log_ptr, D_ptr, dt_bias_ptr, pool_ptr, slots_ptr, y_ptr, verify_ptr,
-                         stride_x, stride_dt, stride_pool, stride_vrow, stride_vstep,
-                         H: tl.constexpr, P: tl.constexpr, N: tl.constexpr, G: tl.constexpr, INNER: tl.constexpr,
-                         S: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, VERIFY: tl.constexpr):
+def _load_head(pool_ptr, slots_ptr, A_log_ptr, D_ptr, dt_bias_ptr, stride_pool, P: tl.constexpr, N: tl.constexpr,
+               BP: tl.constexpr, BN: tl.constexpr):
+    """The program's (row, head, channel block): its channels and state indices, the row's slot (-1: zeros, nothing
+    written), the [BP, BN] block of the state in float32, and the head's A, D and dt bias."""
     row = tl.program_id(0)
     h = tl.program_id(1)
     offs_p = tl.program_id(2) * BP + tl.arange(0, BP)
@@ -28,12 +28,22 @@ def _mamba2_steps_kernel(x_ptr, dt_ptr, A_log_ptr, D_ptr, dt_bias_ptr, pool_ptr,
     m2 = mp[:, None] & mn[None, :]
     slot = tl.load(slots_ptr + row)
     valid = slot >= 0
-    safe = tl.where(valid, slot, 0).to(tl.int64)
-    state_off = h * P * N + offs_p[:, None] * N + offs_n[None, :]
-    state = tl.load(pool_ptr + safe * stride_pool + state_off, mask=m2 & valid, other=0.0).to(tl.float32)
+    addr = pool_ptr + tl.where(valid, slot, 0).to(tl.int64) * stride_pool + h * P * N + offs_p[:, None] * N \
+        + offs_n[None, :]
+    state = tl.load(addr, mask=m2 & valid, other=0.0).to(tl.float32)
     A = -tl.exp(tl.load(A_log_ptr + h).to(tl.float32))
-    Dh = tl.load(D_ptr + h).to(tl.float32)
-    bias = tl.load(dt_bias_ptr + h).to(tl.float32)
+    return (row, h, offs_p, offs_n, mp, mn, m2, valid, addr, state, A, tl.load(D_ptr + h).to(tl.float32),
+            tl.load(dt_bias_ptr + h).to(tl.float32))
+
+
+@triton.jit
+def _mamba2_steps_kernel(x_ptr, dt_ptr, A_log_ptr, D_ptr, dt_bias_ptr, pool_ptr, slots_ptr, y_ptr, verify_ptr,
+                         stride_x, stride_dt, stride_pool, stride_vrow, stride_vstep,
+                         H: tl.constexpr, P: tl.constexpr, N: tl.constexpr, G: tl.constexpr, INNER: tl.constexpr,
+                         S: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, VERIFY: tl.constexpr):
+    row, h, offs_p, offs_n, mp, mn, m2, valid, addr, state, A, Dh, bias = _load_head(
+        pool_ptr, slots_ptr, A_log_ptr, D_ptr, dt_bias_ptr, stride_pool, P, N, BP, BN)
+    state_off = h * P * N + offs_p[:, None] * N + offs_n[None, :]
     g = h // (H // G)  # the group whose B and C this head reads
     for s in range(S):
         tok = (row * S + s).to(tl.int64)
@@ -49,7 +59,7 @@ def _mamba2_steps_kernel(x_ptr, dt_ptr, A_log_ptr, D_ptr, dt_bias_ptr, pool_ptr,
             tl.store(verify_ptr + row * stride_vrow + s * stride_vstep + state_off,
                      state.to(verify_ptr.dtype.element_ty), mask=m2)
     if not VERIFY:
-        tl.store(pool_ptr + safe * stride_pool + state_off, state.to(pool_ptr.dtype.element_ty), mask=m2 & valid)
+        tl.store(addr, state.to(pool_ptr.dtype.element_ty), mask=m2 & valid)
 
 
 def mamba2_steps(xbc: torch.Tensor, dt: torch.Tensor, A_log: torch.Tensor, D: torch.Tensor, dt_bias: torch.Tensor,
@@ -85,23 +95,11 @@ def _mamba2_scan_kernel(x_ptr, dt_ptr, A_log_ptr, D_ptr, dt_bias_ptr, pool_ptr, 
     """One row's prefill for one head and block of BP channels: the row's tokens in chunks of BT, the state [BP, N]
     carried across chunks in registers (``ops.mamba2.ssd_chunk_scan_ref``'s chunk formulas), from the slot's state
     to the slot (-1: from zeros, nothing written)."""
-    row = tl.program_id(0)
-    h = tl.program_id(1)
-    offs_p = tl.program_id(2) * BP + tl.arange(0, BP)
-    offs_n = tl.arange(0, BN)
+    row, h, offs_p, offs_n, mp, mn, m2, valid, addr, state, A, Dh, bias = _load_head(
+        pool_ptr, slots_ptr, A_log_ptr, D_ptr, dt_bias_ptr, stride_pool, P, N, BP, BN)
     offs_t = tl.arange(0, BT)
-    mp, mn = offs_p < P, offs_n < N
-    m2 = mp[:, None] & mn[None, :]
     first = tl.load(qsl_ptr + row)
     end = tl.load(qsl_ptr + row + 1)
-    slot = tl.load(slots_ptr + row)
-    valid = slot >= 0
-    safe = tl.where(valid, slot, 0).to(tl.int64)
-    state_off = h * P * N + offs_p[:, None] * N + offs_n[None, :]
-    state = tl.load(pool_ptr + safe * stride_pool + state_off, mask=m2 & valid, other=0.0).to(tl.float32)
-    A = -tl.exp(tl.load(A_log_ptr + h).to(tl.float32))
-    Dh = tl.load(D_ptr + h).to(tl.float32)
-    bias = tl.load(dt_bias_ptr + h).to(tl.float32)
     g = h // (H // G)
     causal = offs_t[:, None] >= offs_t[None, :]
     t0 = first
@@ -131,7 +129,7 @@ def _mamba2_scan_kernel(x_ptr, dt_ptr, A_log_ptr, D_ptr, dt_bias_ptr, pool_ptr, 
         to_end = tl.exp(last - cum) * dt  # [BT]
         state = state * tl.exp(last) + tl.dot(tl.trans(x * to_end[:, None]), Bm, input_precision=PREC)
         t0 += BT
-    tl.store(pool_ptr + safe * stride_pool + state_off, state.to(pool_ptr.dtype.element_ty), mask=m2 & valid)
+    tl.store(addr, state.to(pool_ptr.dtype.element_ty), mask=m2 & valid)
 
 
 def mamba2_scan(xbc: torch.Tensor, dt: torch.Tensor, A_log: torch.Tensor, D: torch.Tensor, dt_bias: torch.Tensor,
