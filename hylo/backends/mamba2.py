@@ -10,9 +10,9 @@ the contract the GDN backend keeps (DESIGN.md sections 4 and 10).
 State slot -1 marks a padded row: it reads zeros and writes nothing. The pool's recurrent state of a Mamba2 layer
 is ``[H, P, N]`` (heads, head channels, state size) where a GDN layer's is ``[Hv, Dk, Dv]``.
 
-On CUDA a decode or verify step is two Triton launches per layer: the conv with its bias (``ops.conv1d_triton``'s
-``conv_steps``) and the recurrence (``ops/mamba2_triton.py``); a prefill's scan is one launch for all rows
-(``mamba2_scan``) after the conv's reference row by row; the gated norm runs its PyTorch reference everywhere.
+On CUDA a step is two Triton launches per layer: the conv with its bias (``ops.conv1d_triton``'s ``conv_steps``,
+or ``conv_prefill`` for a prefill's rows) and the recurrence (``ops/mamba2_triton.py``: ``mamba2_steps`` for decode
+and verify, ``mamba2_scan`` for a prefill's rows).
 As in transformers and the released kernels, prefill clamps dt to the config's limit and a decode step does not.
 """
 
@@ -93,21 +93,23 @@ class Mamba2Backend(Backend):
         return self._verify(layer, conv_pool, rec_pool, xbc, dt, A, params, shape, batch)
 
     def _extend(self, conv_pool, rec_pool, xbc, dt, A, params, shape, batch):
-        """Prefill: the conv from each row's conv window (row by row, the reference), then the scan from each row's
-        state (one Triton launch for all rows on CUDA, the chunked reference row by row elsewhere)."""
+        """Prefill: the conv from each row's conv window, then the scan from each row's state: on CUDA one Triton
+        launch each for all rows, elsewhere the references row by row."""
+        if self.fast:
+            from ..ops.conv1d_triton import conv_prefill
+            from ..ops.mamba2_triton import mamba2_scan
+
+            x = conv_prefill(xbc, params.conv_weight, conv_pool, batch.state_slots, batch.query_start_loc,
+                             batch.extend_lens_cpu, batch.token_rows, bias=params.conv_bias)
+            return mamba2_scan(x, dt, params.A_log, params.D, params.dt_bias, rec_pool, batch.state_slots,
+                               batch.query_start_loc, shape.num_heads, shape.head_dim, shape.n_groups,
+                               shape.state_size, params.dt_limit)
         out = torch.empty(xbc.shape[0], shape.num_heads, shape.head_dim, dtype=torch.float32, device=xbc.device)
-        xs_all = torch.empty_like(xbc) if self.fast else None
         start = 0
         for slot, length in zip(batch.state_slots_cpu, batch.extend_lens_cpu):
             end = start + length
             x, new_conv = conv_ops.causal_conv1d_ref(xbc[start:end], conv_pool[slot] if slot >= 0 else None,
                                                      params.conv_weight, params.conv_bias)
-            if self.fast:
-                xs_all[start:end] = x
-                if slot >= 0:
-                    conv_pool[slot] = new_conv.to(conv_pool.dtype)
-                start = end
-                continue
             xs, B, C = split_xbc(shape, x)
             y, state = ops.ssd_chunk_scan_ref(xs, ops.discretize(dt[start:end], params.dt_bias, params.dt_limit), A,
                                               B, C, params.D, rec_pool[slot] if slot >= 0 else None,
@@ -117,12 +119,6 @@ class Mamba2Backend(Backend):
                 conv_pool[slot] = new_conv.to(conv_pool.dtype)
                 rec_pool[slot] = state.to(rec_pool.dtype)
             start = end
-        if self.fast:
-            from ..ops.mamba2_triton import mamba2_scan
-
-            return mamba2_scan(xs_all, dt, params.A_log, params.D, params.dt_bias, rec_pool, batch.state_slots,
-                               batch.query_start_loc, shape.num_heads, shape.head_dim, shape.n_groups,
-                               shape.state_size, params.dt_limit)
         return out
 
     def _verify(self, layer, conv_pool, rec_pool, xbc, dt, A, params, shape, batch):

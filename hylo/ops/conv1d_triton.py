@@ -137,7 +137,7 @@ def conv_steps(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor, slots:
 @triton.jit
 def _conv_prefill_kernel(x_ptr, w_ptr, pool_ptr, slots_ptr, qsl_ptr, tok_row_ptr, out_ptr, stride_x, T, P0, P1,
                          stride_pool, C, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-                         BLOCK_PLANE: tl.constexpr):
+                         BLOCK_PLANE: tl.constexpr, bias_ptr=None, HAS_BIAS: tl.constexpr = False):
     """One program per (block of BT tokens, block of BC channels) of a varlen batch: the window of token i of its
     row is [state[i:], x[row start .. i]] (positions before the row come from the row's conv state). A block may
     straddle rows: every token looks up its own row. The K shifted loads of a block overlap and come from cache.
@@ -170,6 +170,8 @@ def _conv_prefill_kernel(x_ptr, w_ptr, pool_ptr, slots_ptr, qsl_ptr, tok_row_ptr
             val = tl.where(from_x, val, sv)
         w = tl.load(w_ptr + offs * K + j, mask=mc, other=0.0).to(tl.float32)
         acc += val * w[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs, mask=mc, other=0.0).to(tl.float32)[None, :]
     out = acc / (1.0 + tl.exp(-acc))
     if BLOCK_PLANE:
         # the block lies in one plane whose start and width are multiples of 8: the row offsets say so, and the
@@ -205,7 +207,8 @@ def _conv_window_elem(x_ptr, sbase, t, p, stride_x, offs, mc, smask):
 
 @triton.jit
 def _conv_prefill_walk_kernel(x_ptr, w_ptr, pool_ptr, slots_ptr, qsl_ptr, tok_row_ptr, out_ptr, stride_x, T, P0, P1,
-                              stride_pool, C, BT: tl.constexpr, BC: tl.constexpr, NORM_D: tl.constexpr = 0):
+                              stride_pool, C, BT: tl.constexpr, BC: tl.constexpr, NORM_D: tl.constexpr = 0,
+                              bias_ptr=None, HAS_BIAS: tl.constexpr = False):
     """Width 4 only. One program per (BT consecutive tokens, BC channels inside one output plane) walks its tokens
     in order with the previous three inputs in registers: every input is loaded once (the 2D kernel above loads
     each K times and computes K sets of addresses and masks per element). A token that starts a row takes its
@@ -220,6 +223,7 @@ def _conv_prefill_walk_kernel(x_ptr, w_ptr, pool_ptr, slots_ptr, qsl_ptr, tok_ro
     w1 = tl.load(w_ptr + offs * 4 + 1, mask=mc, other=0.0).to(tl.float32)
     w2 = tl.load(w_ptr + offs * 4 + 2, mask=mc, other=0.0).to(tl.float32)
     w3 = tl.load(w_ptr + offs * 4 + 3, mask=mc, other=0.0).to(tl.float32)
+    bias = tl.load(bias_ptr + offs, mask=mc, other=0.0).to(tl.float32) if HAS_BIAS else 0.0
     # the block's plane (starts and widths are multiples of 8, checked by the caller): row t at ps * T + t * wd
     ps = tl.where(c0 >= P0 + P1, P0 + P1, tl.where(c0 >= P0, P0, 0)).to(tl.int64)
     wd = tl.where(c0 >= P0 + P1, C - P0 - P1, tl.where(c0 >= P0, P1, P0)).to(tl.int64)
@@ -240,7 +244,7 @@ def _conv_prefill_walk_kernel(x_ptr, w_ptr, pool_ptr, slots_ptr, qsl_ptr, tok_ro
                 a = tl.load(sbase, mask=smask, other=0.0).to(tl.float32)
                 b = tl.load(sbase + 1, mask=smask, other=0.0).to(tl.float32)
                 c = tl.load(sbase + 2, mask=smask, other=0.0).to(tl.float32)
-            acc = a * w0 + b * w1 + c * w2 + xv * w3
+            acc = a * w0 + b * w1 + c * w2 + xv * w3 + bias
             y = acc / (1.0 + tl.exp(-acc))
             if NORM_D > 0:
                 if c0 < P0 + P1:
@@ -293,13 +297,15 @@ def _conv_prefill_state_kernel(x_ptr, pool_ptr, slots_ptr, qsl_ptr, stride_x, st
 
 def conv_prefill(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor,
                  query_start_loc: torch.Tensor, extend_lens: list[int], token_row: torch.Tensor | None = None,
-                 planes: tuple[int, int] | None = None, cfg: tuple[int, ...] | None = None, l2norm_head: int = 0):
+                 planes: tuple[int, int] | None = None, cfg: tuple[int, ...] | None = None, l2norm_head: int = 0,
+                 bias: torch.Tensor | None = None):
     """Varlen prefill: x [T, C] packed by row; each row continues from its slot's conv state (-1: zeros, nothing
     written) and leaves its last K-1 inputs there. ``token_row`` [T] (each token's row, on the device) is derived
     from ``extend_lens`` when not given. Returns silu(conv) [T, C] in x's dtype; with ``planes`` (P0, P1), the
     same as three contiguous tensors [T, P0], [T, P1], [T, C - P0 - P1] (the GDN q, k, v: fla's kernels take them
     contiguous, and would otherwise copy each). With ``l2norm_head`` (and planes) a fourth value says whether the
-    first two planes came out L2-normalised per head of that many channels (done where the walking kernel runs)."""
+    first two planes came out L2-normalised per head of that many channels (done where the walking kernel runs).
+    ``bias`` [C]: added before the SiLU (Mamba2's conv)."""
     num_tokens, channels = x.shape
     k = weight.shape[-1]
     p0, p1 = planes if planes is not None else (channels, 0)
@@ -321,15 +327,16 @@ def conv_prefill(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor, slot
             if not (k == 4 and block_plane(bc)):  # the walk cannot run here: the 2D kernel's tiles
                 bt, bc, warps, walk = *CONV_PREFILL_2D_CFG, []
         grid = (triton.cdiv(num_tokens, bt), triton.cdiv(channels, bc))
+        bias_args = {"bias_ptr": bias, "HAS_BIAS": True} if bias is not None else {}
         if walk == [1]:
             normed = l2norm_head > 0 and planes is not None and bc % l2norm_head == 0
             _conv_prefill_walk_kernel[grid](x, weight, pool, slots, query_start_loc, tok_row, flat, x.stride(0),
                                             num_tokens, p0, p1, pool.stride(0), channels, BT=bt, BC=bc,
-                                            NORM_D=l2norm_head if normed else 0, num_warps=warps)
+                                            NORM_D=l2norm_head if normed else 0, num_warps=warps, **bias_args)
         else:
             _conv_prefill_kernel[grid](x, weight, pool, slots, query_start_loc, tok_row, flat, x.stride(0), num_tokens,
                                        p0, p1, pool.stride(0), channels, K=k, BT=bt, BC=bc,
-                                       BLOCK_PLANE=block_plane(bc), num_warps=warps)
+                                       BLOCK_PLANE=block_plane(bc), num_warps=warps, **bias_args)
         _conv_prefill_state_kernel[(batch, triton.cdiv(channels, 256))](
             x, pool, slots, query_start_loc, x.stride(0), pool.stride(0), channels, K=k, BC=256, num_warps=4)
     if planes is None:

@@ -295,3 +295,25 @@ def test_prefill_gates_equal_torch(dev, tokens, heads):
     assert a_out.is_contiguous() and torch.equal(a_out, a)
     assert beta.dtype == torch.float32
     torch.testing.assert_close(beta, b.float().sigmoid(), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("kernel,cfg", [(4, None), (4, (4, 64, 2)), (3, None)])
+def test_conv_prefill_with_bias_matches_reference(dev, kernel, cfg):
+    """Mamba2's conv has a bias: the walking kernel (width 4) and the 2D kernel add it before the SiLU."""
+    from hylo.ops.conv1d_triton import conv_prefill
+
+    g = torch.Generator().manual_seed(10)
+    lens, channels = [7, 1, 20], 256
+    x = torch.randn(sum(lens), channels, generator=g)
+    w = torch.randn(channels, kernel, generator=g)
+    bias = torch.randn(channels, generator=g)
+    pool = torch.randn(5, channels, kernel - 1, generator=g)
+    slots = torch.tensor([3, -1, 1])
+    qsl = torch.tensor([0] + lens).cumsum(0)
+    dpool = pool.clone().to(dev)
+    out = conv_prefill(x.to(dev), w.to(dev), dpool, slots.to(dev), qsl.to(dev), lens, cfg=cfg, bias=bias.to(dev))
+    for b, (s, n) in enumerate(zip(slots.tolist(), lens)):
+        ro, rs = conv_ref.causal_conv1d_ref(x[qsl[b]:qsl[b] + n], pool[s] if s >= 0 else None, w, bias)
+        assert torch.allclose(out[qsl[b]:qsl[b] + n].cpu(), ro, atol=1e-4, rtol=1e-4)
+        if s >= 0:
+            assert torch.allclose(dpool[s].cpu(), rs, atol=1e-6)
