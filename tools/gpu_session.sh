@@ -15,7 +15,7 @@
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
 # ($PWD too: the tools run as scripts import hylo from the checkout).
 set -u
-phase=${1:?tests, tests-host, tests-bench, check, tune-bench, bench, bench-first, bench-short, fma, changed, model, prefix or s20}
+phase=${1:?tests, tests-host, tests-bench, check, tune-bench, bench, bench-first, bench-short, fma, changed, model, prefix, mamba2 or s20}
 out=${2:?output folder}
 mkdir -p "$out"
 # The GPU tests run in parallel workers where pytest-xdist is installed (the device image has it), so that a fresh
@@ -110,12 +110,21 @@ case "$phase" in
     fi
     bench 0 --model-name "${3:?benchmark model name}" --short
     ;;
-  prefix)  # the engine-level GPU tests (prefix caching is on by default there), then the prefix-cache replay bench
-    timeout 260 python3 -m pytest -q -p no:cacheprovider $par tests/gpu/test_engine_gpu.py tests/gpu/test_overlap_gpu.py \
-      tests/gpu/test_engine_shapes.py > "$out/gputests.txt" 2>&1
+  prefix)  # the prefix-cache GPU tests (hits on the fast path, the batched extend attention), then the replay bench
+          # (each mode warmed up first; 32 x 5 took 167 s cold with the cache on in session 23, 16 x 4 about 70 s)
+    timeout 200 python3 -m pytest -q -p no:cacheprovider $par tests/gpu/test_engine_gpu.py tests/gpu/test_kernels_attention.py \
+      -k "prefix or extend" > "$out/gputests.txt" 2>&1
     echo "pytest rc=$?"; grep -E "passed|failed|FAILED|Error" "$out/gputests.txt" | tail -15
-    timeout 250 python3 -m hylo bench --prefix-replay --model-name "${3:-bench-6b}" --out "$out" > "$out/prefix.txt" 2>&1
+    timeout 300 python3 -m hylo bench --prefix-replay --model-name "${3:-bench-6b}" --conversations 16 --turns 4 \
+      --out "$out" > "$out/prefix.txt" 2>&1
     echo "prefix bench rc=$?"; grep "^\[bench\]" "$out/prefix.txt"; tail -5 "$out/prefix.txt"
+    ;;
+  mamba2)  # the Mamba2 kernels and the three Mamba2 families' fast path on the GPU, then nemotron-h-8b's core records
+    timeout 240 python3 -m pytest -q -p no:cacheprovider $par tests/gpu/test_kernels_mamba2.py \
+      tests/gpu/test_kernels_gdn_conv.py tests/gpu/test_engine_shapes.py -k "mamba2 or conv or nemotron or granite or falcon" \
+      > "$out/gputests.txt" 2>&1
+    echo "pytest rc=$?"; grep -E "passed|failed|FAILED|Error" "$out/gputests.txt" | tail -15
+    bench 0 --model-name nemotron-h-8b --short
     ;;
   *) echo "unknown phase $phase" >&2; exit 2 ;;
 esac
