@@ -19,7 +19,7 @@ import torch
 
 from ..config import QuantConfig
 from ..layers.weights import CheckpointError, TensorReader
-from ..ops.fp8 import dequantize_fp8_block, scale_grid
+from ..ops.fp8 import dequantize_fp8_block, expand_scales, scale_grid
 
 SCALE_SUFFIX = "_scale_inv"
 # tensor names that only quantized checkpoints have (GPTQ/AWQ, bitsandbytes, compressed-tensors, FP8, MXFP4)
@@ -170,9 +170,7 @@ class ScaleMapReader(TensorReader):
         shape = self.fp8.shape_of(name)
         if not self.fp8.quantized(name):
             return torch.zeros(shape)
-        scale = self.fp8.inner.get(name + SCALE_SUFFIX).to(torch.float32)
-        bn, bk = self.fp8.block
-        return scale.repeat_interleave(bn, -2).repeat_interleave(bk, -1)[..., :shape[-2], :shape[-1]]
+        return expand_scales(self.fp8.inner.get(name + SCALE_SUFFIX).to(torch.float32), shape, self.fp8.block)
 
     def get_part(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
         return self.get(name).narrow(dim, start, stop - start)

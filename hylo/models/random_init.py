@@ -13,7 +13,7 @@ import torch
 
 from ..config import ModelConfig
 from ..layers.weights import CheckpointError, TensorReader
-from ..ops.fp8 import dequantize_fp8_block, quantize_fp8_block
+from ..ops.fp8 import dequantize_fp8_block, expand_scales, quantize_fp8_block
 from .quant import fp8_quantizable
 
 
@@ -187,5 +187,4 @@ class _RandomScaleMaps(TensorReader):
         if not fp8_quantizable(name, len(shape)):
             return torch.zeros(shape, device=self.weights.device)
         _, scale = self.weights.fp8(name, shape)
-        bn, bk = self.weights.block
-        return scale.repeat_interleave(bn, -2).repeat_interleave(bk, -1)[..., :shape[-2], :shape[-1]]
+        return expand_scales(scale, shape, self.weights.block)

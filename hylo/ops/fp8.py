@@ -20,8 +20,9 @@ def scale_grid(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, ...
     return (*lead, -(-n // bn), -(-k // bk))
 
 
-def _expand(scale: torch.Tensor, shape: tuple[int, ...], block: tuple[int, int]) -> torch.Tensor:
-    """Each block's scale repeated over the block's elements, cut to ``shape`` at the edges."""
+def expand_scales(scale: torch.Tensor, shape: tuple[int, ...], block: tuple[int, int]) -> torch.Tensor:
+    """Each block's scale repeated over the block's elements, cut to ``shape`` at the edges: every element's scale
+    (the readers' scale maps)."""
     bn, bk = block
     full = scale.repeat_interleave(bn, dim=-2).repeat_interleave(bk, dim=-1)
     return full[..., :shape[-2], :shape[-1]]
@@ -33,7 +34,7 @@ def dequantize_fp8_block(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[
     if tuple(scale_inv.shape) != expected:
         raise ValueError(f"scale shape {list(scale_inv.shape)} does not match weight shape {list(q.shape)} with "
                          f"blocks {list(block)} (expected {list(expected)})")
-    return q.to(torch.float32) * _expand(scale_inv.to(torch.float32), tuple(q.shape), block)
+    return q.to(torch.float32) * expand_scales(scale_inv.to(torch.float32), tuple(q.shape), block)
 
 
 def quantize_fp8_block(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,7 +49,7 @@ def quantize_fp8_block(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.T
     blocks = padded.unflatten(-1, (grid[-1], bk)).unflatten(-3, (grid[-2], bn))  # [..., gn, bn, gk, bk]
     amax = blocks.abs().amax(dim=(-3, -1))  # [..., gn, gk]
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    q = (wf / _expand(scale, tuple(w.shape), block)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    q = (wf / expand_scales(scale, tuple(w.shape), block)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q, scale
 
 
@@ -97,7 +98,7 @@ def fp8_blocks_of(values: torch.Tensor, scale_map: torch.Tensor, block: tuple[in
     if not bool((scale_map > 0).all()):
         return None
     scale = scale_map[..., ::bn, ::bk].contiguous()
-    if not torch.equal(_expand(scale, tuple(values.shape), block), scale_map):
+    if not torch.equal(expand_scales(scale, tuple(values.shape), block), scale_map):
         return None
     q = (values.to(torch.float32) / scale_map).to(FP8_DTYPE)
     if not torch.equal(q.to(torch.float32) * scale_map, values.to(torch.float32)):
