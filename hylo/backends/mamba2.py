@@ -59,7 +59,7 @@ class Mamba2Backend(Backend):
 
     def __init__(self, state_pool: StatePool):
         self.state_pool = state_pool
-        self.fast = use_triton(state_pool.recurrent)  # the decode / verify steps in one Triton launch per layer
+        self.fast = use_triton(state_pool.recurrent)  # every mode's conv and recurrence in Triton (module docstring)
 
     def init_forward_metadata_replay(self, batch: ForwardBatch) -> None:
         """Padded rows get state slot -1: they read zeros and write nothing (only their own verify rows)."""
@@ -72,10 +72,9 @@ class Mamba2Backend(Backend):
         Returns y [T, H, P] in float32 (the D skip included, before the gated norm)."""
         conv_pool = self.state_pool.conv[layer]
         rec_pool = self.state_pool.recurrent[layer]
-        A = -torch.exp(params.A_log.float())
         if batch.mode.is_extend:
-            return self._extend(conv_pool, rec_pool, xbc, dt, A, params, shape, batch)
-        if self.fast and not batch.mode.is_extend:  # conv and recurrence steps: one Triton launch each
+            return self._extend(conv_pool, rec_pool, xbc, dt, params, shape, batch)
+        if self.fast:  # conv and recurrence steps: one Triton launch each (the kernels compute A themselves)
             from ..ops.conv1d_triton import conv_steps
 
             pool, verify = self.state_pool, batch.mode is ForwardMode.TARGET_VERIFY
@@ -83,6 +82,7 @@ class Mamba2Backend(Backend):
                            pool.verify_conv[layer] if verify else None, bias=params.conv_bias)
             return self._steps_triton(x, dt, rec_pool, params, shape, batch,
                                       pool.verify_recurrent[layer] if verify else None)
+        A = -torch.exp(params.A_log.float())
         if batch.mode.is_decode:
             x = conv_ops.causal_conv1d_update_ref(xbc, conv_pool, params.conv_weight, batch.state_slots,
                                                   params.conv_bias)
@@ -92,7 +92,7 @@ class Mamba2Backend(Backend):
         assert batch.mode is ForwardMode.TARGET_VERIFY
         return self._verify(layer, conv_pool, rec_pool, xbc, dt, A, params, shape, batch)
 
-    def _extend(self, conv_pool, rec_pool, xbc, dt, A, params, shape, batch):
+    def _extend(self, conv_pool, rec_pool, xbc, dt, params, shape, batch):
         """Prefill: the conv from each row's conv window, then the scan from each row's state: on CUDA one Triton
         launch each for all rows, elsewhere the references row by row."""
         if self.fast:
@@ -104,6 +104,7 @@ class Mamba2Backend(Backend):
             return mamba2_scan(x, dt, params.A_log, params.D, params.dt_bias, rec_pool, batch.state_slots,
                                batch.query_start_loc, shape.num_heads, shape.head_dim, shape.n_groups,
                                shape.state_size, params.dt_limit)
+        A = -torch.exp(params.A_log.float())
         out = torch.empty(xbc.shape[0], shape.num_heads, shape.head_dim, dtype=torch.float32, device=xbc.device)
         start = 0
         for slot, length in zip(batch.state_slots_cpu, batch.extend_lens_cpu):

@@ -16,7 +16,7 @@ from torch import nn
 from ..backends.mamba2 import Mamba2Params
 from ..config import Mamba2Spec
 from ..core import ForwardBatch
-from ..ops.linear import linear
+from ..ops.linear import dense, out_proj
 from ..ops.mamba2 import gated_rms_norm_ref, norm_then_gate_ref
 from ..ops.triton_utils import use_triton
 from .weights import TensorReader, copy_into
@@ -26,20 +26,19 @@ class Mamba2Mixer(nn.Module):
     def __init__(self, hidden: int, cfg: Mamba2Spec, layer_id: int, dtype: torch.dtype, device=None):
         super().__init__()
         self.layer_id, self.hidden, self.cfg, self.dtype = layer_id, hidden, cfg, dtype
-        self.shape = s = cfg
         kw = dict(dtype=dtype, device=device)
-        rows = s.inner + s.conv_dim + s.num_heads  # [z | x B C | dt]
+        rows = cfg.inner + cfg.conv_dim + cfg.num_heads  # [z | x B C | dt]
 
         def param(*shape):
             return nn.Parameter(torch.empty(*shape, **kw), requires_grad=False)
 
         self.in_proj = param(rows, hidden)
         self.in_proj_bias = param(rows) if cfg.proj_bias else None
-        self.conv_weight = param(s.conv_dim, cfg.conv_kernel)
-        self.conv_bias = param(s.conv_dim) if cfg.conv_bias else None
-        self.A_log, self.D, self.dt_bias = param(s.num_heads), param(s.num_heads), param(s.num_heads)
-        self.norm_weight = param(s.inner) if cfg.norm != "gate" else None
-        self.out_proj = param(hidden, s.inner)
+        self.conv_weight = param(cfg.conv_dim, cfg.conv_kernel)
+        self.conv_bias = param(cfg.conv_dim) if cfg.conv_bias else None
+        self.A_log, self.D, self.dt_bias = param(cfg.num_heads), param(cfg.num_heads), param(cfg.num_heads)
+        self.norm_weight = param(cfg.inner) if cfg.norm != "gate" else None
+        self.out_proj = param(hidden, cfg.inner)
         self.out_proj_bias = param(hidden) if (cfg.proj_bias if cfg.out_bias is None else cfg.out_bias) else None
 
     def params(self) -> Mamba2Params:
@@ -49,32 +48,31 @@ class Mamba2Mixer(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, backend) -> torch.Tensor:
         """[T, hidden] -> [T, hidden]."""
-        s = self.shape
-        z, xbc, dt = linear(x, self.in_proj, self.in_proj_bias).split([s.inner, s.conv_dim, s.num_heads], dim=-1)
+        s = self.cfg
+        z, xbc, dt = dense(x, self.in_proj, self.in_proj_bias).split([s.inner, s.conv_dim, s.num_heads], dim=-1)
         y = backend.linear_attention(self.layer_id, xbc, dt, self.params(), s, batch)  # [T, H, P] float32
         y = y.reshape(x.shape[0], s.inner)
         if not batch.mode.is_extend:
             y = y.to(x.dtype)
-        norm, group = self.cfg.norm, s.inner // s.n_groups
+        norm, group = s.norm, s.inner // s.n_groups
         if norm != "gate" and use_triton(y):
             from ..ops.mamba2_triton import gated_group_norm
 
-            y = gated_group_norm(y, z, self.norm_weight, s.n_groups, self.cfg.norm_eps, norm == "gate_then_norm",
-                                 x.dtype)
+            y = gated_group_norm(y, z, self.norm_weight, s.n_groups, s.norm_eps, norm == "gate_then_norm", x.dtype)
         elif norm == "gate_then_norm":
-            y = gated_rms_norm_ref(y, z, self.norm_weight, group, self.cfg.norm_eps)
+            y = gated_rms_norm_ref(y, z, self.norm_weight, group, s.norm_eps)
         elif norm == "norm_then_gate":
-            y = norm_then_gate_ref(y, z, self.norm_weight, group, self.cfg.norm_eps)
+            y = norm_then_gate_ref(y, z, self.norm_weight, group, s.norm_eps)
         else:
             y = y * F.silu(z)
-        return linear(y.to(x.dtype), self.out_proj, self.out_proj_bias)
+        return out_proj(y.to(x.dtype), self.out_proj, self.out_proj_bias)
 
     def load(self, r: TensorReader, prefix: str) -> None:
-        s, c = self.shape, self.cfg
+        s = self.cfg
         copy_into(self.in_proj, r.get(f"{prefix}.in_proj.weight", tuple(self.in_proj.shape)))
         if self.in_proj_bias is not None:
             copy_into(self.in_proj_bias, r.get(f"{prefix}.in_proj.bias", tuple(self.in_proj_bias.shape)))
-        copy_into(self.conv_weight, r.get(f"{prefix}.conv1d.weight", (s.conv_dim, 1, c.conv_kernel))[:, 0])
+        copy_into(self.conv_weight, r.get(f"{prefix}.conv1d.weight", (s.conv_dim, 1, s.conv_kernel))[:, 0])
         if self.conv_bias is not None:
             copy_into(self.conv_bias, r.get(f"{prefix}.conv1d.bias", (s.conv_dim,)))
         for name in ("A_log", "D", "dt_bias"):

@@ -127,7 +127,7 @@ class FalconH1Layer(nn.Module):
     def _fold(self) -> None:
         """The multipliers into the projections (module docstring)."""
         m, a, mup = self.mamba, self.attn, self.mup
-        s = m.shape
+        s = m.cfg
         gn = s.n_groups * s.state_size
         seg = torch.tensor(mup.ssm_segments, dtype=torch.float32)
         scale = torch.repeat_interleave(seg, torch.tensor([s.inner, s.inner, gn, gn, s.num_heads]))
