@@ -172,6 +172,9 @@ class ModelConfig:
             problems.append("head_dim * partial_rotary_factor must be even")
         if self.num_experts and not (0 < self.num_experts_per_tok <= self.num_experts):
             problems.append("num_experts_per_tok must be in [1, num_experts]")
+        if self.mamba is not None and self.mamba.num_heads % self.mamba.n_groups:
+            problems.append(f"the Mamba2 heads ({self.mamba.num_heads}) must be a multiple of n_groups "
+                            f"({self.mamba.n_groups})")
         acts = ("silu", "relu2") if self.mamba is not None else ("silu",)  # the MLPs hylo has
         if self.hidden_act not in acts:
             problems.append(f"hidden_act {self.hidden_act!r} is not supported (only {' or '.join(acts)})")

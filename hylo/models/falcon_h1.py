@@ -25,17 +25,13 @@ from ..layers.mamba2 import Mamba2Mixer
 from ..layers.moe import MLP
 from ..layers.weights import TensorReader, copy_into
 from ..ops.norm import rms_norm_plain
-from .stack import LayerStack
+from .stack import LayerStack, json_float, mamba2_model_config
 
 MODEL_TYPES = ("falcon_h1",)
 
 
-def _inf(v) -> float:
-    return float("inf") if isinstance(v, dict) else float(v)  # JSON writes infinity as {"__float__": "Infinity"}
-
-
 def parse_config(cfg: dict[str, Any]) -> ModelConfig:
-    """A Falcon-H1 ``config.json`` as hylo's ModelConfig; its multipliers go to ``FalconH1ForCausalLM``."""
+    """A Falcon-H1 ``config.json`` as hylo's ModelConfig, its multipliers in ``ModelConfig.mup``."""
     name = "falcon_h1 config"
     if cfg.get("hidden_act", "silu") != "silu":
         raise ValueError(f"{name}: hidden_act={cfg['hidden_act']!r} is not supported (only 'silu')")
@@ -59,31 +55,24 @@ def parse_config(cfg: dict[str, Any]) -> ModelConfig:
                        state_size=cfg.get("mamba_d_state", 256), conv_kernel=cfg.get("mamba_d_conv", 4),
                        conv_bias=cfg.get("mamba_conv_bias", True), proj_bias=cfg.get("mamba_proj_bias", False),
                        norm_eps=cfg.get("rms_norm_eps", 1e-5),
-                       dt_limit=tuple(_inf(v) for v in cfg.get("time_step_limit") or (0.0, float("inf"))),
+                       dt_limit=tuple(json_float(v) for v in cfg.get("time_step_limit") or (0.0, float("inf"))),
                        chunk_size=cfg.get("mamba_chunk_size", 256),
                        norm=(("norm_then_gate" if cfg.get("mamba_norm_before_gate", True) else "gate_then_norm")
                              if cfg.get("mamba_rms_norm", False) else "gate"),
                        out_bias=cfg.get("projectors_bias", False))
-    if heads % mamba.n_groups:
-        raise ValueError(f"{name}: mamba_n_heads={heads} is not a multiple of mamba_n_groups={mamba.n_groups}")
     attn_heads = cfg.get("num_attention_heads", 32)
     layers = cfg.get("num_hidden_layers", 32)
-    return ModelConfig(
-        vocab_size=cfg.get("vocab_size", 128000), hidden_size=hidden, num_hidden_layers=layers,
+    return mamba2_model_config(
+        mamba, vocab_size=cfg.get("vocab_size", 128000), hidden_size=hidden, num_hidden_layers=layers,
         layer_types=("hybrid",) * layers, num_attention_heads=attn_heads,
         num_key_value_heads=cfg.get("num_key_value_heads") or attn_heads,
         head_dim=cfg.get("head_dim") or hidden // attn_heads,
         rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))), partial_rotary_factor=1.0,
-        attention_bias=bool(cfg.get("attention_bias", False)),
-        # the GDN fields do not apply (no GDN layer); the state pool takes its shapes from ``mamba``
-        linear_num_key_heads=1, linear_num_value_heads=1, linear_key_head_dim=1, linear_value_head_dim=1,
-        linear_conv_kernel_dim=mamba.conv_kernel, intermediate_size=cfg.get("intermediate_size", 14336),
-        num_experts=0, num_experts_per_tok=0, moe_intermediate_size=0, shared_expert_intermediate_size=0,
-        norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=(), rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
-        max_position_embeddings=cfg.get("max_position_embeddings", 8192),
+        attention_bias=bool(cfg.get("attention_bias", False)), intermediate_size=cfg.get("intermediate_size", 14336),
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-5), max_position_embeddings=cfg.get("max_position_embeddings", 8192),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        eos_token_ids=eos_ids(cfg.get("eos_token_id")), num_nextn_predict_layers=0, hidden_act="silu",
-        model_type=cfg.get("model_type", "falcon_h1"), mamba=mamba,
+        eos_token_ids=eos_ids(cfg.get("eos_token_id")), hidden_act="silu",
+        model_type=cfg.get("model_type", "falcon_h1"),
         mup=MuP(embedding=float(cfg.get("embedding_multiplier", 1.0)),
                 logits=1.0 / float(cfg.get("lm_head_multiplier", 1.0)),
                 ssm_in=float(cfg.get("ssm_in_multiplier", 1.0)),

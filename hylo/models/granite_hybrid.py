@@ -22,7 +22,7 @@ from ..layers.moe import MLP
 from ..layers.weights import TensorReader, copy_into
 from ..ops.moe import fused_moe, route_hidden
 from ..ops.norm import rms_norm_plain
-from .stack import LayerStack
+from .stack import LayerStack, json_float, mamba2_model_config
 
 MODEL_TYPES = ("granitemoehybrid",)
 LEGACY = {"mamba": "linear_attention", "attention": "full_attention"}
@@ -46,15 +46,12 @@ def parse_config(cfg: dict[str, Any]) -> ModelConfig:
     if heads * head_dim != int(cfg.get("mamba_expand", 2) * hidden):
         raise ValueError(f"{name}: mamba_n_heads * mamba_d_head = {heads * head_dim} is not mamba_expand * "
                          f"hidden_size = {int(cfg.get('mamba_expand', 2) * hidden)}")
-    limit = cfg.get("time_step_limit", (0.0, float("inf")))
-    limit = tuple(float("inf") if isinstance(v, dict) else float(v) for v in limit)  # JSON's {"__float__": ...}
+    limit = tuple(json_float(v) for v in cfg.get("time_step_limit") or (0.0, float("inf")))
     mamba = Mamba2Spec(num_heads=heads, head_dim=head_dim, n_groups=cfg.get("mamba_n_groups", 1),
                        state_size=cfg.get("mamba_d_state", 256), conv_kernel=cfg.get("mamba_d_conv", 4),
                        conv_bias=cfg.get("mamba_conv_bias", True), proj_bias=cfg.get("mamba_proj_bias", False),
                        norm_eps=cfg.get("rms_norm_eps", 1e-6), dt_limit=limit,
                        chunk_size=cfg.get("mamba_chunk_size", 256))
-    if mamba.num_heads % mamba.n_groups:
-        raise ValueError(f"{name}: mamba_n_heads={heads} is not a multiple of mamba_n_groups={mamba.n_groups}")
     rope = cfg.get("rope_parameters") or {}
     rope_type = rope.get("rope_type", "default")
     use_rope = cfg.get("position_embedding_type", "nope") == "rope"
@@ -62,22 +59,20 @@ def parse_config(cfg: dict[str, Any]) -> ModelConfig:
         raise ValueError(f"{name}: rope_type {rope_type!r} is not supported (only the default RoPE)")
     attn_heads = cfg.get("num_attention_heads", 32)
     experts = cfg.get("num_local_experts", 0) or 0
-    return ModelConfig(
-        vocab_size=cfg.get("vocab_size", 32000), hidden_size=hidden, num_hidden_layers=len(types), layer_types=types,
-        num_attention_heads=attn_heads, num_key_value_heads=cfg.get("num_key_value_heads") or attn_heads,
+    return mamba2_model_config(
+        mamba, vocab_size=cfg.get("vocab_size", 32000), hidden_size=hidden, num_hidden_layers=len(types),
+        layer_types=types, num_attention_heads=attn_heads,
+        num_key_value_heads=cfg.get("num_key_value_heads") or attn_heads,
         head_dim=cfg.get("head_dim") or hidden // attn_heads,
         rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
         partial_rotary_factor=1.0 if use_rope else 0.0, attention_bias=bool(cfg.get("attention_bias", False)),
-        # the GDN fields do not apply (no GDN layer); the state pool takes its shapes from ``mamba``
-        linear_num_key_heads=1, linear_num_value_heads=1, linear_key_head_dim=1, linear_value_head_dim=1,
-        linear_conv_kernel_dim=mamba.conv_kernel, intermediate_size=cfg.get("shared_intermediate_size", 1024),
+        intermediate_size=cfg.get("shared_intermediate_size", 1024),
         num_experts=experts, num_experts_per_tok=cfg.get("num_experts_per_tok", 2) if experts else 0,
-        moe_intermediate_size=cfg.get("intermediate_size", 1024) if experts else 0,
-        shared_expert_intermediate_size=0, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=(),
+        moe_intermediate_size=cfg.get("intermediate_size", 1024) if experts else 0, norm_topk_prob=True,
         rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), max_position_embeddings=cfg.get("max_position_embeddings", 2048),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        eos_token_ids=eos_ids(cfg.get("eos_token_id")), num_nextn_predict_layers=0, hidden_act="silu",
-        model_type=cfg.get("model_type", "granitemoehybrid"), mamba=mamba,
+        eos_token_ids=eos_ids(cfg.get("eos_token_id")), hidden_act="silu",
+        model_type=cfg.get("model_type", "granitemoehybrid"),
         mup=MuP(embedding=float(cfg.get("embedding_multiplier", 1.0)),
                 residual=float(cfg.get("residual_multiplier", 1.0)),
                 attention=float(cfg.get("attention_multiplier", 1.0)),

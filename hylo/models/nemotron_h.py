@@ -20,7 +20,7 @@ from ..layers.mamba2 import Mamba2Mixer
 from ..layers.mlp import SquaredReluMLP
 from ..layers.weights import TensorReader, copy_into
 from ..ops.norm import rms_norm_plain
-from .stack import LayerStack
+from .stack import LayerStack, mamba2_model_config
 
 MODEL_TYPES = ("nemotron_h",)
 PATTERN = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
@@ -68,24 +68,15 @@ def parse_config(cfg: dict[str, Any]) -> ModelConfig:
         # transformers' mixer clamps the prefill's dt from below at time_step_min, never above
         dt_limit=(float(cfg.get("time_step_min", cfg.get("mamba_dt_min", 0.001))), float("inf")),
         chunk_size=cfg.get("chunk_size", cfg.get("mamba_chunk_size", 128)))
-    if mamba.num_heads % mamba.n_groups:
-        raise ValueError(f"nemotron_h config: mamba_num_heads={mamba.num_heads} is not a multiple of "
-                         f"n_groups={mamba.n_groups}")
-    kv_heads = cfg.get("num_key_value_heads") or heads
-    return ModelConfig(
-        vocab_size=cfg.get("vocab_size", 131072), hidden_size=hidden, num_hidden_layers=len(types), layer_types=types,
-        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=cfg.get("head_dim") or hidden // heads,
-        rope_theta=0.0, partial_rotary_factor=0.0, attention_bias=bool(cfg.get("attention_bias", False)),
-        # the GDN fields do not apply (no GDN layer); the state pool takes its shapes from ``mamba``
-        linear_num_key_heads=1, linear_num_value_heads=1, linear_key_head_dim=1, linear_value_head_dim=1,
-        linear_conv_kernel_dim=mamba.conv_kernel, intermediate_size=cfg.get("intermediate_size", 21504),
-        num_experts=0, num_experts_per_tok=0, moe_intermediate_size=0, shared_expert_intermediate_size=0,
-        norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=(),
+    return mamba2_model_config(
+        mamba, vocab_size=cfg.get("vocab_size", 131072), hidden_size=hidden, num_hidden_layers=len(types),
+        layer_types=types, num_attention_heads=heads, num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("head_dim") or hidden // heads, rope_theta=0.0, partial_rotary_factor=0.0,
+        attention_bias=bool(cfg.get("attention_bias", False)), intermediate_size=cfg.get("intermediate_size", 21504),
         rms_norm_eps=cfg.get("layer_norm_epsilon", 1e-5),
         max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        eos_token_ids=eos_ids(cfg.get("eos_token_id")), num_nextn_predict_layers=0, hidden_act="relu2",
-        model_type=cfg.get("model_type", "nemotron_h"), mamba=mamba)
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)), eos_token_ids=eos_ids(cfg.get("eos_token_id")),
+        hidden_act="relu2", model_type=cfg.get("model_type", "nemotron_h"))
 
 
 class Block(nn.Module):

@@ -1,20 +1,38 @@
-"""The causal LM around a stack of a family's layers, shared by the Mamba2 families (Nemotron-H, Granite-4.0-H,
-Falcon-H1): the token embedding (times the muP embedding multiplier, where the family has one), the layers, a final
-plain RMSNorm, the LM head (logits divided by the muP logits multiplier). A family file subclasses it with its layer
-class and checkpoint names."""
+"""What the Mamba2 families (Nemotron-H, Granite-4.0-H, Falcon-H1) share: their ModelConfig's neutral fields, and
+the causal LM around a stack of a family's layers: the token embedding (times the muP embedding multiplier, where
+the family has one), the layers, a final plain RMSNorm, the LM head (logits divided by the muP logits multiplier).
+A family file subclasses it with its layer class and checkpoint names."""
 
 from __future__ import annotations
+
+from typing import Any
+
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import ModelConfig
+from ..config import Mamba2Spec, ModelConfig
 from ..core import ForwardBatch
 from ..layers.weights import TensorReader, copy_into
 from ..ops.norm import rms_norm_plain
 from ..parallel.group import SINGLE, TPGroup
 from ..progress import progress as progress_of
+
+
+def json_float(v: Any) -> float:
+    """A config number; transformers writes infinity as ``{"__float__": "Infinity"}``."""
+    return float(v["__float__"]) if isinstance(v, dict) else float(v)
+
+
+def mamba2_model_config(mamba: Mamba2Spec, **fields) -> ModelConfig:
+    """A Mamba2 family's ModelConfig: ``fields`` over neutral values for what does not apply to it (the GDN shape:
+    the state pool takes its shapes from ``mamba``; experts, where ``fields`` has none; an MTP head)."""
+    neutral = dict(linear_num_key_heads=1, linear_num_value_heads=1, linear_key_head_dim=1, linear_value_head_dim=1,
+                   linear_conv_kernel_dim=mamba.conv_kernel, num_experts=0, num_experts_per_tok=0,
+                   moe_intermediate_size=0, shared_expert_intermediate_size=0, norm_topk_prob=False,
+                   decoder_sparse_step=1, mlp_only_layers=(), num_nextn_predict_layers=0)
+    return ModelConfig(**{**neutral, **fields, "mamba": mamba})
 
 
 class LayerStack(nn.Module):
@@ -27,9 +45,7 @@ class LayerStack(nn.Module):
         raise NotImplementedError
 
     def __init__(self, mc: ModelConfig, dtype: torch.dtype, device=None, tp: TPGroup = SINGLE):
-        super().__init__()
-        if tp.size > 1:
-            raise ValueError(f"{self.family} models do not run with tensor parallelism yet: use tensor_parallel_size=1")
+        super().__init__()  # (tensor parallelism is refused before: parallel.sharding.check_divisible)
         self.config, self.dtype, self.tp = mc, dtype, tp
         kw = dict(dtype=dtype, device=device)
         self.embed = nn.Parameter(torch.empty(mc.vocab_size, mc.hidden_size, **kw), requires_grad=False)
