@@ -16,6 +16,12 @@ from .triton_utils import next_pow2
 
 
 @triton.jit
+def _softplus(v):
+    """log(1 + exp(v)), taken as v past 20 (equal there in float32)."""
+    return tl.where(v > 20.0, v, tl.log(1.0 + tl.exp(tl.minimum(v, 20.0))))
+
+
+@triton.jit
 def _load_head(pool_ptr, slots_ptr, A_log_ptr, D_ptr, dt_bias_ptr, stride_pool, P: tl.constexpr, N: tl.constexpr,
                BP: tl.constexpr, BN: tl.constexpr):
     """The program's (row, head, channel block): its channels and state indices, the row's slot (-1: zeros, nothing
@@ -48,7 +54,7 @@ def _mamba2_steps_kernel(x_ptr, dt_ptr, A_log_ptr, D_ptr, dt_bias_ptr, pool_ptr,
     for s in range(S):
         tok = (row * S + s).to(tl.int64)
         raw = tl.load(dt_ptr + tok * stride_dt + h).to(tl.float32) + bias
-        dt = tl.where(raw > 20.0, raw, tl.log(1.0 + tl.exp(tl.minimum(raw, 20.0))))
+        dt = _softplus(raw)
         x = tl.load(x_ptr + tok * stride_x + h * P + offs_p, mask=mp, other=0.0).to(tl.float32)
         Bv = tl.load(x_ptr + tok * stride_x + INNER + g * N + offs_n, mask=mn, other=0.0).to(tl.float32)
         Cv = tl.load(x_ptr + tok * stride_x + INNER + G * N + g * N + offs_n, mask=mn, other=0.0).to(tl.float32)
@@ -107,7 +113,7 @@ def _mamba2_scan_kernel(x_ptr, dt_ptr, A_log_ptr, D_ptr, dt_bias_ptr, pool_ptr, 
         toks = (t0 + offs_t).to(tl.int64)
         mt = toks < end
         raw = tl.load(dt_ptr + toks * stride_dt + h, mask=mt, other=0.0).to(tl.float32) + bias
-        dt = tl.where(raw > 20.0, raw, tl.log(1.0 + tl.exp(tl.minimum(raw, 20.0))))
+        dt = _softplus(raw)
         if CLAMP:
             dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
         dt = tl.where(mt, dt, 0.0)  # past the row's end: no decay, no input
