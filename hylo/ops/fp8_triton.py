@@ -17,6 +17,15 @@ from .triton_utils import env_cfg, next_pow2
 
 
 @triton.jit
+def block_scale(s_ptr, rows, row_mask, k0, SK: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr):
+    """The float32 scales of weight rows ``rows`` (any shape) for the K tile starting at ``k0``, which lies inside
+    one column block (the launcher keeps BK <= SBK, both powers of two): one scale per row, so a kernel multiplies
+    a tile's partial dot products by it instead of every loaded element (``s_ptr``: SK scales a row of blocks).
+    The expert kernels of ``moe_triton`` use it."""
+    return tl.load(s_ptr + (rows // SBN) * SK + k0 // SBK, mask=row_mask, other=0.0)
+
+
+@triton.jit
 def _fp8_matmul_kernel(x_ptr, q_ptr, s_ptr, b_ptr, y_ptr, M, N, K: tl.constexpr, stride_x, SK: tl.constexpr,
                        SBN: tl.constexpr, SBK: tl.constexpr, HAS_BIAS: tl.constexpr, BM: tl.constexpr,
                        BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
@@ -30,9 +39,9 @@ def _fp8_matmul_kernel(x_ptr, q_ptr, s_ptr, b_ptr, y_ptr, M, N, K: tl.constexpr,
         mk = offs_k < K
         x = tl.load(x_ptr + offs_m[:, None] * stride_x + offs_k[None, :], mask=mm[:, None] & mk[None, :], other=0.0)
         w = tl.load(q_ptr + offs_n[None, :] * K + offs_k[:, None], mask=mk[:, None] & mn[None, :], other=0.0)
-        s = tl.load(s_ptr + (offs_n // SBN) * SK + k0 // SBK, mask=mn, other=0.0)
         # FP8 values are exact in x's dtype: the dot on them, then the tile's one scale per output column
-        acc += tl.dot(x, w.to(x.dtype), input_precision=PREC) * s[None, :]
+        acc += tl.dot(x, w.to(x.dtype), input_precision=PREC) * block_scale(s_ptr, offs_n, mn, k0, SK, SBN,
+                                                                            SBK)[None, :]
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=mn, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + offs_m[:, None] * N + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
@@ -72,15 +81,6 @@ def fp8_matmul(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Te
             SBN=w.block[0], SBK=w.block[1], HAS_BIAS=bias is not None, BM=bm, BN=bn, BK=bk,
             PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages)
     return y
-
-
-@triton.jit
-def block_scale(s_ptr, rows, row_mask, k0, SK: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr):
-    """The float32 scales of weight rows ``rows`` (any shape) for the K tile starting at ``k0``, which lies inside
-    one column block (the launcher keeps BK <= SBK, both powers of two): one scale per row, so a kernel multiplies
-    a tile's partial dot products by it instead of every loaded element (``s_ptr``: SK scales a row of blocks).
-    The expert kernels of ``moe_triton`` use it."""
-    return tl.load(s_ptr + (rows // SBN) * SK + k0 // SBK, mask=row_mask, other=0.0)
 
 
 def fp8_kernel_args(w, prefix: str = "") -> dict:

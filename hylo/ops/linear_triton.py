@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .fp8_triton import block_scale
 from .triton_pdl import l2_prefetch, pdl_enter
 from .triton_utils import env_cfg, env_flag, env_int, next_pow2, pdl_launch, prefetch_args, sm_count
 
@@ -54,7 +55,7 @@ def _gemv_kernel(x_ptr, g_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, M, N, K: tl.constexp
                          SWIGLU)
         w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
         if FP8:
-            ws = tl.load(ws_ptr + (offs_n // SBN) * SK + (split * K_SPLIT + k0) // SBK, mask=mn, other=0.0)
+            ws = block_scale(ws_ptr, offs_n, mn, split * K_SPLIT + k0, SK, SBN, SBK)
             w = (w.to(tl.float32) * ws[:, None]).to(x.dtype)
         acc = _multiply(acc, w, x, FMA, PREC)
     if HAS_BIAS:
