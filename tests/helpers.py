@@ -329,7 +329,8 @@ def make_granite_hybrid_checkpoint(path: str, **overrides):
     multipliers away from 1) written by transformers' ``save_pretrained``; returns (path, the transformers model)."""
     import transformers
 
-    cfg = dict(num_hidden_layers=5, layers_block_type=["mamba", "attention", "mamba", "mamba", "attention"],
+    cfg = dict(num_hidden_layers=5, layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention",
+                                                  "full_attention"],
                vocab_size=89, hidden_size=24, num_attention_heads=4, num_key_value_heads=2, mamba_n_heads=6,
                mamba_d_head=8, mamba_d_state=5, mamba_n_groups=3, mamba_expand=2, mamba_chunk_size=8,
                intermediate_size=12, shared_intermediate_size=20, num_local_experts=5, num_experts_per_tok=2,

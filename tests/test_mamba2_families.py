@@ -112,6 +112,20 @@ def test_tensor_parallelism_is_refused_by_name(family):
         LLM(path, device="cpu", tensor_parallel_size=2, verbose=False)
 
 
+def test_granite_layer_names_as_released_read_as_transformers_writes_them(granite_hybrid):
+    """Released Granite-4.0-H configs name the layers "mamba" / "attention" (transformers maps them to the current
+    names on load and writes those); both spellings give the same model config."""
+    from hylo.models.granite_hybrid import parse_config
+
+    path, _ = granite_hybrid
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    released = {**cfg, "layer_types": [{"linear_attention": "mamba", "full_attention": "attention"}[t]
+                                       for t in cfg["layer_types"]]}
+    assert parse_config(released) == parse_config(cfg)
+    assert parse_config(released).layer_types.count("full_attention") == 2
+
+
 def test_granite_without_positional_encoding_or_experts_matches_transformers(tmp_path):
     """Granite-4.0-H as released uses no positional encoding ("nope"); its dense variants have no experts (the
     shared MLP alone)."""

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from .attention_triton import _attend_block
-from .triton_utils import INTERPRET, next_pow2
+from .triton_utils import INTERPRET, dot_tile
 
 # A fresh prompt (no cached prefix) of at least this many tokens goes to torch's fused attention (flash or cuDNN,
 # whose causal kernel needs no mask); shorter ones, and every row with a prefix, are batched here.
@@ -96,6 +96,6 @@ def extend_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     _extend_attn_kernel[(num_blocks, heads)](
         q, k_cache, v_cache, out, req_to_token, req_slots, seq_lens, query_start_loc, blocks,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
-        req_to_token.stride(0), scaling, G=heads // k_cache.shape[1], D=dim, BD=next_pow2(dim), BT=bt,
+        req_to_token.stride(0), scaling, G=heads // k_cache.shape[1], D=dim, BD=dot_tile(dim), BT=bt,
         BN=32 if dim > 128 else 64, USE_WHILE=INTERPRET, PREC="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=4 if dim <= 128 else 8)

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from .triton_pdl import pdl_enter
-from .triton_utils import INTERPRET, next_pow2, pdl_launch, sm_count
+from .triton_utils import INTERPRET, dot_tile, next_pow2, pdl_launch, sm_count
 
 MIN_SPLITS, MAX_SPLITS = 16, 128
 MERGE_CHUNK = 16  # splits merged per step (a [16, D] float32 tile in registers)
@@ -202,7 +202,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     splits = num_splits(batch, kv_heads, q.device)
     part_o = torch.empty(num_tokens, heads, splits, dim, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(num_tokens, heads, splits, dtype=torch.float32, device=q.device)
-    bd = next_pow2(dim)
+    bd = dot_tile(dim)  # q . k^T takes the head's channels as its K
     bm = max(16, next_pow2(tokens_per_row * group))
     bn = 32 if bd > 128 else 64
     _paged_attn_split_kernel[(batch, kv_heads, splits)](

@@ -94,6 +94,12 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def dot_tile(n: int) -> int:
+    """A tile width for a dimension that enters ``tl.dot``: the next power of two, at least 16 (the compiler
+    refuses smaller dot operands; Triton's interpreter does not, so only a GPU run catches it)."""
+    return max(16, next_pow2(n))
+
+
 @functools.lru_cache(maxsize=None)
 def _pdl_supported() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9

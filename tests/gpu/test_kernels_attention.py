@@ -6,7 +6,7 @@ import torch
 from hylo.ops.attention import decode_attention_ref
 
 
-@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 2, 24), (16, 2, 256), (6, 3, 20)])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 2, 24), (16, 2, 256), (6, 3, 20), (4, 2, 6)])
 @pytest.mark.parametrize("steps", [1, 4])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_paged_attention_matches_reference(dev, heads, kv_heads, dim, steps, dtype):
@@ -104,7 +104,7 @@ def test_prefill_attention_reads_shared_kv_heads_in_place(dev):
     assert ops._GQA_FUSED[(str(out.device), torch.bfloat16, heads, kv_heads, dim, False)]
 
 
-@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 2, 24), (16, 2, 256), (6, 6, 64)])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 2, 24), (16, 2, 256), (6, 6, 64), (4, 2, 8)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_extend_attention_kernel_matches_reference(dev, heads, kv_heads, dim, dtype):
     """Prefill chunks with and without a cached prefix, decoding rows (one query on a long prefix), a row longer
