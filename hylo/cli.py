@@ -28,6 +28,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="speculative decoding: the checkpoint's MTP head, or n-gram prompt lookup")
     g.add_argument("--num-speculative-tokens", type=int, default=d.num_speculative_tokens,
                    help="drafts per verify step (default 3)")
+    g.add_argument("--spec-policy", choices=["adaptive", "fixed"], default=d.spec_policy,
+                   help="adaptive (default): verify drafts only while the requests accept enough of them to beat plain "
+                   "decoding, else decode plainly and probe now and then; fixed: verify k drafts at every step")
     g.add_argument("--spec-commit", choices=["replay", "checkpoints"], default=d.spec_commit,
                    help="how a verify's accepted GDN state reaches the slot: replay the kept step inputs (default; "
                    "less state traffic and memory) or copy the per-step state checkpoint")
@@ -51,6 +54,7 @@ def _engine_options(args) -> dict:
                 kv_cache_tokens=args.kv_cache_tokens, memory_budget_gb=args.memory_budget_gb,
                 state_dtype=args.state_dtype, speculative=args.speculative,
                 num_speculative_tokens=args.num_speculative_tokens, spec_commit=args.spec_commit,
+                spec_policy=args.spec_policy,
                 simulate_accept_length=args.simulate_accept_length, overlap=args.overlap,
                 tensor_parallel_size=args.tensor_parallel_size, enable_prefix_caching=args.enable_prefix_caching,
                 prefix_state_interval=args.prefix_state_interval, prefix_snapshots=args.prefix_snapshots)
@@ -84,7 +88,7 @@ def _generate(args) -> int:
     if out.spec is not None:
         s = out.spec
         print(f"[hylo] speculative ({args.speculative}, k={args.num_speculative_tokens}): {s.verify_steps} verify "
-              f"steps, {s.accepted_tokens}/{s.draft_tokens} drafts accepted, mean accept length "
+              f"steps, {s.plain_steps} plain, {s.accepted_tokens}/{s.draft_tokens} drafts accepted, mean accept length "
               f"{s.mean_accept_length:.2f} tokens per step", file=sys.stderr)
     return 0
 
@@ -94,6 +98,11 @@ def _bench(args) -> int:
         from .bench.tp import run_tp_bench
 
         run_tp_bench(args.model_name, args.tensor_parallel_size, out_dir=args.out, quick=args.quick)
+        return 0
+    if args.spec_policy:
+        from .bench.spec_policy import run_spec_policy_bench
+
+        run_spec_policy_bench(args.model_name, out_dir=args.out, quick=args.quick)
         return 0
     if args.prefix_replay:
         from .bench.prefix import run_prefix_bench
@@ -187,6 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--prefix-replay", action="store_true",
                    help="instead: multi-turn conversations sharing a system prompt, replayed with the prefix cache on "
                         "and off (hit rate against the ideal, first-token times, decode step on against off)")
+    b.add_argument("--spec-policy", action="store_true",
+                   help="instead: per generated token, plain decoding against fixed-k and adaptive speculation (MTP "
+                        "and n-gram) at simulated accept lengths 1.0-4.0 and in a mixed batch, batch 1 / 8 / 64")
     b.add_argument("--conversations", type=int, default=None,
                    help="--prefix-replay: conversations replayed at once (default 32; 6 with --quick)")
     b.add_argument("--turns", type=int, default=None, help="--prefix-replay: turns per conversation (default 5)")

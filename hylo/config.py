@@ -277,6 +277,9 @@ class EngineConfig:
     preemption: str = "recompute"  # when KV runs out mid-decode: preempt the newest request and re-run it
     speculative: str | None = None  # None, "mtp" (the checkpoint's MTP head) or "ngram" (prompt lookup)
     num_speculative_tokens: int = 3  # k drafts per verify step
+    # "adaptive": verify only where the rows' acceptance pays for it, else decode plainly and probe now and then
+    # (engine/spec_policy.py); "fixed": verify k drafts at every step
+    spec_policy: str = "adaptive"
     # how a verify step's accepted GDN state reaches the request's slot: "replay" (the verify keeps each step's
     # inputs, the commit re-runs the accepted steps from the slot: about a third of the state traffic and a
     # fraction of the memory) or "checkpoints" (the verify writes the state after every step, the commit copies one)
@@ -313,6 +316,8 @@ class EngineConfig:
             raise ValueError(f"state_dtype must be float32, bfloat16 or float16, got {self.state_dtype!r}")
         if self.spec_commit not in ("replay", "checkpoints"):
             raise ValueError(f"spec_commit must be 'replay' or 'checkpoints', got {self.spec_commit!r}")
+        if self.spec_policy not in ("adaptive", "fixed"):
+            raise ValueError(f"spec_policy must be 'adaptive' or 'fixed', got {self.spec_policy!r}")
         if self.speculative not in (None, "mtp", "ngram"):
             raise ValueError(f"speculative must be None, 'mtp' or 'ngram', got {self.speculative!r}")
         if isinstance(self.num_speculative_tokens, bool) or not isinstance(self.num_speculative_tokens, int) \

@@ -181,6 +181,7 @@ class Req:
     inflight_new: int = 0
     release_deferred: bool = False  # finished or preempted while in flight: free its slots when the step completes
     spec: "SpecStats | None" = None
+    has_drafts: bool = False  # the last launched step of this request drafted for the next (speculative decoding)
     # incremental detokenisation state (see engine/detok.py)
     text: str = ""
     detok_prefix: int = 0
@@ -331,6 +332,9 @@ class SpecStats:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     emitted_tokens: int = 0  # tokens produced by verify steps (accepted drafts + one bonus per step)
+    plain_steps: int = 0  # steps that decoded one token without drafts (the adaptive policy's fallback)
+    # drafts accepted per verify, a running estimate (engine/spec_policy.py); None before the first verify
+    accept_estimate: float | None = None
 
     @property
     def mean_accept_length(self) -> float:
@@ -338,7 +342,7 @@ class SpecStats:
         return self.emitted_tokens / self.verify_steps if self.verify_steps else 0.0
 
     def as_dict(self) -> dict:
-        return {"verify_steps": self.verify_steps, "draft_tokens": self.draft_tokens,
+        return {"verify_steps": self.verify_steps, "plain_steps": self.plain_steps, "draft_tokens": self.draft_tokens,
                 "accepted_tokens": self.accepted_tokens, "mean_accept_length": self.mean_accept_length}
 
 

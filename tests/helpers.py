@@ -357,3 +357,21 @@ def make_falcon_h1_checkpoint(path: str, **overrides):
     torch.manual_seed(2)
     model = transformers.FalconH1ForCausalLM(transformers.FalconH1Config(**cfg)).eval()
     return _save_randomized(model, path)
+
+
+def cycle_steps(eng, pattern=("plain", "draft", "verify", "verify", "verify")):
+    """Make a speculative engine's policy deterministic: its decoding steps cycle through plain decoding without
+    drafts, plain decoding that drafts at its end, and verifying (when every row has drafts), so that every kind of
+    step runs and two engines given the same work make the same choices (the adaptive policy's follow measured
+    step times)."""
+    from hylo.engine.spec_policy import StepChoice
+
+    calls = iter(range(10 ** 9))
+
+    def choose(reqs):
+        kind = pattern[next(calls) % len(pattern)]
+        verify = kind == "verify" and all(r.has_drafts for r in reqs)
+        return StepChoice(verify, kind != "plain")
+    if eng.scheduler.policy is not None:
+        eng.scheduler.policy.choose = choose
+    return eng

@@ -12,7 +12,7 @@ from hylo.core import ForwardMode
 from hylo.engine.engine import Engine
 from hylo.spec.setup import SpecSetup
 
-from helpers import check_against, drive, random_prompts, traffic, vocab_of
+from helpers import check_against, cycle_steps, drive, random_prompts, traffic, vocab_of
 
 SIZES = [1, 2, 4, 8]
 
@@ -51,15 +51,19 @@ def test_replayed_steps_give_the_eager_outputs(ckpt_a_mtp, spec):
         if i % 3 == 0:  # sampled rows: the decode graph's sampling path, the verify graph of sampled rows
             work[i] = (p, SamplingParams(max_tokens=params.max_tokens, temperature=0.8, top_k=20, seed=i), at, ab)
     opts = dict(chunk_size=16, max_num_seqs=10)
-    ref, _ = drive(_engine(ckpt_a_mtp, spec, **opts), work)
-    eng = _engine(ckpt_a_mtp, spec, graphs=True, **opts)
+    # both engines' speculative steps cycle through plain, drafting-plain and verify steps: the same choices
+    ref, _ = drive(cycle_steps(_engine(ckpt_a_mtp, spec, **opts)), work)
+    eng = cycle_steps(_engine(ckpt_a_mtp, spec, graphs=True, **opts))
     seen = _count_replays(eng)
     outs, _ = drive(eng, work)
     assert check_against(outs, ref, work) > 0
-    names = {"decode"} if spec is None else {"verify"} if spec == "ngram" else {"spec_step", "verify"}
-    for name in names:  # not vacuous: each pass replayed with and without padding
-        assert any(n == name and raw < bs for n, raw, bs in seen), (name, seen)
+    # the plain steps too: the greedy staged ones with and without drafting at their end, the sampled rows' forward
+    plain = {"plain_step", "plain_draft", "plain"}
+    names = {"decode"} if spec is None else {"verify"} | plain if spec == "ngram" else {"spec_step", "verify"} | plain
+    for name in names:  # not vacuous: each pass replayed, the main ones with and without padding
+        assert any(n == name and raw < bs for n, raw, bs in seen) or name in plain, (name, seen)
         assert any(n == name and raw == bs for n, raw, bs in seen), (name, seen)
+    assert spec is None or any(n in plain and raw < bs for n, raw, bs in seen), seen
 
 
 def _poison_unowned(eng, sched):
@@ -88,31 +92,40 @@ def _pools(eng):
     return [t.clone() for t in (c.kv_pool.k, c.kv_pool.v, c.state_pool.conv, c.state_pool.recurrent)]
 
 
-@pytest.mark.parametrize("spec", [None, "mtp"])
-def test_a_padded_staged_step_equals_the_eager_step_and_touches_only_dummies(ckpt_a_mtp, spec):
+@pytest.mark.parametrize("spec,name", [(None, "decode"), ("mtp", "spec_step"), ("mtp", "plain_step"),
+                                       ("mtp", "plain_draft")])
+def test_a_padded_staged_step_equals_the_eager_step_and_touches_only_dummies(ckpt_a_mtp, spec, name):
     """Three decoding rows, replayed at size 4 (the fourth row padding): the outputs, request tables and caches
-    equal the eager step's; no unowned state slot or KV location changes."""
-    eng = _engine(ckpt_a_mtp, spec, graphs=True, overlap=False, max_num_seqs=8)
+    (the MTP head's KV of a plain step included) equal the eager step's; no unowned state slot or KV location
+    changes."""
+    eng = _engine(ckpt_a_mtp, spec, graphs=True, overlap=False, max_num_seqs=8,
+                  **({"spec_policy": "fixed"} if name == "spec_step" else {}))
+    if name.startswith("plain"):  # the policy decodes plainly, drafting at the step's end or not
+        cycle_steps(eng, ("draft",) if name == "plain_draft" else ("plain",))
     for p in random_prompts(vocab_of(ckpt_a_mtp), [7, 12, 3], seed=4):
         eng.add_request(p, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
     for _ in range(3):  # prefill, then decoding
         eng.step()
     sched = eng.scheduler.schedule()
-    mode, name = (ForwardMode.DECODE, "decode") if spec is None else (ForwardMode.TARGET_VERIFY, "spec_step")
+    mode = ForwardMode.TARGET_VERIFY if name == "spec_step" else ForwardMode.DECODE
     assert sched.mode is mode and len(sched.reqs) == 3
     w, tables = eng.model_worker, eng.caches.req_slots
     used, free, unowned = _poison_unowned(eng, sched)
     snap = (_pools(eng), tables.seq_len.clone(), tables.last_token.clone(), tables.req_to_token.clone())
     drafts = None if spec is None else eng.worker.drafter.drafts
+    fed = drafts if name == "spec_step" else None
     saved_drafts = None if drafts is None else drafts.clone()
     with torch.inference_mode():
-        batch = w.build_batch(sched, drafts=drafts)
+        batch = w.build_batch(sched, drafts=fed)
         if spec is None:
             eager = {"logits": w.model.compute_logits(w.forward_hidden(batch))}
             tables.record(batch.req_slots, batch.seq_lens, batch.req_slots, eager["logits"].argmax(-1))
-        else:
+        elif name == "spec_step":
             w.backend.init_forward_metadata(batch)
             eager = eng.worker._greedy_step(batch)
+        else:
+            w.backend.init_forward_metadata(batch)
+            eager = eng.worker._greedy_plain(batch, name == "plain_draft")
     eager_state = (_pools(eng), tables.seq_len.clone(), tables.last_token.clone(),
                    None if drafts is None else drafts.clone())
     # back to the state before the step, the KV rows of this step's new locations included

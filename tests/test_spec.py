@@ -78,7 +78,8 @@ def test_forced_full_acceptance_and_full_rejection(ckpt_a_mtp, reference_a, long
     vocab = vocab_of(ckpt_a_mtp)
     k = 3
     for correct in (True, False):
-        eng = _spec_engine(ckpt_a_mtp, method, k, chunk_size=16)
+        # every step verifies (the adaptive policy would stop verifying drafts that are never accepted)
+        eng = _spec_engine(ckpt_a_mtp, method, k, chunk_size=16, spec_policy="fixed")
         eng.worker.draft_hook = _oracle_hook(by_prompt, vocab, correct)
         outs = _run(eng, prompts, SamplingParams(max_tokens=14, temperature=0))
         assert [o.token_ids for o in outs] == ref

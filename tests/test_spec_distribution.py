@@ -78,7 +78,8 @@ def test_speculative_sampling_matches_target_distribution(tiny_vocab_ckpt, metho
     target's p(x1) p(x2 | x1), computed from the model's own prompt logits."""
     prompt = [1, 5, 2, 7, 3]
     n = 3000
-    llm = LLM(tiny_vocab_ckpt, speculative=method, num_speculative_tokens=2, max_num_seqs=64, verbose=False)
+    llm = LLM(tiny_vocab_ckpt, speculative=method, num_speculative_tokens=2, max_num_seqs=64, spec_policy="fixed",
+              verbose=False)
     params = [SamplingParams(max_tokens=2, temperature=1.0, seed=s) for s in range(n)]
     outs = llm.generate([prompt] * n, params, use_tqdm=False)
     assert all(o.spec.verify_steps == 1 for o in outs)
@@ -88,4 +89,37 @@ def test_speculative_sampling_matches_target_distribution(tiny_vocab_ckpt, metho
     p1 = torch.softmax(eng.prompt_logits(prompt)[-1], -1)
     joint = torch.stack([p1[a] * torch.softmax(eng.prompt_logits(prompt + [a])[-1], -1) for a in range(8)])
     stat, dof = _chi2(counts, joint.flatten())
+    assert stat < _chi2_crit(dof), (stat, dof)
+
+
+@pytest.mark.parametrize("method", ["mtp", "ngram"])
+def test_sampling_stays_exact_when_plain_and_verify_steps_alternate(tiny_vocab_ckpt, method):
+    """The adaptive policy mixes plain decode steps (drafting at their end, or not) with verify steps. Forced to
+    alternate, requests admitted at different times get their second and third tokens from different kinds of
+    steps, among them verifies of drafts made at the end of a plain step; the joint distribution of the first three
+    tokens is still the target's p(x1) p(x2 | x1) p(x3 | x1, x2)."""
+    from hylo.engine.spec_policy import StepChoice
+
+    prompt = [6, 1, 4]
+    n = 4000
+    llm = LLM(tiny_vocab_ckpt, speculative=method, num_speculative_tokens=2, max_num_seqs=48, verbose=False)
+    eng = llm.engine
+    calls = iter(range(10 ** 9))
+
+    def alternate(reqs):  # verify every other decoding step (when every row has drafts), else plain, drafting
+        verify = next(calls) % 2 == 1 and all(r.has_drafts for r in reqs)
+        return StepChoice(verify, True)
+    eng.scheduler.policy.choose = alternate
+    params = [SamplingParams(max_tokens=3, temperature=1.0, seed=s) for s in range(n)]
+    outs = llm.generate([prompt] * n, params, use_tqdm=False)
+    assert sum(o.spec.plain_steps for o in outs) > n // 4 and sum(o.spec.verify_steps for o in outs) > n // 4
+    tokens = torch.tensor([o.token_ids for o in outs])
+    counts = torch.bincount(tokens[:, 0] * 64 + tokens[:, 1] * 8 + tokens[:, 2], minlength=512)
+    p1 = torch.softmax(eng.prompt_logits(prompt)[-1], -1)
+    joint = []
+    for a in range(8):
+        p2 = torch.softmax(eng.prompt_logits(prompt + [a])[-1], -1)
+        for b in range(8):
+            joint.append(p1[a] * p2[b] * torch.softmax(eng.prompt_logits(prompt + [a, b])[-1], -1))
+    stat, dof = _chi2(counts, torch.cat(joint))
     assert stat < _chi2_crit(dof), (stat, dof)

@@ -75,6 +75,11 @@ class AttentionBackend(Backend):
             return None
         return k_cache, v_cache, batch.out_cache_loc
 
+    def store_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch) -> None:
+        """The new tokens' keys and values ([T, KVH, D]) into the layer's caches at ``batch.out_cache_loc``, with no
+        attention (a pass that only keeps a layer's KV complete)."""
+        ops.store_kv(self.kv_pool.k[layer], self.kv_pool.v[layer], batch.out_cache_loc, k, v)
+
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                 batch: ForwardBatch, scaling: float, gate: torch.Tensor | None = None) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, KVH, D] for the new tokens, or None when they were written at ``kv_store``'s

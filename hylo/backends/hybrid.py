@@ -37,6 +37,9 @@ class HybridBackend(Backend):
     def kv_store(self, layer_id: int, *args, **kwargs):
         return self.attn.kv_store(self.attn_index[layer_id], *args, **kwargs)
 
+    def store_kv(self, layer_id: int, *args, **kwargs):
+        return self.attn.store_kv(self.attn_index[layer_id], *args, **kwargs)
+
     def linear_attention(self, layer_id: int, *args, **kwargs):
         return self.linear.forward(self.linear_index[layer_id], *args, **kwargs)
 

@@ -36,7 +36,7 @@ from ..tokenizer import ByteTokenizer, load_tokenizer
 from .detok import detokenize_step, find_stop_string
 from ..ops.triton_utils import use_triton
 from .graphs import default_capture_sizes
-from .host_reads import HostReads, PendingRead
+from .host_reads import HostReads, PendingRead, StepTimer
 from .scheduler import ScheduledBatch, Scheduler
 from .worker import ModelWorker, prompt_logprob_spans
 
@@ -128,6 +128,7 @@ class _Launched:
     plan: ScheduledBatch
     read: PendingRead
     prompt_read: PendingRead | None = None
+    timer: StepTimer | None = None  # the device time of a speculative engine's decoding step (its policy's costs)
 
 
 class Engine:
@@ -342,10 +343,15 @@ class Engine:
         sched = self.scheduler.schedule()
         if sched is None:
             return None
+        policy = self.scheduler.policy
+        timer = (StepTimer(self.device) if policy is not None and policy.adaptive
+                 and sched.mode is not ForwardMode.EXTEND else None)
         try:
             pool = self.caches.state_pool
             pool.copy(sched.copies_before)  # prefix-cache hits: their snapshots into the requests' slots
             res = self.worker.run(sched)
+            if timer is not None:
+                timer.stop()
             pool.copy(sched.copies_after)  # new snapshots of the states this step produced
         except Exception as e:  # noqa: BLE001 - the step's own requests fail; the others go on
             # Nothing of this step was launched as far as the host's bookkeeping goes (step_launched did not run);
@@ -361,7 +367,7 @@ class Engine:
         # prompt log probabilities (rare: requests that asked) come back by a second copy of their own
         prompt_read = self.host_reads.start(res.prompt_logprobs) if res.prompt_logprobs is not None else None
         self.scheduler.step_launched(sched)
-        return _Launched(sched, read, prompt_read)
+        return _Launched(sched, read, prompt_read, timer)
 
     def _complete(self, launched: "_Launched") -> list[Req]:
         """Read a launched step's results (waiting on its event) and apply them: tokens, stop rules, freeing."""
@@ -374,11 +380,17 @@ class Engine:
         updated = []
         if launched.prompt_read is not None:
             self._apply_prompt_logprobs(sched, launched.prompt_read.wait())
+        policy = self.scheduler.policy
+        if launched.timer is not None:  # the step's results are read: its end event has completed
+            policy.observe_step(verify, len(sched.reqs), launched.timer.ms())
+        accepted = []  # a verify step's accepted draft counts, for the policy
         for i, (req, n, keep) in enumerate(zip(sched.reqs, sched.extend_lens, sched.sample)):
             committed = n
             if keep:
                 row = next(rows)
                 new, count = row[:width], (row[width] if verify else 1)
+                if verify and count > 0:
+                    accepted.append(count - 1)
                 # a verify row commits its last token and the accepted drafts: count - 1 of them
                 committed = count if verify else n
                 lps = None
@@ -386,13 +398,15 @@ class Engine:
                     lps = _unpack_logprobs(row[width + verify:], width, top_n, req.params.logprobs)
                 if not req.finished:
                     try:
-                        self._apply_row(req, new, count, verify, lps)
+                        self._apply_row(req, new, count, verify, lps, sched.mode is ForwardMode.DECODE)
                     except Exception as e:  # noqa: BLE001 - one request's host-side failure ends that request only
                         self._fail(req, e)
                     updated.append(req)
                 else:  # finished while this step was in flight: its tokens are not output, but its state is theirs
                     req.extra_ids.extend(new[:count])
             self.scheduler.step_done(sched, i, committed)
+        if verify:
+            policy.observe_verify(accepted)
         return updated
 
     @staticmethod
@@ -410,7 +424,9 @@ class Engine:
                                                                 for j in range(wanted)]))
             at += count
 
-    def _apply_row(self, req: Req, new: list[int], count: int, verify: bool, lps: list | None = None) -> None:
+    def _apply_row(self, req: Req, new: list[int], count: int, verify: bool, lps: list | None = None,
+                   plain: bool = False) -> None:
+        """``plain``: a speculative engine's step that decoded one token without drafts."""
         appended = 0
         for tok in new[:count]:
             if lps is not None:
@@ -420,12 +436,16 @@ class Engine:
                 # the rest were computed all the same (their state is in the slot): the prefix cache needs them
                 req.extra_ids.extend(new[appended:count])
                 break
+        stats = req.spec
         if verify:
-            stats = req.spec
             stats.verify_steps += 1
             stats.draft_tokens += self.ec.spec_tokens
             stats.accepted_tokens += count - 1
             stats.emitted_tokens += appended
+            if count > 0:
+                self.scheduler.policy.observe_row(req, count - 1)
+        elif stats is not None and plain:
+            stats.plain_steps += 1
 
     def _fail(self, req: Req, error: BaseException) -> None:
         """End ``req`` because of an internal error raised while serving it. The error is logged with its

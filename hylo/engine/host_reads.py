@@ -12,6 +12,8 @@ read of a device tensor and always blocking; the engine loop does not use it.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 
@@ -60,3 +62,28 @@ class HostReads:
         """An immediate (blocking) read."""
         self.blocking += 1
         return t.tolist()
+
+
+class StepTimer:
+    """The device time of one launched step, read without a sync of its own: CUDA events recorded before and after
+    its launches, whose interval the host takes once it has waited for the step's results anyway (``ms`` after that
+    read's ``wait``). Off CUDA, the host time of the launch (the CPU path computes as it launches)."""
+
+    def __init__(self, device: torch.device):
+        self._cuda = device.type == "cuda"
+        if self._cuda:
+            self._start, self._end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self._start.record()
+        else:
+            self._t0 = time.perf_counter()
+
+    def stop(self) -> "StepTimer":
+        if self._cuda:
+            self._end.record()
+        else:
+            self._ms = (time.perf_counter() - self._t0) * 1e3
+        return self
+
+    def ms(self) -> float:
+        """Call after the step's results were read (its end event has then completed)."""
+        return self._start.elapsed_time(self._end) if self._cuda else self._ms

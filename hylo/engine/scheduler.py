@@ -39,6 +39,7 @@ from ..cache.memory import Caches
 from ..cache.prefix_cache import Hit, PrefixCache
 from ..config import EngineConfig
 from ..core import ForwardMode, Req, ReqStatus
+from .spec_policy import DraftPolicy
 
 
 @dataclass
@@ -66,6 +67,8 @@ class ScheduledBatch:
     hits: list[tuple[Req, int]] = field(default_factory=list)
     # snapshots to add to the tree when the row completes: row -> (end position, snapshot slot)
     snapshots: dict[int, tuple[int, int]] = field(default_factory=dict)
+    # speculative decoding: a DECODE step ends by drafting for the next step (which is to verify); see spec_policy
+    draft_after: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -96,6 +99,9 @@ class Scheduler:
         self.caches = caches
         self.ec = ec
         self.k = num_spec_tokens
+        # with speculation: whether each step of decoding rows verifies drafts or decodes plainly
+        self.policy = (DraftPolicy(num_spec_tokens, adaptive=ec.spec_policy == "adaptive")
+                       if num_spec_tokens else None)
         self.cache = prefix_cache
         self.snapshot_interval = ec.prefix_state_interval or ec.chunk_size
         # an upper bound of the positions reserved past the fed tokens (see _kv_end)
@@ -192,7 +198,10 @@ class Scheduler:
     def step_launched(self, plan: ScheduledBatch) -> None:
         """Record that ``plan`` runs on the device; its results arrive later through ``step_done``."""
         verify = plan.mode is ForwardMode.TARGET_VERIFY
+        # which rows' next step can verify: a prefill row that sampled, a verify row and a drafting plain row drafted
+        drafted = verify or plan.draft_after or plan.mode is ForwardMode.EXTEND
         for req, n, keep in zip(plan.reqs, plan.extend_lens, plan.sample):
+            req.has_drafts = drafted and keep
             req.inflight += 1
             req.inflight_advance += n  # a verify row commits k + 1 tokens at most
             req.inflight_verify += verify
@@ -307,9 +316,19 @@ class Scheduler:
                 self._last_was_prefill = True
                 return batch
         self._last_was_prefill = False
-        return self._schedule(self.running, prefill=False, decode=True) if decoding else None
+        if not decoding:
+            return None
+        choice = self.policy.choose([r for r in decoding if not self._surely_done(r)] or decoding)
+        plan = self._schedule(self.running, prefill=False, decode=True, decode_len=self.k + 1 if choice.verify else 1)
+        if plan is not None:
+            plan.mode = ForwardMode.TARGET_VERIFY if choice.verify else ForwardMode.DECODE
+            plan.draft_after = choice.verify or choice.draft_after
+        return plan
 
-    def _schedule(self, candidates: list[Req], prefill: bool, decode: bool) -> ScheduledBatch | None:
+    def _schedule(self, candidates: list[Req], prefill: bool, decode: bool, decode_len: int = 1
+                  ) -> ScheduledBatch | None:
+        """The step's rows: decoding rows (``decode``) feeding ``decode_len`` tokens each, prefill chunks and
+        admissions (``prefill``)."""
         budget = self.ec.chunk_size
         plan = ScheduledBatch([], [], [], [], ForwardMode.EXTEND)
         pending = list(candidates)  # oldest first; preemption victims are taken from the end
@@ -323,7 +342,7 @@ class Scheduler:
             if is_decode:
                 if self._surely_done(req):
                     continue
-                n = self.k + 1 if self.k else 1
+                n = decode_len
             else:  # a prefilling request has no verify in flight: c is exact and its tokens are on the host
                 n = self._chunk(req, c, budget)
                 if n <= 0:
@@ -381,10 +400,8 @@ class Scheduler:
 
         if not plan.reqs:
             return None
-        if self.k:
-            if all(plan.from_device):  # prefill rows never share a step with verify rows
-                plan.mode = ForwardMode.TARGET_VERIFY
-        elif all(n == 1 for n in plan.extend_lens) and all(plan.sample):
+        # with speculation prefill rows never share a step with decoding rows, whose mode schedule() names
+        if not self.k and all(n == 1 for n in plan.extend_lens) and all(plan.sample):
             plan.mode = ForwardMode.DECODE
         return plan
 

@@ -63,6 +63,20 @@ class GatedAttention(nn.Module):
         out = backend.attention(self.layer_id, q, k, v, batch, self.scaling, gate=gate)
         return out_proj(out.reshape(num_tokens, self.q_size), self.o_proj, self.o_bias, reduce=reduce)
 
+    def write_kv(self, x: torch.Tensor, batch: ForwardBatch, backend) -> None:
+        """Only the new tokens' keys and values into the KV pool (the MTP head's plain-decode bookkeeping): the
+        projection's key and value rows, the key norm and rotary, no attention."""
+        n = x.shape[0]
+        if isinstance(self.qkv_proj, torch.Tensor):  # the key and value rows alone (a view: [q | gate | k | v])
+            w, bias = self.qkv_proj[2 * self.q_size:], self.qkv_bias
+            kv = dense(x, w, None if bias is None else bias[2 * self.q_size:])
+        else:  # block-FP8 weights: the whole projection (its blocks need not split at the key rows)
+            kv = dense(x, self.qkv_proj, self.qkv_bias)
+        k, v = kv[..., -2 * self.kv_size:].split([self.kv_size, self.kv_size], dim=-1)
+        k = rms_norm(k.reshape(n, self.num_kv_heads, self.head_dim), self.k_norm, self.eps)
+        k = self.rotary.rotate(batch.positions, k)
+        backend.store_kv(self.layer_id, k, v.reshape(n, self.num_kv_heads, self.head_dim), batch)
+
     def load(self, r: TensorReader, prefix: str) -> None:
         h, d = self.num_heads, self.head_dim
 

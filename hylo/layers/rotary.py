@@ -20,6 +20,11 @@ class RotaryEmbedding(nn.Module):
         cos, sin = freqs.cos()[:, None, :], freqs.sin()[:, None, :]
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 
+    def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """One tensor [T, H, D] alone (the keys of a pass that computes no queries)."""
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        return self._rotate(x, freqs.cos()[:, None, :], freqs.sin()[:, None, :])
+
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         half = self.rotary_dim // 2
         x1 = x[..., :half].float()

@@ -58,6 +58,19 @@ class MTPHead(nn.Module):
             h, residual = layer(h, residual, batch, backend)
         return add_rms_norm(residual, h, self.norm.weight, self.norm.eps)[1]
 
+    def write_kv(self, input_ids: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch, backend) -> None:
+        """The head's attention keys and values at ``batch``'s positions, without the rest of the step: what a plain
+        decode step needs to keep the head's KV complete (its attention, MLP and logits are not needed there). With
+        several layers each one's keys depend on the previous layer's output: the whole head runs then."""
+        if len(self.layers) != 1:
+            self.forward(input_ids, hidden, batch, backend)
+            return
+        target = self.target[0]
+        e = self.norm_embedding(target.embed_tokens(input_ids))
+        h = F.linear(torch.cat([e, self.norm_hidden(hidden)], dim=-1), self.fc)
+        layer = self.layers[0]
+        layer.mixer.write_kv(layer.input_norm(h), batch, backend)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.target[0].compute_logits(hidden)
 

@@ -95,6 +95,28 @@ class MTPDrafter:
         self._chain(self.forward, worker, last, first, batch.positions[tok_idx] + 1, req_slots, state_slots,
                     max_seq_len, sb, base)
 
+    def after_decode(self, worker, batch: ForwardBatch, hidden: torch.Tensor, tokens: torch.Tensor,
+                     sb: SamplingBatch | None, draft: bool, fused: bool = False) -> None:
+        """After a plain decode step (the target's DECODE batch, one token per row: its hidden states and the
+        tokens it chose): the head's pair at each row's position (its hidden, the new token) keeps the head's KV
+        complete, so that later drafts attend to every position. Without ``draft`` only that KV is written (no
+        logits, no chain: about a projection's worth of work); with it, drafts 1..k follow as after a prefill.
+        ``fused``: inside a captured step (the head runs directly, no graph of its own)."""
+        pos = batch.positions
+        mtp_batch = ForwardBatch(
+            mode=ForwardMode.DRAFT_DECODE, input_ids=tokens, positions=pos, req_slots=batch.req_slots,
+            state_slots=batch.state_slots, seq_lens=pos + 1, query_start_loc=batch.query_start_loc,
+            out_cache_loc=batch.out_cache_loc, max_seq_len=batch.max_seq_len)
+        if not draft:
+            self.mtp.write_kv(tokens, hidden, mtp_batch, worker.backend)
+            return
+        run_head = (lambda w, b, h, graph: self.forward(w, b, h)) if fused else self.forward
+        out, logits = run_head(worker, mtp_batch, hidden, "draft_decode")
+        base = None if sb is None else sb.steps + 1
+        first = self._pick(logits, batch.req_slots, sb, base, 0)
+        self._chain(run_head, worker, out, first, pos + 1, batch.req_slots, batch.state_slots, batch.max_seq_len,
+                    sb, base)
+
     def after_verify(self, worker, batch: ForwardBatch, hidden: torch.Tensor, emitted: torch.Tensor,
                      accepted: torch.Tensor, sb: SamplingBatch) -> None:
         """batch: the TARGET_VERIFY batch ([B * (k+1)] tokens); emitted/accepted: the acceptance result. Each pass

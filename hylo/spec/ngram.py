@@ -1,6 +1,7 @@
 """n-gram drafter (prompt lookup): propose the k tokens that followed the latest earlier occurrence of the request's
 last n tokens (n from 4 down to 1), searched on the device over a device-resident token history. No host sync:
-every shape comes from host-side upper bounds; a row without any match proposes its last token repeated."""
+every shape comes from host-side upper bounds. A row without any match drafts nothing: its verify row accepts none
+of the filler it carries (its last token repeated) and emits the target's one token, as a plain row would."""
 
 from __future__ import annotations
 
@@ -18,9 +19,11 @@ class NgramDrafter:
         self.table = torch.zeros(max_num_seqs + 1, max_context, dtype=torch.int64, device=device)
         self.lens = torch.zeros(max_num_seqs + 1, dtype=torch.int64, device=device)
         self.drafts = torch.zeros(max_num_seqs + 1, k, dtype=torch.int64, device=device)
+        self.draft_lens = torch.zeros(max_num_seqs + 1, dtype=torch.int64, device=device)  # k, or 0: no match
 
-    def propose(self, hist: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
-        """hist: [B, L] token history (valid up to lens); lens: [B]. Returns drafts [B, k]."""
+    def propose(self, hist: torch.Tensor, lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """hist: [B, L] token history (valid up to lens); lens: [B]. Returns drafts [B, k] and whether each row
+        found a match [B]."""
         batch, width = hist.shape
         ar = torch.arange(width, device=hist.device)
         found = torch.full((batch,), -1, dtype=torch.int64, device=hist.device)
@@ -38,11 +41,17 @@ class NgramDrafter:
         last = (lens - 1).clamp(min=0)
         start = torch.where(found >= 0, found, last)
         idx = torch.minimum(start[:, None] + torch.arange(self.k, device=hist.device)[None, :], last[:, None])
-        return hist.gather(1, idx)
+        return hist.gather(1, idx), found >= 0
 
     def _propose_for(self, req_slots: torch.Tensor, max_len: int) -> None:
         width = min(max_len, self.table.shape[1])
-        self.drafts[req_slots] = self.propose(self.table[req_slots, :width], self.lens[req_slots])
+        drafts, matched = self.propose(self.table[req_slots, :width], self.lens[req_slots])
+        self.drafts[req_slots] = drafts
+        self.draft_lens[req_slots] = matched.long() * self.k
+
+    def draft_limit(self, req_slots: torch.Tensor) -> torch.Tensor:
+        """The most drafts each row's verify may accept [B]: k, or 0 where the lookup found no match."""
+        return self.draft_lens[req_slots]
 
     def fill_history(self, hits) -> None:
         """Requests that reuse a cached prefix ((req, length) pairs) never feed its tokens: write them into their
@@ -65,6 +74,16 @@ class NgramDrafter:
         self.table[slots, end] = next_ids[tok_idx]
         self.lens[slots] = end + 1
         self._propose_for(slots, max_seq_len + 1)
+
+    def after_decode(self, worker, batch: ForwardBatch, hidden, tokens: torch.Tensor, sb: SamplingBatch | None,
+                     draft: bool, fused: bool = False) -> None:
+        """After a plain decode step (one token per row, at ``batch.positions``): the new token into the history,
+        and the drafts for the next step when ``draft``."""
+        slots, end = batch.req_slots, batch.positions + 1
+        self.table[slots, end] = tokens
+        self.lens[slots] = end + 1
+        if draft:
+            self._propose_for(slots, batch.max_seq_len + 1)
 
     def after_verify(self, worker, batch: ForwardBatch, hidden, emitted: torch.Tensor, accepted: torch.Tensor,
                      sb: SamplingBatch) -> None:

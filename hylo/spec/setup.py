@@ -35,4 +35,5 @@ class SpecSetup:
             drafter = MTPDrafter(self.mtp, k, ec.max_num_seqs, worker.vocab_size, worker.device)
         else:
             drafter = NgramDrafter(k, ec.max_num_seqs, worker.caches.req_slots.max_context, worker.device)
-        return SpecWorker(worker, drafter, k, ec.simulate_accept_length, ec.seed)
+        return SpecWorker(worker, drafter, k, ec.simulate_accept_length, ec.seed,
+                          plain_steps=ec.spec_policy == "adaptive")

@@ -3,6 +3,10 @@
 It has the plain worker's interface (``run(sched) -> StepResult``), so the engine drives both the same way. The
 committed GDN state is never touched by a verify pass: the GDN backend writes every step's state into the verify
 buffers, and only the checkpoint after the last accepted token is copied into the request's slot.
+
+Where the drafts do not pay (engine/spec_policy.py) a step decodes one token per row as the plain worker does, and
+the drafter keeps up with it (``after_decode``: the n-gram history, the MTP head's KV of the new position), drafting
+at the step's end only when the next step is to verify.
 """
 
 from __future__ import annotations
@@ -26,14 +30,16 @@ STREAM_SIMULATE = 4  # noise stream of the benchmark's simulated acceptance (0-3
 
 class SpecWorker:
     def __init__(self, target: ModelWorker, drafter, k: int, simulate_accept_length: float | None = None,
-                 seed: int = 0):
+                 seed: int = 0, plain_steps: bool = True):
         self.target = target
         self.drafter = drafter
         self.k = k
-        # the simulated target lives on the device: the captured step reads it at every replay, so that it can be
-        # changed between measurements (a Python float would be baked into the graph at capture)
+        self.plain_steps = plain_steps  # the policy may run plain decode steps (graphs for them are captured)
+        # the simulated target lives on the device, per request slot: the captured step reads it at every replay,
+        # so that it can be changed between measurements (a Python float would be baked into the graph at capture)
         self._sim_len = simulate_accept_length
-        self._sim_want = torch.zeros((), dtype=torch.float32, device=target.device)
+        self._sim_want = torch.zeros(target.caches.req_slots.seq_len.shape[0], dtype=torch.float32,
+                                     device=target.device)
         if simulate_accept_length is not None:
             self.simulate_accept_length = simulate_accept_length
         self._sim_seed = seed
@@ -51,6 +57,13 @@ class SpecWorker:
                              "only its value can change afterwards")
         self._sim_len = value
         self._sim_want.fill_(min(max(value - 1.0, 0.0), float(self.k)))
+
+    def simulate_rows(self, req_slots: list[int], accept_length: float) -> None:
+        """Benchmarks: a simulated accept length of its own for each of these request slots (a mixed batch)."""
+        if self._sim_len is None:
+            raise ValueError("simulated acceptance is chosen when the engine is built (simulate_accept_length)")
+        self._sim_want[torch.tensor(req_slots, device=self._sim_want.device)] = min(max(accept_length - 1.0, 0.0),
+                                                                                    float(self.k))
 
     def capture_graphs(self, capture_sizes: list[int], verbose: bool = True) -> None:
         """Capture TARGET_VERIFY (k + 1 tokens per row) and, for the MTP drafter, its DRAFT_EXTEND (k + 1 per row)
@@ -76,6 +89,11 @@ class SpecWorker:
             # a whole verify step of greedy rows, the next drafts included, in one replay
             tw.capture_staged("spec_step", ForwardMode.TARGET_VERIFY, self.k + 1, self._greedy_step,
                               self.drafter.drafts)
+        if self.plain_steps:
+            # plain steps: the forward (sampled rows), and whole greedy steps with the drafter's bookkeeping
+            graphs.capture("plain", ForwardMode.DECODE, 1, verify)
+            tw.capture_staged("plain_step", ForwardMode.DECODE, 1, lambda b, e: self._greedy_plain(b, False))
+            tw.capture_staged("plain_draft", ForwardMode.DECODE, 1, lambda b, e: self._greedy_plain(b, True))
 
     @property
     def backend(self):
@@ -89,7 +107,42 @@ class SpecWorker:
     def run(self, sched: ScheduledBatch) -> StepResult:
         if sched.mode is ForwardMode.TARGET_VERIFY:
             return self._verify(sched)
+        if sched.mode is ForwardMode.DECODE:
+            return self._decode(sched)
         return self._prefill(sched)
+
+    def _greedy_plain(self, batch, draft: bool) -> dict[str, torch.Tensor]:
+        """A plain decode step of greedy rows with the drafter's part (drafts for the next step when ``draft``),
+        all on the device: what the staged graphs ``plain_step`` / ``plain_draft`` run."""
+        tw = self.target
+        hidden = tw.model(batch, tw.backend)
+        greedy = tw.greedy_record(tw.model.compute_logits(hidden), batch)
+        self.drafter.after_decode(tw, batch, hidden, greedy, None, draft, fused=True)
+        return {"greedy": greedy}
+
+    def _decode(self, sched: ScheduledBatch) -> StepResult:
+        """One token per row, no drafts verified; drafts for the next step when ``sched.draft_after``."""
+        tw, bs, draft = self.target, len(sched.reqs), sched.draft_after
+        name = "plain_draft" if draft else "plain_step"
+        if all_greedy(sched.reqs):
+            if tw.graphs is not None and tw.graphs.can_run(name, bs):
+                out, _ = tw.run_staged(name, sched)
+                return StepResult(out["greedy"][:, None])
+            batch = tw.build_batch(sched)
+            tw.backend.init_forward_metadata(batch)
+            return StepResult(self._greedy_plain(batch, draft)["greedy"][:, None])
+        batch = tw.build_batch(sched)
+        if tw.graphs is not None and tw.graphs.can_run("plain", bs):
+            out = tw.graphs.run("plain", batch)
+            hidden, logits = out["hidden"], out["logits"]
+        else:
+            hidden = tw.forward_hidden(batch)
+            logits = tw.model.compute_logits(hidden)
+        sb = tw.sampling_batch(sched, batch)
+        tokens, lp = tw.choose(logits, sb)
+        self.caches.req_slots.record(batch.req_slots, batch.seq_lens, batch.req_slots, tokens)
+        self.drafter.after_decode(tw, batch, hidden, tokens, sb, draft)
+        return StepResult(tokens[:, None], logprobs=lp)
 
     def _prefill(self, sched: ScheduledBatch) -> StepResult:
         tw = self.target
@@ -163,6 +216,10 @@ class SpecWorker:
         tables = self.caches.req_slots
         accepted = torch.minimum(accepted, accept_limit(emitted, fed, batch.req_slots, batch.seq_lens,
                                                         tables.sampling_i, self.target.eos_tensor))
+        # rows that drafted nothing (n-gram without a match), unless a test or the benchmark's simulation decides
+        if hasattr(self.drafter, "draft_limit") and self.draft_hook is None and self.simulate_accept_length is None:
+            accepted = torch.minimum(accepted, torch.where(accepted < 0, accepted,
+                                                           self.drafter.draft_limit(batch.req_slots)))
         slots, kept = inert_rows(batch.state_slots, accepted)
         self.backend.commit_verified(slots, kept)
         rows = torch.arange(accepted.shape[0], device=accepted.device)
@@ -233,9 +290,10 @@ class SpecWorker:
 
     def _forced_accepts(self, batch) -> torch.Tensor:
         """Each row's simulated accepted count [B]: floor(want) or one more, drawn so that E[a + 1] = the target."""
-        lo = self._sim_want.floor()
+        want = self._sim_want[batch.req_slots]
+        lo = want.floor()
         u = uniform_noise(batch.req_slots + self._sim_seed, batch.seq_lens, 1, STREAM_SIMULATE)[:, 0]
-        return (lo.long() + (u < self._sim_want - lo).long()).clamp(max=self.k)
+        return (lo.long() + (u < want - lo).long()).clamp(max=self.k)
 
 
 def _repeat(sb: SamplingBatch, times: int) -> SamplingBatch:
