@@ -148,6 +148,10 @@ class LeaderEngine:
             return add_request
         if name in _MUTATING:  # the followers first: these calls run collectives every rank must join
             def mirrored(*args, **kwargs):
+                policy = engine.scheduler.policy
+                if name == "step" and policy is not None and policy.adaptive:
+                    # the speculation policy's choices follow the step costs only rank 0 measures
+                    self._broadcast("set_step_costs", (policy.costs,), {})
                 self._broadcast(name, args, kwargs)
                 return attr(*args, **kwargs)
             return mirrored

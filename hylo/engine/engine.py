@@ -148,6 +148,9 @@ class Engine:
         self.model_name, self.model_config, self.model = lm.name, lm.config, lm.model
         self.tokenizer, self.is_random = lm.tokenizer, lm.is_random
         self.reader = lm.reader
+        # tensor parallelism: the ranks must choose the same steps; the leader alone times them and hands its step
+        # costs over before each step (set_step_costs), the others never measure
+        self.times_steps = tp.rank == 0
         extra_kv = spec_setup.prepare(lm, self.dtype, self.device) if spec_setup is not None else 0
         ignored = family_of(lm.config.model_type).ignored
         unused = self.reader.unused(ignore_prefixes=("mtp.",) + tuple(p for p, _ in ignored))
@@ -329,6 +332,11 @@ class Engine:
         previous, self._inflight = self._inflight, launched
         return failed + (self._complete(previous) if previous is not None else [])
 
+    def set_step_costs(self, costs: dict) -> None:
+        """The speculation policy's step costs, measured by another rank's engine (tensor parallelism: every rank
+        must make the leader's choices)."""
+        self.scheduler.policy.costs = dict(costs)
+
     def launched_plan(self) -> ScheduledBatch | None:
         """The host-side plan of the step the last ``step()`` launched (None if it launched none): benchmarks
         break their time down by it."""
@@ -344,7 +352,7 @@ class Engine:
         if sched is None:
             return None
         policy = self.scheduler.policy
-        timer = (StepTimer(self.device) if policy is not None and policy.adaptive
+        timer = (StepTimer(self.device) if policy is not None and policy.adaptive and self.times_steps
                  and sched.mode is not ForwardMode.EXTEND else None)
         try:
             pool = self.caches.state_pool

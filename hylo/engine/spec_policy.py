@@ -6,15 +6,17 @@ the rows accept enough drafts. The policy compares the two per generated token:
 
 - **yield**: a verify row emits ``1 + a`` tokens, ``a`` its expected accepted drafts: a running estimate per request
   (``Req.spec.accept_estimate``, exponential decay ``ALPHA``), updated from the accepted counts the host reads back
-  anyway, one step late through the overlapped result copy: choosing needs no device read at all;
+  anyway, one step late through the overlapped result copy: choosing needs no device read at all. A request that
+  has not verified yet takes the engine's running mean over all verify rows (``PRIOR_ALPHA``; k / 2 at first), so
+  a workload whose drafts fail does not make every new request pay a few verifies to find out;
 - **cost**: the device time of each kind of step at each batch size, as this engine measured it (``observe_step``:
   CUDA events around the launch, read when the step's results are), before any measurement the ratio ``PRIOR_RATIO``.
 
 A step verifies when the batch's mean yield beats the cost ratio by ``MARGIN``. Otherwise it decodes plainly, and
-the rows are probed again now and then: a verify after ``interval`` plain steps, the interval doubling after every
-probe that did not bring speculation back (up to ``MAX_INTERVAL``) and reset when speculation pays again, so a
-request whose text turns predictable returns to speculation while one that never accepts costs at most a probe in
-``MAX_INTERVAL`` steps.
+the rows are probed again now and then: a verify after ``interval`` plain steps (16 at first), the interval doubling
+after every probe that did not bring speculation back (up to ``MAX_INTERVAL``) and reset when speculation pays
+again, so a request whose text turns predictable returns to speculation while one that never accepts costs at most a
+probe in ``MAX_INTERVAL`` steps.
 
 Verification needs drafts made by the step before it, so the policy decides one step ahead: a plain step drafts at
 its end (``draft_after``) when the next step is to verify, and a row whose last step drafted nothing decodes plainly
@@ -28,10 +30,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 ALPHA = 0.3  # weight of the newest verify in a request's acceptance estimate
+PRIOR_ALPHA = 0.05  # weight of each verify row in the engine-wide estimate new requests start from
 MARGIN = 0.03  # a verify step must beat plain decoding per token by this fraction
 PRIOR_RATIO = 2.0  # verify-step cost over plain-step cost before either is measured at any batch size
 COST_DECAY = 0.2  # weight of the newest measurement in a step-cost estimate
-BASE_INTERVAL, MAX_INTERVAL = 8, 256  # plain steps between probes
+BASE_INTERVAL, MAX_INTERVAL = 16, 256  # plain steps between probes
 
 
 @dataclass
@@ -58,6 +61,7 @@ class DraftPolicy:
 
     def observe_row(self, req, accepted: int) -> None:
         """A verify row's accepted draft count, as the host reads it."""
+        self.prior_accept = (1 - PRIOR_ALPHA) * self.prior_accept + PRIOR_ALPHA * accepted
         est = req.spec.accept_estimate
         req.spec.accept_estimate = accepted if est is None else (1 - ALPHA) * est + ALPHA * accepted
 

@@ -119,7 +119,7 @@ def test_decode_graph_equals_eager_and_padding_touches_only_dummies(gpu_ckpt, n)
 
 @pytest.mark.parametrize("n", [3, 8])
 def test_verify_graph_equals_eager(gpu_ckpt, n):
-    eng = _engine(gpu_ckpt, spec="mtp", overlap=False)
+    eng = _engine(gpu_ckpt, spec="mtp", overlap=False, spec_policy="fixed")
     rids = _to_decoding(eng, n)
     sched = eng.scheduler.schedule()
     assert sched.mode is ForwardMode.TARGET_VERIFY
@@ -150,7 +150,7 @@ def test_verify_graph_equals_eager(gpu_ckpt, n):
 def test_fused_spec_step_graph_equals_eager(gpu_ckpt, n):
     """The greedy speculative step as one replay (verify, acceptance, commit, request tables, the next drafts)
     does what the same step run eagerly does; padded rows (3 -> 4) change no real row."""
-    eng = _engine(gpu_ckpt, spec="mtp", overlap=False)
+    eng = _engine(gpu_ckpt, spec="mtp", overlap=False, spec_policy="fixed")
     rids = _to_decoding(eng, n)
     eng.step()  # one plain verify step first: real drafts, some accepted
     sched = eng.scheduler.schedule()

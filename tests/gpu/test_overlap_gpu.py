@@ -6,6 +6,7 @@ import torch
 
 from hylo import SamplingParams
 
+from helpers import cycle_steps
 from test_engine_gpu import _engine, _prompts, gpu_ckpt  # noqa: F401  (the fixture)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
@@ -13,8 +14,13 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a G
 
 @pytest.mark.parametrize("spec", ["mtp", "ngram"])
 @pytest.mark.parametrize("bs", [1, 5, 16])  # 5 runs padded to the captured 8
-def test_steady_state_spec_steps_never_sync(gpu_ckpt, spec, bs):  # noqa: F811
+@pytest.mark.parametrize("steps", ["adaptive", "cycle"])
+def test_steady_state_spec_steps_never_sync(gpu_ckpt, spec, bs, steps):  # noqa: F811
+    """``adaptive``: the policy as it runs (measuring its step costs with CUDA events); ``cycle``: plain, drafting
+    plain and verify steps in turn, every kind of step inside the checked window."""
     eng = _engine(gpu_ckpt, spec=spec, dtype="bfloat16")
+    if steps == "cycle":
+        cycle_steps(eng, ("plain", "draft", "verify", "draft"))
     assert eng.ec.overlap and eng.model_worker.graphs is not None
     rids = []
     for i, p in enumerate(_prompts(bs, seed=bs)):
