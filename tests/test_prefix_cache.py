@@ -6,7 +6,7 @@ import pytest
 
 from hylo import LLM, SamplingParams
 
-from helpers import all_freed, random_prompts, run_all, spec_engine, vocab_of
+from helpers import all_freed, cycle_steps, random_prompts, run_all, spec_engine, vocab_of
 
 
 def _conversation(on, off, vocab, turns, params, seed):
@@ -51,7 +51,10 @@ def test_conversation_under_speculation_is_exact(ckpt_a_mtp, spec, params):
     """With MTP or n-gram drafts the outputs are those of the same speculative engine with the cache off (seeded
     sampling too: the drafts after a hit are the ones without it), and each turn reuses everything the previous one
     computed but its last token: no verify accepts a draft past a request's end (its max_tokens here)."""
-    on, off = _cached_engine(ckpt_a_mtp, spec=spec), _cached_engine(ckpt_a_mtp, cache=False, spec=spec)
+    # both engines cycle through plain, drafting-plain and verify steps (the same choices: the adaptive policy's
+    # follow measured step times, and a sampled row's draws depend on which kind of step emits them)
+    on = cycle_steps(_cached_engine(ckpt_a_mtp, spec=spec))
+    off = cycle_steps(_cached_engine(ckpt_a_mtp, cache=False, spec=spec))
     turns = _conversation(on, off, vocab_of(ckpt_a_mtp), 4, params, seed=2)
     for i, (prompt, a, b) in enumerate(turns):
         assert a.token_ids == b.token_ids, i

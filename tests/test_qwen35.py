@@ -49,7 +49,8 @@ def test_speculation_is_lossless(q35_dense_vl, q35_moe_text, method, k):
         prompts = random_prompts(vocab_of(path), [5, 30, 12], seed=13)
         params = SamplingParams(max_tokens=12, temperature=0)
         plain = LLM(path, verbose=False, chunk_size=16).generate(prompts, params, use_tqdm=False)
-        spec = LLM(path, verbose=False, chunk_size=16, speculative=method, num_speculative_tokens=k)
+        spec = LLM(path, verbose=False, chunk_size=16, speculative=method, num_speculative_tokens=k,
+                   spec_policy="fixed")  # every step verifies
         outs = spec.generate(prompts, params, use_tqdm=False)
         assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
         assert all(o.spec.verify_steps > 0 for o in outs)

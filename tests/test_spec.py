@@ -15,6 +15,9 @@ LENGTHS = [5, 33, 1, 12, 60]
 
 
 def _spec_engine(path, method, k, **kw):
+    """Every decoding step verifies unless a test says otherwise: these tests are about the verify path (the
+    adaptive policy's plain steps: test_spec_policy.py)."""
+    kw.setdefault("spec_policy", "fixed")
     ec = EngineConfig(verbose=False, speculative=method, num_speculative_tokens=k, **kw)
     return Engine(path, engine_config=ec, spec_setup=SpecSetup(method))
 
@@ -79,7 +82,7 @@ def test_forced_full_acceptance_and_full_rejection(ckpt_a_mtp, reference_a, long
     k = 3
     for correct in (True, False):
         # every step verifies (the adaptive policy would stop verifying drafts that are never accepted)
-        eng = _spec_engine(ckpt_a_mtp, method, k, chunk_size=16, spec_policy="fixed")
+        eng = _spec_engine(ckpt_a_mtp, method, k, chunk_size=16)
         eng.worker.draft_hook = _oracle_hook(by_prompt, vocab, correct)
         outs = _run(eng, prompts, SamplingParams(max_tokens=14, temperature=0))
         assert [o.token_ids for o in outs] == ref

@@ -304,6 +304,14 @@ class Scheduler:
         return req.inflight_new > 0 and (len(req.output_ids) + req.inflight_new >= req.params.max_tokens
                                          or req.num_tokens + req.inflight_new >= self.caches.max_model_len)
 
+    def _may_end_in_flight(self, req: Req) -> bool:
+        """A verify in flight may finish the request (its max_tokens or the context limit) if it accepts enough
+        drafts. A plain step after it would compute a token past the end (a verify row there is inert instead,
+        see ``spec.verify.accept_limit``), so such a request waits for the verify's results before a plain step."""
+        most = req.inflight_new + self.k * req.inflight_verify
+        return req.inflight_verify > 0 and (len(req.output_ids) + most >= req.params.max_tokens
+                                            or req.num_tokens + most >= self.caches.max_model_len)
+
     # ---- one step ---------------------------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch | None:
         if self.k == 0:
@@ -340,7 +348,7 @@ class Scheduler:
                 continue
             c = req.computed_bound
             if is_decode:
-                if self._surely_done(req):
+                if self._surely_done(req) or (decode_len == 1 and self.k and self._may_end_in_flight(req)):
                     continue
                 n = decode_len
             else:  # a prefilling request has no verify in flight: c is exact and its tokens are on the host

@@ -72,6 +72,14 @@ class GatedAttention(nn.Module):
             kv = dense(x, w, None if bias is None else bias[2 * self.q_size:])
         else:  # block-FP8 weights: the whole projection (its blocks need not split at the key rows)
             kv = dense(x, self.qkv_proj, self.qkv_bias)
+        store = backend.kv_store(self.layer_id, batch, kv.dtype) if use_triton(kv) else None
+        if store is not None:  # the key norm, rotary and both stores in one launch (no query heads)
+            from ..ops.norm_triton import qk_norm_rope
+
+            qk_norm_rope(kv, batch.positions, self.q_norm, self.k_norm, 0, self.num_kv_heads, self.head_dim,
+                         self.rotary.rotary_dim, self.rotary.inv_freq, self.eps, kv.shape[-1] - 2 * self.kv_size,
+                         kv_store=store)
+            return
         k, v = kv[..., -2 * self.kv_size:].split([self.kv_size, self.kv_size], dim=-1)
         k = rms_norm(k.reshape(n, self.num_kv_heads, self.head_dim), self.k_norm, self.eps)
         k = self.rotary.rotate(batch.positions, k)

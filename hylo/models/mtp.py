@@ -18,6 +18,7 @@ from ..config import ModelConfig
 from ..core import ForwardBatch
 from ..layers.norm import RMSNorm
 from ..layers.weights import CheckpointError, TensorReader, copy_into
+from ..ops.linear import dense
 from ..ops.norm import add_rms_norm
 from .hybrid import DecoderLayer, HybridForCausalLM
 
@@ -67,7 +68,7 @@ class MTPHead(nn.Module):
             return
         target = self.target[0]
         e = self.norm_embedding(target.embed_tokens(input_ids))
-        h = F.linear(torch.cat([e, self.norm_hidden(hidden)], dim=-1), self.fc)
+        h = dense(torch.cat([e, self.norm_hidden(hidden)], dim=-1), self.fc)  # the few-row GEMV at decode
         layer = self.layers[0]
         layer.mixer.write_kv(layer.input_norm(h), batch, backend)
 

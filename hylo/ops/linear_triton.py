@@ -36,8 +36,9 @@ def _gemv_kernel(x_ptr, g_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, M, N, K: tl.constexp
     (BM = 1) multiplied on the CUDA cores, a [BK] slice of x against the [BN, BK] tile of W. With NORM, each K
     block holds BK / D whole heads of D channels; with SWIGLU the input is silu(x) * g (g the up half). With FP8,
     W is float8_e4m3fn with one float32 scale per [SBN, SBK] block (``ws_ptr``, SK scales a row; BK divides SBK,
-    so a tile's scales are one per output row): each tile is dequantized as it is loaded, rounded to x's dtype as
-    ``ops.fp8.Fp8Weight.dequantize`` rounds."""
+    so a tile's scales are one per output row): a tile's partial products are taken on the FP8 values (exact in
+    x's dtype) and scaled once per output row, as the MoE kernels and the W8A16 matmul do (until session 24 every
+    element was scaled and rounded as it was loaded: at batch 1 the FP8 model decoded slower than bfloat16)."""
     split = tl.program_id(1)
     offs_m = tl.arange(0, BM)
     offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
@@ -54,10 +55,12 @@ def _gemv_kernel(x_ptr, g_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, M, N, K: tl.constexp
         x = _input_block(x_ptr, g_ptr, nw, offs_m, offs_k, mm, mk, stride_x, stride_g, eps, BM, BK, D, NORM,
                          SWIGLU)
         w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
-        if FP8:
+        if FP8:  # the tile's products on the FP8 values (exact in x's dtype), then one scale per output row
             ws = block_scale(ws_ptr, offs_n, mn, split * K_SPLIT + k0, SK, SBN, SBK)
-            w = (w.to(tl.float32) * ws[:, None]).to(x.dtype)
-        acc = _multiply(acc, w, x, FMA, PREC)
+            part = _multiply(tl.zeros([BM, BN], dtype=tl.float32), w.to(x.dtype), x, FMA, PREC)
+            acc += part * ws[None, :]
+        else:
+            acc = _multiply(acc, w, x, FMA, PREC)
     if HAS_BIAS:
         acc += tl.where(split == 0, tl.load(b_ptr + offs_n, mask=mn, other=0.0).to(tl.float32), 0.0)[None, :]
     tl.store(y_ptr + (offs_m[:, None] * SPLIT + split) * N + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),

@@ -197,6 +197,14 @@ def test_qk_norm_rope_matches_reference(dev, heads, kv_heads, dim, rot):
     kc_ref[loc.cpu()] = k.cpu()
     vc_ref[loc.cpu()] = proj[:, k_off + kv_heads * dim:].reshape(tokens, kv_heads, dim)
     assert torch.equal(kc.cpu(), kc_ref) and torch.equal(vc.cpu(), vc_ref)
+    # keys only (no query heads): the MTP head's plain-step store from its key/value projection rows alone
+    kv_only = proj[:, k_off:].contiguous()
+    kc.fill_(7.0)
+    vc.fill_(7.0)
+    q3, k3 = qk_norm_rope(kv_only.to(dev), pos.to(dev), qw.to(dev), kw.to(dev), 0, kv_heads, dim, rot,
+                          rope.inv_freq.to(dev), 1e-6, 0, kv_store=(kc, vc, loc))
+    assert k3 is None and q3.numel() == 0
+    assert torch.equal(kc.cpu(), kc_ref) and torch.equal(vc.cpu(), vc_ref)
 
 
 @pytest.mark.parametrize("tokens", [3, 301])  # 12 rows: one per program; 1204 rows: packed tiles (prefill)
