@@ -62,7 +62,7 @@ def test_rows_that_stop_accepting_fall_back_and_are_probed_ever_less_often():
     for _ in range(3):
         p.observe_row(r, 0)
     assert r.spec.accept_estimate < 1.1 and not p.choose([r]).verify  # three misses: plain
-    probes, plain_since, gaps = 0, 0, []
+    plain_since, gaps = 0, []
     for _ in range(BASE_INTERVAL * 64):
         c = p.choose([r])
         if c.verify:

@@ -39,7 +39,7 @@ from ..cache.memory import Caches
 from ..cache.prefix_cache import Hit, PrefixCache
 from ..config import EngineConfig
 from ..core import ForwardMode, Req, ReqStatus
-from .spec_policy import DraftPolicy
+from .spec_policy import DraftPolicy, StepChoice
 
 
 @dataclass
@@ -307,7 +307,9 @@ class Scheduler:
     def _may_end_in_flight(self, req: Req) -> bool:
         """A verify in flight may finish the request (its max_tokens or the context limit) if it accepts enough
         drafts. A plain step after it would compute a token past the end (a verify row there is inert instead,
-        see ``spec.verify.accept_limit``), so such a request waits for the verify's results before a plain step."""
+        see ``spec.verify.accept_limit``): the next step verifies instead where every row has drafts, and otherwise
+        such a request waits for the verify's results. Its state then ends where its output does, which is where
+        its conversation's next turn resumes from the prefix cache."""
         most = req.inflight_new + self.k * req.inflight_verify
         return req.inflight_verify > 0 and (len(req.output_ids) + most >= req.params.max_tokens
                                             or req.num_tokens + most >= self.caches.max_model_len)
@@ -326,7 +328,12 @@ class Scheduler:
         self._last_was_prefill = False
         if not decoding:
             return None
-        choice = self.policy.choose([r for r in decoding if not self._surely_done(r)] or decoding)
+        rows = [r for r in decoding if not self._surely_done(r)] or decoding
+        choice = self.policy.choose(rows)
+        if not choice.verify and all(r.has_drafts for r in rows) and any(map(self._may_end_in_flight, rows)):
+            # a verify in flight may end one of them: verify again (a row past its request's end is inert there,
+            # where a plain step would compute a token past it) rather than hold the row back for a step
+            choice = StepChoice(True, True)
         plan = self._schedule(self.running, prefill=False, decode=True, decode_len=self.k + 1 if choice.verify else 1)
         if plan is not None:
             plan.mode = ForwardMode.TARGET_VERIFY if choice.verify else ForwardMode.DECODE

@@ -20,7 +20,7 @@ from ..engine.scheduler import ScheduledBatch
 from ..engine.graphs import GraphRunner
 from ..engine.worker import ModelWorker, StepResult, _dev, all_greedy, pack_logprobs
 from ..ops.logits import apply_penalties, verify_extra_counts
-from ..ops.sampling import greedy_tokens, sample, sampling_probs, uniform_noise
+from ..ops.sampling import greedy_tokens, sampling_probs, uniform_noise
 from ..ops.triton_utils import use_triton
 from .verify import accept_limit, greedy_accept, inert_rows, rejection_accept
 
@@ -111,6 +111,15 @@ class SpecWorker:
             return self._decode(sched)
         return self._prefill(sched)
 
+    def _forward(self, graph: str, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target's hidden states and logits over ``batch``: the captured pass ``graph`` where one fits."""
+        tw = self.target
+        if tw.graphs is not None and tw.graphs.can_run(graph, batch.batch_size):
+            out = tw.graphs.run(graph, batch)
+            return out["hidden"], out["logits"]
+        hidden = tw.forward_hidden(batch)
+        return hidden, tw.model.compute_logits(hidden)
+
     def _greedy_plain(self, batch, draft: bool) -> dict[str, torch.Tensor]:
         """A plain decode step of greedy rows with the drafter's part (drafts for the next step when ``draft``),
         all on the device: what the staged graphs ``plain_step`` / ``plain_draft`` run."""
@@ -132,12 +141,7 @@ class SpecWorker:
             tw.backend.init_forward_metadata(batch)
             return StepResult(self._greedy_plain(batch, draft)["greedy"][:, None])
         batch = tw.build_batch(sched)
-        if tw.graphs is not None and tw.graphs.can_run("plain", bs):
-            out = tw.graphs.run("plain", batch)
-            hidden, logits = out["hidden"], out["logits"]
-        else:
-            hidden = tw.forward_hidden(batch)
-            logits = tw.model.compute_logits(hidden)
+        hidden, logits = self._forward("plain", batch)
         sb = tw.sampling_batch(sched, batch)
         tokens, lp = tw.choose(logits, sb)
         self.caches.req_slots.record(batch.req_slots, batch.seq_lens, batch.req_slots, tokens)
@@ -245,12 +249,7 @@ class SpecWorker:
         if self.draft_hook is not None:  # it gets each row's output index from the device lengths
             first_out = batch.seq_lens - k - tw.caches.req_slots.sampling_i[batch.req_slots, 2]
             drafts.copy_(self.draft_hook(sched.reqs, drafts.clone(), first_out))
-        if tw.graphs is not None and tw.graphs.can_run("verify", bs):
-            out = tw.graphs.run("verify", batch)
-            hidden, logits = out["hidden"], out["logits"]
-        else:
-            hidden = tw.forward_hidden(batch)
-            logits = tw.model.compute_logits(hidden)
+        hidden, logits = self._forward("verify", batch)
         logits = logits.view(bs, k + 1, -1)
         raw = logits
         sb = tw.sampling_batch(sched, batch)

@@ -1,0 +1,95 @@
+"""Loading a model for an engine: the device and dtype a user asked for, and the model itself from a checkpoint
+directory, a Hub id, the embedded default (trained, or random weights) or a benchmark's model source, sharded
+under tensor parallelism; what it returns (``LoadedModel``) is what an ``Engine`` is built from."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from ..config import ModelConfig, replace_fields
+from ..layers.weights import DictReader, TensorReader
+from ..models.default import (DEFAULT_MODEL_NAME, DEFAULT_SEED, TRAINED_DEFAULT_NAME, default_model_config,
+                              trained_default_path)
+from ..models.hub import looks_like_repo_id, resolve as resolve_model
+from ..models.hybrid import HybridForCausalLM
+from ..models.loader import SafetensorsReader
+from ..models.quant import keep_fp8, quantized_reader
+from ..models.random_init import random_checkpoint
+from ..models.registry import build_model, read_config
+from ..parallel.group import SINGLE, TPGroup
+from ..parallel.sharding import ShardedReader, local_config
+from ..tokenizer import ByteTokenizer, load_tokenizer
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} asked for, but CUDA is not available on this machine")
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"unsupported device {device!r}: use 'cpu', 'cuda' or 'auto'")
+    return dev
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float16": torch.float16, "fp16": torch.float16}
+    if dtype not in names:
+        raise ValueError(f"unsupported dtype {dtype!r}: use auto, float32, bfloat16 or float16")
+    return names[dtype]
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    config: ModelConfig
+    model: HybridForCausalLM
+    reader: TensorReader
+    tokenizer: object | None
+    is_random: bool
+    local_config: ModelConfig | None = None  # this rank's shard under tensor parallelism (else ``config``)
+
+    @property
+    def shard_config(self) -> ModelConfig:
+        return self.local_config or self.config
+
+
+def load_model(path: str | None, dtype: torch.dtype, device: torch.device, progress: bool = False,
+               tp: TPGroup = SINGLE) -> LoadedModel:
+    """A checkpoint directory; None for the embedded default (the trained one when it ships, else random weights);
+    ``"hylo-default-random"`` for the random-weight default."""
+    if path is not None and not isinstance(path, str) and hasattr(path, "load"):  # a model source (benchmarks)
+        return path.load(dtype, device, tp)
+    display_name = None
+    if path is None and trained_default_path() is not None:
+        path, display_name = trained_default_path(), TRAINED_DEFAULT_NAME
+    if path is None or (path == DEFAULT_MODEL_NAME and not os.path.isdir(path)):
+        mc = default_model_config()
+        reader: TensorReader = DictReader(random_checkpoint(mc, seed=DEFAULT_SEED))
+        name, tokenizer, is_random = DEFAULT_MODEL_NAME, ByteTokenizer(), True
+    else:
+        # a Hub id is the model's name as clients know it (vLLM serves it so); a directory its last part
+        name = path if looks_like_repo_id(path) else os.path.basename(os.path.normpath(path))
+        path = resolve_model(path)  # a directory, or a Hub id through the local cache (a download when online)
+        mc = read_config(path)
+        reader = quantized_reader(SafetensorsReader(path), mc.quantization)  # headers checked, nothing read yet
+        if mc.quantization is not None and keep_fp8(device):  # FP8 weights stay FP8 in memory (on the GPU)
+            mc = replace_fields(mc, quantization=replace_fields(mc.quantization, keep=True))
+        name = display_name or name
+        tokenizer, is_random = load_tokenizer(path), False
+    local = local_config(mc, tp.size)
+    if tp.size > 1:  # each rank reads only its slice of every tensor
+        reader = ShardedReader(reader, mc, tp.rank, tp.size)
+    with torch.device(device):
+        model = build_model(local, dtype, device, tp)
+    model.load(reader, progress=progress and not is_random)
+    model.eval()
+    return LoadedModel(name, mc, model, reader, tokenizer, is_random, local)
