@@ -201,3 +201,29 @@ def test_plain_steps_keep_the_mtp_heads_kv_as_drafting_steps_write_it(ckpt_a_mtp
     assert kv[0][0] == kv[1][0]
     assert torch.allclose(kv[0][1], kv[1][1], atol=1e-5) and torch.allclose(kv[0][2], kv[1][2], atol=1e-5)
     assert kv[0][1].abs().sum() > 0
+
+
+def test_ngram_rows_whose_lookup_found_nothing_emit_one_token_a_verify(ckpt_a_mtp):
+    """Every step verifies (fixed policy) and the lookup proposes the right continuation each time, but flagged as
+    no match: those rows accept nothing and emit the target's one token, as a plain row would; flagged as a match,
+    the same drafts are accepted. Greedy output is plain decoding's either way."""
+    prompt = random_prompts(vocab_of(ckpt_a_mtp), [10], seed=24)[0]
+    n = 16
+    plain = _greedy(Engine(ckpt_a_mtp, engine_config=EngineConfig(verbose=False)), prompt, n).token_ids
+    for matched in (False, True):
+        eng = _engine(ckpt_a_mtp, "ngram", spec_policy="fixed")
+        drafter = eng.worker.drafter
+
+        def propose(hist, lens, matched=matched):  # the true continuation after each row's history
+            out = []
+            for row, length in zip(hist.tolist(), lens.tolist()):
+                start = int(length) - len(prompt)  # output tokens already in the history
+                out.append([plain[min(start + i, n - 1)] for i in range(drafter.k)])
+            return torch.tensor(out), torch.full((hist.shape[0],), matched)
+        drafter.propose = propose
+        out = _greedy(eng, prompt, n)
+        assert out.token_ids == plain
+        if matched:
+            assert out.spec.accepted_tokens > 0
+        else:
+            assert out.spec.accepted_tokens == 0 and out.spec.verify_steps == n - 1
