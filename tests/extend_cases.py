@@ -5,7 +5,7 @@ or that a row does not need (reserved ahead)."""
 import torch
 
 from hylo.core import ForwardMode, Req, SamplingParams
-from hylo.engine.scheduler import ScheduledBatch
+from hylo.engine.plan import ScheduledBatch
 
 
 def extend_case(seed: int = 0, big: bool = False, runs: bool = True):

@@ -135,7 +135,7 @@ def test_scheduled_kv_runs_become_one_triple_per_position():
     import torch
 
     from hylo.core import ForwardMode
-    from hylo.engine.scheduler import ScheduledBatch
+    from hylo.engine.plan import ScheduledBatch
 
     plan = ScheduledBatch(reqs=[], extend_lens=[], prefix_lens=[], sample=[], mode=ForwardMode.EXTEND)
     assert plan.kv_triples() is None

@@ -28,7 +28,8 @@ from ..ops.triton_utils import use_triton
 from .graphs import default_capture_sizes
 from .host_reads import HostReads, PendingRead, StepTimer
 from .loading import LoadedModel, load_model, resolve_device, resolve_dtype  # noqa: F401  (re-exported)
-from .scheduler import ScheduledBatch, Scheduler
+from .plan import ScheduledBatch
+from .scheduler import Scheduler
 from .worker import ModelWorker, prompt_logprob_spans
 
 

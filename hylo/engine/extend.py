@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from ..ops.triton_utils import use_triton
-from .scheduler import ScheduledBatch, expand_runs
+from .plan import ScheduledBatch, expand_runs
 
 # the packed tensor's fields, in order; each is a flat int64 run of the length the host knows
 FIELDS = ("tokens", "locs", "run_slot", "run_first", "run_start", "req", "state", "prefix", "qsl", "dev",

@@ -31,7 +31,6 @@ Resource lifetime (the rules, in one place):
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
 
 import torch
 
@@ -39,58 +38,8 @@ from ..cache.memory import Caches
 from ..cache.prefix_cache import Hit, PrefixCache
 from ..config import EngineConfig
 from ..core import ForwardMode, Req, ReqStatus
+from .plan import ScheduledBatch
 from .spec_policy import DraftPolicy, StepChoice
-
-
-@dataclass
-class ScheduledBatch:
-    """The host-side plan of one step."""
-
-    reqs: list[Req]
-    extend_lens: list[int]  # tokens fed per row
-    prefix_lens: list[int]  # tokens already in the cache per row
-    sample: list[bool]  # row produces a token in this step (its last known token is fed)
-    mode: ForwardMode
-    # newly reserved KV positions, one run per entry: req_to_token[slot, first + j] = kv_locs[i][j] for
-    # (slot, first) = kv_starts[i] (runs, not per-token lists: an 8192-token chunk's lists cost the host about a
-    # millisecond before its first kernel)
-    kv_starts: list[tuple[int, int]] = field(default_factory=list)
-    kv_locs: list[torch.Tensor] = field(default_factory=list)
-    preempted: list[Req] = field(default_factory=list)
-    # rows whose inputs (newest token, and for verify rows the position) come from the device tables
-    from_device: list[bool] = field(default_factory=list)
-    admitted: list[Req] = field(default_factory=list)  # requests whose prefill starts in this step
-    # prefix caching: state copies (src slot, dst slot) to queue before the forward (a hit's snapshot into the
-    # request's slot) and after it (a row's state into a new snapshot); the rows that hit, with the hit length
-    copies_before: list[tuple[int, int]] = field(default_factory=list)
-    copies_after: list[tuple[int, int]] = field(default_factory=list)
-    hits: list[tuple[Req, int]] = field(default_factory=list)
-    # snapshots to add to the tree when the row completes: row -> (end position, snapshot slot)
-    snapshots: dict[int, tuple[int, int]] = field(default_factory=dict)
-    # speculative decoding: a DECODE step ends by drafting for the next step (which is to verify); see spec_policy
-    draft_after: bool = False
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.extend_lens)
-
-    def kv_triples(self) -> torch.Tensor | None:
-        """The new KV positions as one host int64 tensor [3, W] of (request slot, position, location), or None."""
-        if not self.kv_locs:
-            return None
-        locs = torch.cat(self.kv_locs).to(torch.int64)
-        counts = torch.tensor([t.numel() for t in self.kv_locs], dtype=torch.int64)
-        slots, firsts = torch.tensor(self.kv_starts, dtype=torch.int64).T
-        run, cols = expand_runs(torch.cat([counts.new_zeros(1), counts.cumsum(0)]), firsts, locs.numel())
-        return torch.stack([slots[run], cols, locs])
-
-
-def expand_runs(offsets: torch.Tensor, firsts: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Runs laid end to end: run r covers the entries [offsets[r], offsets[r + 1]) and counts up from firsts[r].
-    Returns each of the ``total`` entries' run and value (the KV runs' positions; the rows' token positions)."""
-    run = torch.repeat_interleave(torch.arange(firsts.numel(), device=firsts.device), offsets.diff(),
-                                  output_size=total)
-    return run, torch.arange(total, device=firsts.device) - offsets[run] + firsts[run]
 
 
 class Scheduler:

@@ -19,7 +19,7 @@ from ..ops.sampling import sample
 from ..ops.triton_utils import use_triton
 from .extend import ExtendPack, expand, sampling_ints
 from .graphs import GraphRunner
-from .scheduler import ScheduledBatch
+from .plan import ScheduledBatch
 
 
 @dataclass

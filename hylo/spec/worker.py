@@ -16,7 +16,7 @@ from dataclasses import replace
 import torch
 
 from ..core import ForwardMode, SamplingBatch
-from ..engine.scheduler import ScheduledBatch
+from ..engine.plan import ScheduledBatch
 from ..engine.graphs import GraphRunner
 from ..engine.worker import ModelWorker, StepResult, _dev, all_greedy, pack_logprobs
 from ..ops.logits import apply_penalties, verify_extra_counts
