@@ -316,6 +316,8 @@ def test_speculative_server_reports_accept_length():
         assert r["choices"][0]["text"] == ref.text and r["usage"]["completion_tokens"] == 24
         m = _metrics(url)
         assert m["hylo_spec_verify_steps_total"] > 0 and 1.0 <= m["hylo_spec_accept_length"] <= 4.0
+        # every token came from a prefill, a verify or a plain step (the adaptive policy's fallback)
+        assert m["hylo_spec_emitted_tokens_total"] + m["hylo_spec_plain_steps_total"] == 24 - 1
     finally:
         proc.terminate()
         proc.wait(timeout=15)

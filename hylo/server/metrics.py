@@ -44,6 +44,7 @@ class Metrics:
         self.finish_reasons: Counter = Counter()
         self.spec_verify_steps = 0
         self.spec_emitted_tokens = 0
+        self.spec_plain_steps = 0
         self.prefix = None  # the engine's prefix cache (cache.prefix_cache.PrefixCache), read at render time
         self.prefix_slot_bytes = self.prefix_kv_token_bytes = 0
         self.ttft = Histogram((0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
@@ -55,6 +56,7 @@ class Metrics:
         if req.spec is not None:
             self.spec_verify_steps += req.spec.verify_steps
             self.spec_emitted_tokens += req.spec.emitted_tokens
+            self.spec_plain_steps += req.spec.plain_steps
 
     def render(self) -> str:
         p = PREFIX
@@ -83,6 +85,8 @@ class Metrics:
                self.spec_verify_steps)
         metric("spec_emitted_tokens_total", "counter", "Tokens emitted by speculative verify steps.",
                self.spec_emitted_tokens)
+        metric("spec_plain_steps_total", "counter", "Steps of finished requests that decoded without drafts (the "
+               "adaptive speculation policy's fallback).", self.spec_plain_steps)
         accept = self.spec_emitted_tokens / self.spec_verify_steps if self.spec_verify_steps else 0.0
         metric("spec_accept_length", "gauge", "Mean tokens emitted per verify step (bonus token included).",
                f"{accept:.6f}")
