@@ -59,7 +59,8 @@ def main():
     pause_inside(counter, _Replay, "replay")
     lm = build_model(bench_config("tiny"), torch.device("cpu"))
     for bs, spec in [(bs, spec) for spec in (False, True) for bs in args.bs]:
-        kw = dict(speculative="mtp", num_speculative_tokens=3, simulate_accept_length=3.0) if spec else {}
+        kw = (dict(speculative="mtp", num_speculative_tokens=3, simulate_accept_length=3.0, spec_policy="fixed")
+              if spec else {})
         ec = EngineConfig(enable_prefix_caching=False, max_num_seqs=bs, kv_cache_tokens=bs * 1400, chunk_size=8192, max_model_len=1300,
                           verbose=False, **kw)
         eng = Engine(lm, device="cpu", dtype="bfloat16", engine_config=ec, spec_setup=SpecSetup("mtp") if spec else None)

@@ -52,7 +52,8 @@ def main():
             json.dump(report, f, indent=1)
         return
     for spec in (False, True):
-        kw = dict(speculative="mtp", num_speculative_tokens=3, simulate_accept_length=3.0) if spec else {}
+        kw = (dict(speculative="mtp", num_speculative_tokens=3, simulate_accept_length=3.0, spec_policy="fixed")
+              if spec else {})
         ec = EngineConfig(enable_prefix_caching=False, max_num_seqs=max(args.bs), kv_cache_tokens=max(args.bs) * 1200, cuda_graphs=args.graphs,
                           max_model_len=1100, verbose=False, **kw)
         eng = Engine(lm, device="cuda", dtype="bfloat16", engine_config=ec,

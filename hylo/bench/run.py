@@ -215,7 +215,8 @@ def _spec_records(lm: LoadedModel, batches: list[int], accepts: tuple[float, ...
     engine (the overlap records reuse it)."""
     ec = EngineConfig(enable_prefix_caching=False, max_num_seqs=max(batches), kv_cache_tokens=max(batches) * SPEC_KV_TOKENS,
                       chunk_size=8192, speculative="mtp", num_speculative_tokens=k, simulate_accept_length=accepts[0],
-                      cuda_graph_sizes=tuple(batches), max_model_len=SPEC_MODEL_LEN, spec_commit=commit)
+                      cuda_graph_sizes=tuple(batches), max_model_len=SPEC_MODEL_LEN, spec_commit=commit,
+                      spec_policy="fixed")  # the verify step itself, at every step (the policy: --spec-policy)
     setup = SpecSetup("mtp")
     eng = _engine(lm, ec, spec_setup=setup)
     fp = Footprint.of(lm.model, setup.mtp, eng.caches)
@@ -311,7 +312,8 @@ def _batch1_engine(lm: LoadedModel, spec: bool) -> Engine:
     comparison runs' engine."""
     ec = EngineConfig(enable_prefix_caching=False, max_num_seqs=1, kv_cache_tokens=SPEC_KV_TOKENS, chunk_size=8192, cuda_graph_sizes=(1,),
                       max_model_len=SPEC_MODEL_LEN,
-                      verbose=False, **(dict(speculative="mtp", num_speculative_tokens=3, simulate_accept_length=3.0)
+                      verbose=False, **(dict(speculative="mtp", num_speculative_tokens=3, simulate_accept_length=3.0,
+                                              spec_policy="fixed")
                                          if spec else {}))
     return _engine(lm, ec, spec_setup=SpecSetup("mtp") if spec else None)
 
