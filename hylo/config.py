@@ -52,6 +52,19 @@ class Mamba2Spec:
 
 
 @dataclass(frozen=True)
+class GroupedRouter:
+    """Nemotron 3's MoE routing and experts: sigmoid scores plus a correction bias pick ``num_experts_per_tok``
+    experts among the best ``topk_group`` of ``n_group`` groups (a group ranked by its two best biased scores); the
+    chosen experts' unbiased scores, normalised where ``norm_topk_prob``, times ``routed_scaling_factor``, weight
+    them. The experts are non-gated squared-ReLU MLPs on the hidden state, or on its ``latent_size`` projection."""
+
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    latent_size: int | None = None
+
+
+@dataclass(frozen=True)
 class MuP:
     """A family's muP multipliers: the embeddings times ``embedding``, each block's output times ``residual`` before
     its residual add, attention scores times ``attention`` (in place of 1/sqrt(head_dim)), logits divided by
@@ -117,6 +130,7 @@ class ModelConfig:
     quantization: QuantConfig | None = None  # None: the weights are stored in a float dtype
     mamba: Mamba2Spec | None = None  # the linear layers are Mamba2 mixers of this shape (else GDN)
     mup: MuP | None = None  # the family's multipliers, where it has them
+    router: GroupedRouter | None = None  # Nemotron 3's grouped sigmoid routing and non-gated experts
 
     # ---- derived shapes -------------------------------------------------------------------------------------
     @property
@@ -172,6 +186,13 @@ class ModelConfig:
             problems.append("head_dim * partial_rotary_factor must be even")
         if self.num_experts and not (0 < self.num_experts_per_tok <= self.num_experts):
             problems.append("num_experts_per_tok must be in [1, num_experts]")
+        r = self.router
+        if r is not None and (r.n_group < 1 or self.num_experts % r.n_group or not 1 <= r.topk_group <= r.n_group
+                              or self.num_experts // r.n_group < 2
+                              or self.num_experts_per_tok > r.topk_group * (self.num_experts // r.n_group)):
+            problems.append(f"the router's groups do not fit its experts (n_routed_experts {self.num_experts}, "
+                            f"n_group {r.n_group}, topk_group {r.topk_group}, num_experts_per_tok "
+                            f"{self.num_experts_per_tok}: groups of two experts or more, enough of them chosen)")
         if self.mamba is not None and self.mamba.num_heads % self.mamba.n_groups:
             problems.append(f"the Mamba2 heads ({self.mamba.num_heads}) must be a multiple of n_groups "
                             f"({self.mamba.n_groups})")

@@ -324,6 +324,28 @@ def make_nemotron_h_checkpoint(path: str, **overrides):
     return _save_randomized(model, path)
 
 
+def make_nemotron3_checkpoint(path: str, **overrides):
+    """A tiny Nemotron 3 (Nemotron-H with MoE blocks: 8 non-gated squared-ReLU experts in 4 groups, 3 chosen among
+    the best 2 groups, routed scaling 2.5, a latent projection of 16, a shared expert; a random score-correction
+    bias) written by transformers' ``save_pretrained``; returns (path, the transformers model)."""
+    import transformers
+
+    cfg = dict(hybrid_override_pattern="ME*EM-E", vocab_size=97, hidden_size=32, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=8, mamba_num_heads=6, mamba_head_dim=6, ssm_state_size=5, n_groups=3,
+               conv_kernel=4, chunk_size=8, intermediate_size=40, use_conv_bias=True, n_routed_experts=8,
+               num_experts_per_tok=3, moe_intermediate_size=12, moe_shared_expert_intermediate_size=20, n_group=4,
+               topk_group=2, routed_scaling_factor=2.5, moe_latent_size=16, num_nextn_predict_layers=0,
+               eos_token_id=None, tie_word_embeddings=False)
+    cfg.update(overrides)
+    torch.manual_seed(3)
+    model = transformers.NemotronHForCausalLM(transformers.NemotronHConfig(**cfg)).eval()
+    with torch.no_grad():
+        for m in model.modules():
+            if hasattr(m, "e_score_correction_bias"):
+                m.e_score_correction_bias.normal_(0, 0.1)
+    return _save_randomized(model, path)
+
+
 def make_granite_hybrid_checkpoint(path: str, **overrides):
     """A tiny Granite-4.0-H (Mamba2 and RoPE attention layers, each followed by a MoE plus a shared MLP; muP
     multipliers away from 1) written by transformers' ``save_pretrained``; returns (path, the transformers model)."""

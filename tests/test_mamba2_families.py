@@ -90,7 +90,8 @@ def test_unsupported_forms_are_refused_before_any_weight(tmp_path, nemotron):
     path, _ = nemotron
     with open(os.path.join(path, "config.json")) as f:
         cfg = json.load(f)
-    for change, words in (({"layers_block_type": ["linear_attention", "moe"]}, "MoE blocks"),
+    for change, words in (({"layers_block_type": ["linear_attention", "moe"], "n_routed_experts": 6, "n_group": 4},
+                           "router's groups"),
                           ({"mlp_hidden_act": "silu"}, "mlp_hidden_act"),
                           ({"mamba_num_heads": 5}, "n_groups"),
                           ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128],
@@ -174,3 +175,36 @@ def test_falcon_with_its_gated_norm_matches_transformers(tmp_path):
         out = LLM(path, device="cpu", dtype="float32", chunk_size=5, verbose=False).generate(
             [prompt], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)[0]
         assert out.token_ids == hf_greedy(hf, prompt, 8)
+
+
+@pytest.mark.parametrize("latent", [16, None])
+def test_nemotron3_moe_blocks_match_transformers_on_the_cpu(tmp_path, latent):
+    """Nemotron 3's MoE blocks (grouped sigmoid routing with a correction bias, non-gated squared-ReLU experts on a
+    latent projection or not, a shared expert): prompt logits, greedy batches through chunked prefill and n-gram
+    speculation as transformers 5.24 computes them."""
+    from helpers import make_nemotron3_checkpoint
+
+    path, hf = make_nemotron3_checkpoint(str(tmp_path / "n3"), moe_latent_size=latent)
+    eng = Engine(path, device="cpu", dtype="float32", engine_config=EngineConfig(chunk_size=7, verbose=False))
+    assert type(eng.model.layers[1].mixer).__name__ == "GroupedSigmoidMoE"
+    vocab = hf.config.vocab_size
+    for prompt in random_prompts(vocab, [1, 23], seed=16):
+        with torch.no_grad():
+            ref = hf(torch.tensor([prompt])).logits[0]
+        assert (eng.prompt_logits(prompt) - ref).abs().max().item() < 1e-4
+    prompts = random_prompts(vocab, [5, 30, 12], seed=17)
+    params = SamplingParams(max_tokens=9, temperature=0)
+    outs = run_all(spec_engine(path, chunk_size=11, enable_prefix_caching=False), prompts, params)
+    assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 9) for p in prompts]
+    spec = run_all(spec_engine(path, "ngram", chunk_size=11), prompts, params)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in outs]
+
+
+def test_nemotron3_moe_blocks_are_refused_on_cuda_before_any_weight(tmp_path):
+    from helpers import make_nemotron3_checkpoint
+    from hylo.models.nemotron_h import NemotronHForCausalLM
+    from hylo.models.registry import read_config
+
+    path, _ = make_nemotron3_checkpoint(str(tmp_path / "n3"))
+    with pytest.raises(ValueError, match="CPU only"):
+        NemotronHForCausalLM(read_config(path), torch.float32, torch.device("cuda"))

@@ -2,8 +2,10 @@
 Mamba2 (``M``), full attention without positional encoding (``*``), or a squared-ReLU MLP (``-``), as
 ``layers_block_type`` (or the older ``hybrid_override_pattern``) lists them. Tensors live under ``backbone.``.
 
-Not yet served, refused by name before a weight is read: MoE blocks (``E``, Nemotron 3) and tensor parallelism.
-MTP layers a checkpoint may carry are not read (n-gram speculation serves these models meanwhile).
+Nemotron 3's MoE blocks (``E``: grouped sigmoid routing, non-gated squared-ReLU experts, a latent projection, a
+shared expert; ``layers.mlp.GroupedSigmoidMoE``) run on the CPU; on CUDA they are refused before a weight is read
+until the expert kernels take non-gated experts. Refused by name too: tensor parallelism. MTP layers a checkpoint
+may carry are not read (n-gram speculation serves these models meanwhile).
 """
 
 from __future__ import annotations
@@ -13,13 +15,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..config import Mamba2Spec, ModelConfig, eos_ids
+from ..config import GroupedRouter, Mamba2Spec, ModelConfig, eos_ids
 from ..core import ForwardBatch
 from ..layers.attention import Attention
 from ..layers.mamba2 import Mamba2Mixer
-from ..layers.mlp import SquaredReluMLP
+from ..layers.mlp import GroupedSigmoidMoE, SquaredReluMLP
 from ..layers.weights import TensorReader, copy_into
 from ..ops.norm import rms_norm_plain
+from ..parallel.group import SINGLE, TPGroup
 from .stack import LayerStack, mamba2_model_config
 
 MODEL_TYPES = ("nemotron_h",)
@@ -43,9 +46,6 @@ def _block_types(cfg: dict[str, Any]) -> tuple[str, ...]:
     unknown = sorted(set(types) - set(PATTERN.values()))
     if unknown:
         raise ValueError(f"nemotron_h config: unknown block types {unknown}")
-    if "moe" in types:
-        raise ValueError("nemotron_h checkpoints with MoE blocks (Nemotron 3; 'E' in the pattern) are not supported "
-                         "yet: hylo serves Nemotron-H models of Mamba2, attention and MLP blocks")
     return types
 
 
@@ -68,6 +68,17 @@ def parse_config(cfg: dict[str, Any]) -> ModelConfig:
         # transformers' mixer clamps the prefill's dt from below at time_step_min, never above
         dt_limit=(float(cfg.get("time_step_min", cfg.get("mamba_dt_min", 0.001))), float("inf")),
         chunk_size=cfg.get("chunk_size", cfg.get("mamba_chunk_size", 128)))
+    moe = {}
+    if "moe" in types:
+        if cfg.get("n_shared_experts", 1) != 1:
+            raise ValueError(f"nemotron_h config: n_shared_experts={cfg['n_shared_experts']} is not supported (only 1)")
+        moe = dict(num_experts=cfg.get("n_routed_experts", 8), num_experts_per_tok=cfg.get("num_experts_per_tok", 2),
+                   moe_intermediate_size=cfg.get("moe_intermediate_size", 7688),
+                   shared_expert_intermediate_size=cfg.get("moe_shared_expert_intermediate_size", 7688),
+                   norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+                   router=GroupedRouter(n_group=cfg.get("n_group", 1), topk_group=cfg.get("topk_group", 1),
+                                        routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+                                        latent_size=cfg.get("moe_latent_size")))
     return mamba2_model_config(
         mamba, vocab_size=cfg.get("vocab_size", 131072), hidden_size=hidden, num_hidden_layers=len(types),
         layer_types=types, num_attention_heads=heads, num_key_value_heads=cfg.get("num_key_value_heads") or heads,
@@ -76,7 +87,7 @@ def parse_config(cfg: dict[str, Any]) -> ModelConfig:
         rms_norm_eps=cfg.get("layer_norm_epsilon", 1e-5),
         max_position_embeddings=cfg.get("max_position_embeddings", 4096),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)), eos_token_ids=eos_ids(cfg.get("eos_token_id")),
-        hidden_act="relu2", model_type=cfg.get("model_type", "nemotron_h"))
+        hidden_act="relu2", model_type=cfg.get("model_type", "nemotron_h"), **moe)
 
 
 class Block(nn.Module):
@@ -91,12 +102,14 @@ class Block(nn.Module):
             self.mixer = Mamba2Mixer(mc.hidden_size, mc.mamba, layer_id, dtype, device)
         elif self.kind == "full_attention":
             self.mixer = Attention(mc, layer_id, dtype, device)
+        elif self.kind == "moe":
+            self.mixer = GroupedSigmoidMoE(mc, dtype, device)
         else:
             self.mixer = SquaredReluMLP(mc.hidden_size, mc.intermediate_size, dtype, device)
 
     def forward(self, h: torch.Tensor, batch: ForwardBatch, backend) -> torch.Tensor:
         x = rms_norm_plain(h, self.norm, self.eps)
-        out = self.mixer(x) if self.kind == "mlp" else self.mixer(x, batch, backend)
+        out = self.mixer(x) if self.kind in ("mlp", "moe") else self.mixer(x, batch, backend)
         return h + out
 
     def load(self, r: TensorReader, prefix: str) -> None:
@@ -108,6 +121,13 @@ class NemotronHForCausalLM(LayerStack):
     family = "Nemotron-H"
     EMBED, LAYERS, FINAL_NORM = "backbone.embeddings.weight", "backbone.layers", "backbone.norm_f.weight"
     NORM_WEIGHT_IN_FLOAT32 = True
+
+    def __init__(self, mc: ModelConfig, dtype: torch.dtype, device=None, tp: TPGroup = SINGLE):
+        if "moe" in mc.layer_types and device is not None and torch.device(device).type == "cuda":
+            raise ValueError("Nemotron 3 checkpoints (MoE blocks, 'E' in the pattern) run on the CPU only so far: "
+                             "hylo's GPU expert kernels take gated (SwiGLU) experts, not these squared-ReLU ones; "
+                             "use device='cpu'")
+        super().__init__(mc, dtype, device, tp)
 
     def make_layer(self, mc, layer_id, dtype, device):
         return Block(mc, layer_id, dtype, device)
