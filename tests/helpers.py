@@ -86,6 +86,17 @@ def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
     return out_tokens
 
 
+def assert_logits_match(eng, hf, prompts, tol: float = 1e-4) -> None:
+    """The engine's prompt logits (chunked prefill through its caches) equal the transformers model's own forward
+    over each whole prompt, within ``tol``."""
+    for prompt in prompts:
+        with torch.no_grad():
+            ref = hf(torch.tensor([prompt])).logits[0]
+        ours = eng.prompt_logits(prompt)
+        assert ours.shape == ref.shape
+        assert (ours - ref).abs().max().item() < tol
+
+
 def spec_engine(path, spec=None, **opts):
     """An engine on ``path`` with chunk size 16, plain or speculative (k = 3), quiet; ``opts`` go to EngineConfig."""
     from hylo.config import EngineConfig

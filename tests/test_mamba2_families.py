@@ -15,7 +15,7 @@ from hylo import LLM, SamplingParams
 from hylo.config import EngineConfig
 from hylo.engine.engine import Engine
 
-from helpers import all_freed, hf_greedy, random_prompts, run_all, spec_engine
+from helpers import all_freed, assert_logits_match, hf_greedy, random_prompts, run_all, spec_engine
 
 
 @pytest.fixture(params=["nemotron_h", "granite_hybrid", "falcon_h1"])
@@ -32,12 +32,7 @@ def test_prefill_logits_match_transformers(family):
     path, hf = family
     eng = Engine(path, device="cpu", dtype="float32",
                  engine_config=EngineConfig(chunk_size=6, max_num_seqs=4, verbose=False))
-    for prompt in random_prompts(hf.config.vocab_size, [1, 11, 53], seed=11):
-        with torch.no_grad():
-            ref = hf(torch.tensor([prompt])).logits[0]
-        ours = eng.prompt_logits(prompt)
-        assert ours.shape == ref.shape
-        assert (ours - ref).abs().max().item() < 1e-4
+    assert_logits_match(eng, hf, random_prompts(hf.config.vocab_size, [1, 11, 53], seed=11))
 
 
 def test_greedy_batch_of_mixed_lengths_matches_transformers(family):
@@ -137,9 +132,7 @@ def test_granite_without_positional_encoding_or_experts_matches_transformers(tmp
     eng = Engine(path, device="cpu", dtype="float32", engine_config=EngineConfig(chunk_size=7, verbose=False))
     assert eng.model.layers[1].mixer.rotary is None and eng.model.layers[0].moe is None
     prompt = random_prompts(hf.config.vocab_size, [29], seed=15)[0]
-    with torch.no_grad():
-        ref = hf(torch.tensor([prompt])).logits[0]
-    assert (eng.prompt_logits(prompt) - ref).abs().max().item() < 1e-4
+    assert_logits_match(eng, hf, [prompt])
     out = LLM(path, device="cpu", dtype="float32", chunk_size=7, verbose=False).generate(
         [prompt], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)[0]
     assert out.token_ids == hf_greedy(hf, prompt, 8)
@@ -168,10 +161,8 @@ def test_falcon_with_its_gated_norm_matches_transformers(tmp_path):
         path, hf = make_falcon_h1_checkpoint(str(tmp_path / f"f{before}"), mamba_rms_norm=True,
                                              mamba_norm_before_gate=before)
         prompt = random_prompts(hf.config.vocab_size, [23], seed=16)[0]
-        with torch.no_grad():
-            ref = hf(torch.tensor([prompt])).logits[0]
         eng = Engine(path, device="cpu", dtype="float32", engine_config=EngineConfig(chunk_size=5, verbose=False))
-        assert (eng.prompt_logits(prompt) - ref).abs().max().item() < 1e-4
+        assert_logits_match(eng, hf, [prompt])
         out = LLM(path, device="cpu", dtype="float32", chunk_size=5, verbose=False).generate(
             [prompt], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)[0]
         assert out.token_ids == hf_greedy(hf, prompt, 8)
@@ -188,10 +179,7 @@ def test_nemotron3_moe_blocks_match_transformers_on_the_cpu(tmp_path, latent):
     eng = Engine(path, device="cpu", dtype="float32", engine_config=EngineConfig(chunk_size=7, verbose=False))
     assert type(eng.model.layers[1].mixer).__name__ == "GroupedSigmoidMoE"
     vocab = hf.config.vocab_size
-    for prompt in random_prompts(vocab, [1, 23], seed=16):
-        with torch.no_grad():
-            ref = hf(torch.tensor([prompt])).logits[0]
-        assert (eng.prompt_logits(prompt) - ref).abs().max().item() < 1e-4
+    assert_logits_match(eng, hf, random_prompts(vocab, [1, 23], seed=16))
     prompts = random_prompts(vocab, [5, 30, 12], seed=17)
     params = SamplingParams(max_tokens=9, temperature=0)
     outs = run_all(spec_engine(path, chunk_size=11, enable_prefix_caching=False), prompts, params)

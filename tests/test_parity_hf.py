@@ -6,18 +6,13 @@ from hylo import LLM, SamplingParams
 from hylo.config import EngineConfig
 from hylo.engine.engine import Engine
 
-from helpers import hf_greedy, load_hf, make_hf_checkpoint, random_prompts, vocab_of
+from helpers import assert_logits_match, hf_greedy, load_hf, make_hf_checkpoint, random_prompts, vocab_of
 
 
 def test_prefill_logits_match_hf(ckpt):
     hf = load_hf(ckpt)
     eng = Engine(ckpt, device="cpu", dtype="float32", engine_config=EngineConfig(chunk_size=5, max_num_seqs=4))
-    for prompt in random_prompts(vocab_of(ckpt), [1, 9, 70], seed=1):
-        with torch.no_grad():
-            ref = hf(torch.tensor([prompt])).logits[0]
-        ours = eng.prompt_logits(prompt)
-        assert ours.shape == ref.shape
-        assert (ours - ref).abs().max().item() < 1e-4
+    assert_logits_match(eng, hf, random_prompts(vocab_of(ckpt), [1, 9, 70], seed=1))
 
 
 def test_greedy_batch_of_mixed_lengths_matches_hf(ckpt):

@@ -17,7 +17,8 @@ from hylo.models.registry import parse_config, read_config, supported_model_type
 
 from hylo.spec.setup import SpecSetup
 
-from helpers import Q35, fuse_experts, hf_greedy, load_hf_qwen35, make_qwen35_checkpoint, random_prompts, vocab_of
+from helpers import (Q35, assert_logits_match, fuse_experts, hf_greedy, load_hf_qwen35, make_qwen35_checkpoint,
+                     random_prompts, vocab_of)
 
 
 def test_prefill_logits_match_hf(q35):
@@ -25,12 +26,7 @@ def test_prefill_logits_match_hf(q35):
     hf = load_hf_qwen35(path, kind, form)
     eng = Engine(path, device="cpu", dtype="float32",
                  engine_config=EngineConfig(chunk_size=6, max_num_seqs=4, verbose=False))
-    for prompt in random_prompts(vocab_of(path), [1, 11, 53], seed=11):
-        with torch.no_grad():
-            ref = hf(torch.tensor([prompt])).logits[0]
-        ours = eng.prompt_logits(prompt)
-        assert ours.shape == ref.shape
-        assert (ours - ref).abs().max().item() < 1e-4
+    assert_logits_match(eng, hf, random_prompts(vocab_of(path), [1, 11, 53], seed=11))
 
 
 def test_greedy_batch_of_mixed_lengths_matches_hf(q35):

@@ -20,6 +20,7 @@ import torch
 from ..config import EngineConfig
 from ..engine.engine import Engine, LoadedModel
 from ..spec.setup import SpecSetup
+from .run import build_model, release_gpu_memory
 from .steps import _sync, clear, fake_prefill
 
 ACCEPTS = (1.0, 1.5, 2.0, 3.0, 4.0)
@@ -49,10 +50,7 @@ def _engine(lm: LoadedModel, device: str, bs_max: int, spec: str | None, sizes: 
                       chunk_size=8192, cuda_graph_sizes=sizes, max_model_len=MODEL_LEN, verbose=False,
                       **(dict(speculative=spec, num_speculative_tokens=3, simulate_accept_length=1.0) if spec else {}))
     if device == "cuda":
-        import gc
-
-        gc.collect()
-        torch.cuda.empty_cache()
+        release_gpu_memory()
     # the benchmark model is built in bfloat16 (bench.run.build_model), on the CPU too
     return Engine(lm, device=device, dtype="bfloat16", engine_config=ec, spec_setup=SpecSetup(spec) if spec else None)
 
@@ -104,7 +102,6 @@ def _spec_runs(eng: Engine, spec: str, batches, accepts, warmup: int, steps: int
 
 def run_spec_policy_bench(model_name: str = "bench-6b", out_dir: str = "bench/results", quick: bool = False,
                           device: str | None = None) -> list[dict]:
-    from .run import build_model
     from .shapes import bench_config
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")

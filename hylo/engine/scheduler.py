@@ -248,10 +248,14 @@ class Scheduler:
         if not kept:
             self.cache.drop_reserved(slot)
 
+    def _ends_within(self, req: Req, more: int) -> bool:
+        """``more`` output tokens beyond those the host has reach the request's max_tokens or the context limit."""
+        return (len(req.output_ids) + more >= req.params.max_tokens
+                or req.num_tokens + more >= self.caches.max_model_len)
+
     def _surely_done(self, req: Req) -> bool:
         """The in-flight steps' outputs alone finish the request (max_tokens or the context limit)."""
-        return req.inflight_new > 0 and (len(req.output_ids) + req.inflight_new >= req.params.max_tokens
-                                         or req.num_tokens + req.inflight_new >= self.caches.max_model_len)
+        return req.inflight_new > 0 and self._ends_within(req, req.inflight_new)
 
     def _may_end_in_flight(self, req: Req) -> bool:
         """A verify in flight may finish the request (its max_tokens or the context limit) if it accepts enough
@@ -259,9 +263,7 @@ class Scheduler:
         see ``spec.verify.accept_limit``): the next step verifies instead where every row has drafts, and otherwise
         such a request waits for the verify's results. Its state then ends where its output does, which is where
         its conversation's next turn resumes from the prefix cache."""
-        most = req.inflight_new + self.k * req.inflight_verify
-        return req.inflight_verify > 0 and (len(req.output_ids) + most >= req.params.max_tokens
-                                            or req.num_tokens + most >= self.caches.max_model_len)
+        return req.inflight_verify > 0 and self._ends_within(req, req.inflight_new + self.k * req.inflight_verify)
 
     # ---- one step ---------------------------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch | None:

@@ -16,14 +16,16 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """positions: [T]; q: [T, H, D]; k: [T, KVH, D]. Rotates the first rotary_dim channels of each head."""
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, rot/2]
-        cos, sin = freqs.cos()[:, None, :], freqs.sin()[:, None, :]
+        cos, sin = self._angles(positions)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 
     def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """One tensor [T, H, D] alone (the keys of a pass that computes no queries)."""
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        return self._rotate(x, freqs.cos()[:, None, :], freqs.sin()[:, None, :])
+        return self._rotate(x, *self._angles(positions))
+
+    def _angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, rot/2]
+        return freqs.cos()[:, None, :], freqs.sin()[:, None, :]
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         half = self.rotary_dim // 2

@@ -39,6 +39,10 @@ class MTPDrafter:
         out = self.graph_fn(worker.backend)(batch, {"hidden": hidden})
         return out["hidden"], out["logits"]
 
+    def _direct(self, worker, batch: ForwardBatch, hidden: torch.Tensor, graph: str | None = None):
+        """``forward`` without a graph of its own: inside a captured step, which replays the head with it."""
+        return self.forward(worker, batch, hidden)
+
     def graph_fn(self, backend):
         """The head and its logits: what the captured DRAFT_EXTEND / DRAFT_DECODE graphs run (and the eager path)."""
         def fn(batch, extras):
@@ -110,7 +114,7 @@ class MTPDrafter:
         if not draft:
             self.mtp.write_kv(tokens, hidden, mtp_batch, worker.backend)
             return
-        run_head = (lambda w, b, h, graph: self.forward(w, b, h)) if fused else self.forward
+        run_head = self._direct if fused else self.forward
         out, logits = run_head(worker, mtp_batch, hidden, "draft_decode")
         base = None if sb is None else sb.steps + 1
         first = self._pick(logits, batch.req_slots, sb, base, 0)
@@ -129,7 +133,7 @@ class MTPDrafter:
         """The draft phase after a verify of greedy rows with the head run directly, no graph of its own: what the
         speculative worker's fused step runs, captured as one graph or eagerly. ``mtp_batch``: the DRAFT_EXTEND
         batch (k + 1 tokens per row, the emitted tokens at the verified positions)."""
-        self._draft_phase(lambda w, b, h, graph: self.forward(w, b, h), worker, mtp_batch, hidden, accepted, None)
+        self._draft_phase(self._direct, worker, mtp_batch, hidden, accepted, None)
 
     def _draft_phase(self, run_head, worker, mtp_batch: ForwardBatch, hidden: torch.Tensor, accepted: torch.Tensor,
                      sb: SamplingBatch | None) -> None:

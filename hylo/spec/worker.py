@@ -56,14 +56,17 @@ class SpecWorker:
             raise ValueError("simulated acceptance is chosen when the engine is built (simulate_accept_length); "
                              "only its value can change afterwards")
         self._sim_len = value
-        self._sim_want.fill_(min(max(value - 1.0, 0.0), float(self.k)))
+        self._sim_want.fill_(self._drafts_wanted(value))
+
+    def _drafts_wanted(self, accept_length: float) -> float:
+        """The mean accepted drafts of a simulated accept length (tokens per verify, the bonus included)."""
+        return min(max(accept_length - 1.0, 0.0), float(self.k))
 
     def simulate_rows(self, req_slots: list[int], accept_length: float) -> None:
         """Benchmarks: a simulated accept length of its own for each of these request slots (a mixed batch)."""
         if self._sim_len is None:
             raise ValueError("simulated acceptance is chosen when the engine is built (simulate_accept_length)")
-        self._sim_want[torch.tensor(req_slots, device=self._sim_want.device)] = min(max(accept_length - 1.0, 0.0),
-                                                                                    float(self.k))
+        self._sim_want[torch.tensor(req_slots, device=self._sim_want.device)] = self._drafts_wanted(accept_length)
 
     def capture_graphs(self, capture_sizes: list[int], verbose: bool = True) -> None:
         """Capture TARGET_VERIFY (k + 1 tokens per row) and, for the MTP drafter, its DRAFT_EXTEND (k + 1 per row)
