@@ -77,6 +77,14 @@ def nemotron_h(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def nemotron3(tmp_path_factory):
+    """(path, transformers model) of a tiny Nemotron 3 (Nemotron-H with MoE blocks of non-gated experts)."""
+    from helpers import make_nemotron3_checkpoint
+
+    return make_nemotron3_checkpoint(str(tmp_path_factory.mktemp("nemotron3")))
+
+
+@pytest.fixture(scope="session")
 def granite_hybrid(tmp_path_factory):
     """(path, transformers model) of a tiny Granite-4.0-H (Mamba2 hybrid with MoE and muP multipliers)."""
     from helpers import make_granite_hybrid_checkpoint

@@ -300,8 +300,47 @@ def test_mamba2_bench_shapes():
     # 8.1 B bfloat16 weights less the embedding table (a row is read), plus the state read and written
     assert 15.0e9 < fp.decode_bytes(1, 1) < 15.6e9 and fp.moe_layers == 0
     lm = bench_build(bench_config("tiny-mamba2"), "cpu", name="tiny-mamba2")
+    assert type(lm.model.layers[4].mixer).__name__ == "GroupedSigmoidMoE"
     eng = Engine(lm, device="cpu", engine_config=EngineConfig(enable_prefix_caching=False, verbose=False,
                                                                max_num_seqs=2))
     rids = fake_prefill(eng, 2, 20)
     assert time_steps(eng, 2, warmup=1) > 0
     assert all(len(eng._reqs[r].output_ids) == 4 for r in rids)
+    # the speculative records of a family without an MTP head: n-gram's verify step at a simulated accept length
+    ec = EngineConfig(enable_prefix_caching=False, verbose=False, max_num_seqs=2, speculative="ngram",
+                      num_speculative_tokens=3, simulate_accept_length=3.0, spec_policy="fixed")
+    eng = Engine(lm, device="cpu", engine_config=ec, spec_setup=SpecSetup("ngram"))
+    rids = fake_prefill(eng, 2, 20)
+    time_steps(eng, 6, warmup=1)
+    reqs = [eng._reqs[r] for r in rids]
+    assert 2.5 < sum(r.spec.emitted_tokens for r in reqs) / sum(r.spec.verify_steps for r in reqs) < 3.5
+
+
+def test_nemotron3_bench_shape_and_its_floor():
+    """``nemotron-3-nano-30b-a3b`` has the release's 31.6 B parameters; its footprint finds the 23 MoE blocks of
+    non-gated experts (an expert is its up and down rows: 2 x 1856 x 2688 bfloat16), so that batch 1 reads 6 of
+    128 experts a block and batch 64 nearly all; without an MTP head a speculative step's floor is the verify's."""
+    from hylo.models.registry import build_model
+    from hylo.parallel.group import SINGLE
+
+    mc = bench_config("nemotron-3-nano-30b-a3b")
+    with torch.device("meta"):
+        model = build_model(mc, torch.bfloat16, "meta", SINGLE)
+    assert 31.5e9 < sum(p.numel() for p in model.parameters()) < 31.7e9
+
+    class FakeCaches:  # shapes only
+        class state_pool:
+            conv = torch.empty(23, 2, 6144, 3, dtype=torch.bfloat16, device="meta")
+            recurrent = torch.empty(23, 2, 64, 64, 128, dtype=torch.float32, device="meta")
+
+        class kv_pool:
+            k = torch.empty(6, 2, 2, 128, dtype=torch.bfloat16, device="meta")
+
+    fp = Footprint.of(model, None, FakeCaches)
+    assert fp.moe_layers == 23 and fp.expert == 2 * 1856 * 2688 * 2 and fp.num_experts == 128 and fp.top_k == 6
+    assert fp.experts_touched(1) == pytest.approx(6) and 0.9 * 128 < fp.experts_touched(64) < 128
+    state = 2 * 63 * fp.state_per_req  # batch 64's 63 more rows read and write their Mamba2 state
+    extra_experts = 23 * (fp.experts_touched(64) - 6) * fp.expert
+    assert fp.decode_bytes(64, 1) - fp.decode_bytes(1, 1) - state == pytest.approx(extra_experts, rel=0.01)
+    verify_only = fp.spec_step_bytes(1, 1024, 3)
+    assert verify_only > fp.decode_bytes(1, 1024) and verify_only < fp.decode_bytes(4, 1024) + 8 * fp.state_per_req

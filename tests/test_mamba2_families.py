@@ -9,7 +9,6 @@ import json
 import os
 
 import pytest
-import torch
 
 from hylo import LLM, SamplingParams
 from hylo.config import EngineConfig
@@ -186,13 +185,3 @@ def test_nemotron3_moe_blocks_match_transformers_on_the_cpu(tmp_path, latent):
     assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 9) for p in prompts]
     spec = run_all(spec_engine(path, "ngram", chunk_size=11), prompts, params)
     assert [o.token_ids for o in spec] == [o.token_ids for o in outs]
-
-
-def test_nemotron3_moe_blocks_are_refused_on_cuda_before_any_weight(tmp_path):
-    from helpers import make_nemotron3_checkpoint
-    from hylo.models.nemotron_h import NemotronHForCausalLM
-    from hylo.models.registry import read_config
-
-    path, _ = make_nemotron3_checkpoint(str(tmp_path / "n3"))
-    with pytest.raises(ValueError, match="CPU only"):
-        NemotronHForCausalLM(read_config(path), torch.float32, torch.device("cuda"))

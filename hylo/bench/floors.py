@@ -68,8 +68,9 @@ class Footprint:
         float32 block scales; everything else bfloat16)."""
         mc = model.config
         esz = 2
-        moe_layers = sum(mc.is_moe_layer(i) for i in range(mc.num_hidden_layers))
-        expert, expert_params = _expert_size(model) if moe_layers else (0, 0)
+        blocks = _moe_blocks(model)
+        moe_layers = len(blocks)
+        expert, expert_params = _expert_size(blocks[0]) if moe_layers else (0, 0)
         total = _bytes(model)  # a tied embedding counted once
         embed = mc.vocab_size * mc.hidden_size * esz
         experts_all = moe_layers * mc.num_experts * expert
@@ -106,7 +107,8 @@ class Footprint:
         """One speculative step: verify (k + 1 tokens per request) and the commit of the accepted GDN state, the
         MTP head's extend over the k + 1 positions and its k - 1 chained steps (each re-reads the lm_head). The
         state: with checkpoints, the verify reads each slot and writes k + 1 states, the commit copies one; with
-        ``replay``, the verify reads each slot and keeps its inputs, the commit reads and writes each slot once."""
+        ``replay``, the verify reads each slot and keeps its inputs, the commit reads and writes each slot once.
+        Without an MTP head (n-gram drafts) the verify and the commit alone."""
         t = bs * (k + 1)
         verify = self.non_expert + self.lm_head + t * self.embed_row
         verify += self.moe_layers * self.experts_touched(t) * self.expert
@@ -115,6 +117,8 @@ class Footprint:
             verify += bs * self.state_per_req * 3 + 2 * t * self.gdn_inputs_per_token
         else:  # read the slot, write k + 1 checkpoints, the commit's copy
             verify += bs * self.state_per_req * (1 + (k + 1) + 2)
+        if not self.mtp_non_expert:  # n-gram drafts: made from the token history, no weights read
+            return verify
         # the head has one MoE layer: its extend pass touches the experts of t tokens, each chained step those of bs
         drafts = k * (self.mtp_non_expert + self.lm_head) + self.experts_touched(t) * self.expert
         drafts += (k - 1) * self.experts_touched(bs) * self.expert + k * bs * ctx * self.kv_per_token_layer
@@ -125,11 +129,29 @@ def _bytes(module: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in module.parameters())
 
 
-def _expert_size(model: HybridForCausalLM) -> tuple[int, int]:
-    """(bytes, parameters) of one routed expert (gate, up, down), as the model stores them."""
-    moe = next(layer.mlp for layer in model.layers if hasattr(layer.mlp, "w13"))
+def _expert_weights(module: torch.nn.Module):
+    """The routed experts' two stacked weights of a MoE block ([E, 2I or I, H], [E, H, I]), or None: SwiGLU
+    experts (``layers.moe.SparseMoE``) or Nemotron 3's non-gated ones (``layers.mlp.GroupedSigmoidMoE``)."""
+    from ..layers.mlp import GroupedSigmoidMoE
+    from ..layers.moe import SparseMoE
+
+    if isinstance(module, SparseMoE):
+        return module.w13, module.w2
+    if isinstance(module, GroupedSigmoidMoE):
+        return module.up, module.down
+    return None
+
+
+def _moe_blocks(model: torch.nn.Module) -> list:
+    """The expert weight pairs of every MoE block of the model (not counting an MTP head's: it is a separate
+    module)."""
+    return [w for w in map(_expert_weights, model.modules()) if w is not None]
+
+
+def _expert_size(weights) -> tuple[int, int]:
+    """(bytes, parameters) of one routed expert (gate, up, down; or up, down), as the model stores them."""
     size, params = 0, 0
-    for w in (moe.w13, moe.w2):
+    for w in weights:
         for p in ([w] if isinstance(w, torch.Tensor) else [w.q, w.scale]):
             size += p[0].numel() * p.element_size()
         params += w.shape[1] * w.shape[2]

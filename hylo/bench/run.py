@@ -163,12 +163,17 @@ def run_bench(model_name: str = "bench-6b", vs_hf: bool = False, quick: bool = F
     # speculative decoding, MTP k = 3, simulated acceptance
     k = 3
     spec_batches = [1, 8] if quick else [1, 8, 64]
-    if family_of(mc.model_type).mtp is None:  # a family without an MTP head: the plain records only
+    accepts = (3.0,) if short else (2.0, 3.0, 4.0)
+    if family_of(mc.model_type).mtp is None:
+        # a family without an MTP head: n-gram speculation's verify step at the same simulated accept lengths (its
+        # drafts come from the host's token history, no weights read); the Mamba2 states commit by checkpoints
+        _spec_records(lm, spec_batches, accepts, "checkpoints", k, copy_rate, steps, plain_ms, records, save,
+                      method="ngram")
         save()
-        print(f"[bench] {model_name}: no MTP head in this family, no speculative records; wrote {path}", flush=True)
+        print(f"[bench] {model_name}: no MTP head in this family, n-gram speculation only; wrote {path}",
+              flush=True)
         return records
-    eng = _spec_records(lm, spec_batches, (3.0,) if short else (2.0, 3.0, 4.0), "replay", k, copy_rate, steps,
-                        plain_ms, records, save)
+    eng = _spec_records(lm, spec_batches, accepts, "replay", k, copy_rate, steps, plain_ms, records, save)
     if short:
         save()
         print(f"[bench] wrote {path}", flush=True)
@@ -209,15 +214,16 @@ def run_bench(model_name: str = "bench-6b", vs_hf: bool = False, quick: bool = F
 
 
 def _spec_records(lm: LoadedModel, batches: list[int], accepts: tuple[float, ...], commit: str, k: int,
-                  copy_rate: float, steps: int, plain_ms: dict, records: list[dict], save_records) -> Engine:
-    """MTP speculative steps (graphs, context 1k) at simulated accept lengths, per generated token against plain
-    decode, with the accepted GDN state committed by ``commit`` (``EngineConfig.spec_commit``). Returns the
-    engine (the overlap records reuse it)."""
+                  copy_rate: float, steps: int, plain_ms: dict, records: list[dict], save_records,
+                  method: str = "mtp") -> Engine:
+    """Speculative steps (MTP, or ``method="ngram"``; graphs, context 1k) at simulated accept lengths, per generated
+    token against plain decode, with the accepted GDN state committed by ``commit`` (``EngineConfig.spec_commit``;
+    Mamba2 layers always commit checkpoints). Returns the engine (the overlap records reuse it)."""
     ec = EngineConfig(enable_prefix_caching=False, max_num_seqs=max(batches), kv_cache_tokens=max(batches) * SPEC_KV_TOKENS,
-                      chunk_size=8192, speculative="mtp", num_speculative_tokens=k, simulate_accept_length=accepts[0],
+                      chunk_size=8192, speculative=method, num_speculative_tokens=k, simulate_accept_length=accepts[0],
                       cuda_graph_sizes=tuple(batches), max_model_len=SPEC_MODEL_LEN, spec_commit=commit,
                       spec_policy="fixed")  # the verify step itself, at every step (the policy: --spec-policy)
-    setup = SpecSetup("mtp")
+    setup = SpecSetup(method)
     eng = _engine(lm, ec, spec_setup=setup)
     fp = Footprint.of(lm.model, setup.mtp, eng.caches)
     for bs in batches:
@@ -231,7 +237,7 @@ def _spec_records(lm: LoadedModel, batches: list[int], accepts: tuple[float, ...
             measured_len = emitted / max(sum(r.spec.verify_steps for r in reqs), 1)
             per_token = ms / (bs * measured_len)
             floor = fp.spec_step_bytes(bs, 1024, k, replay=commit == "replay") / copy_rate * 1e3
-            rec = dict(phase="decode", batch_size=bs, context=1024, cuda_graph=True, spec="mtp",
+            rec = dict(phase="decode", batch_size=bs, context=1024, cuda_graph=True, spec=method,
                        num_speculative_tokens=k, accept_length=measured_len, target_accept_length=accept,
                        spec_commit=commit, ms_per_step=ms, ms_per_token=per_token, floor_ms=floor,
                        floor_ms_per_token=floor / (bs * accept), ratio_to_floor=ms / floor,
@@ -241,7 +247,7 @@ def _spec_records(lm: LoadedModel, batches: list[int], accepts: tuple[float, ...
             if abs(measured_len - accept) > 0.25:
                 print(f"[bench] WARNING: simulated accept length {measured_len:.2f} measured against a target of "
                       f"{accept:.2f}", flush=True)
-            print(f"[bench] spec mtp k={k} ({commit}) bs={bs} accept={measured_len:.2f}: {ms:.2f} ms/step, "
+            print(f"[bench] spec {method} k={k} ({commit}) bs={bs} accept={measured_len:.2f}: {ms:.2f} ms/step, "
                   f"{per_token:.3f} ms/token ({rec['vs_plain_decode']:.2f}x plain), floor {floor:.2f} ms/step",
                   flush=True)
             clear(eng, rids)

@@ -7,8 +7,13 @@
 - ``qwen3.5-35b-a3b``: Qwen3.5-35B-A3B (40 layers, 256 experts, 8 routed and a shared one; 67 GiB in bfloat16);
 - ``nemotron-h-8b``: a Nemotron-H of Nemotron-H-8B's sizes (hidden 4096; 52 blocks: 24 Mamba2 of 128 heads x 64
   channels with state 128 in 8 groups, 4 attention, 24 squared-ReLU MLPs of 21504; vocabulary 131072), the Mamba2
-  backend's shape (no MTP head: plain records only);
-- ``tiny``, ``tiny-dense``, ``tiny-mamba2``: for the harness's CPU tests;
+  backend's shape (no MTP head: n-gram's verify step for the speculative records);
+- ``nemotron-3-nano-30b-a3b``: NVIDIA-Nemotron-3-Nano-30B-A3B's sizes (hidden 2688; 52 blocks: 23 Mamba2 of 64
+  heads x 64 channels with state 128 in 8 groups, 6 attention with 2 key-value heads, 23 MoE blocks of 128
+  squared-ReLU experts of 1856, 6 routed with scaling 2.5 and a shared one of 3712; vocabulary 131072; 63 GB in
+  bfloat16), the non-gated expert kernels' shape;
+- ``tiny``, ``tiny-dense``, ``tiny-mamba2``: for the harness's CPU tests (``tiny-mamba2`` with a Nemotron 3 MoE
+  block);
 - any of them with ``-fp8``: the same shape with its projections in block FP8 (128 x 128 blocks; 16 x 16 for the
   tiny shapes), kept FP8 in memory as an FP8 release is: ``qwen3-next-80b-fp8`` fits one H200.
 The Qwen3.5 shapes are the released configs' text models (vocabulary 248320, RoPE theta 1e7 on a quarter of each
@@ -20,7 +25,7 @@ from __future__ import annotations
 from ..config import ModelConfig, QuantConfig, replace_fields
 
 BASE_MODELS = ("bench-6b", "qwen3-next-80b", "qwen3.5-9b", "qwen3.5-35b-a3b", "tiny", "tiny-dense")
-MAMBA2_MODELS = ("nemotron-h-8b", "tiny-mamba2")  # no FP8 copies: quantized Mamba2 checkpoints are not served yet
+MAMBA2_MODELS = ("nemotron-h-8b", "nemotron-3-nano-30b-a3b", "tiny-mamba2")  # no FP8 copies: quantized Mamba2 checkpoints are not served yet
 BENCH_MODELS = BASE_MODELS + tuple(f"{m}-fp8" for m in BASE_MODELS) + MAMBA2_MODELS
 
 
@@ -72,10 +77,19 @@ def bench_config(name: str) -> ModelConfig:
         return _nemotron(pattern, vocab_size=131072, hidden_size=4096, num_attention_heads=32,
                          num_key_value_heads=8, head_dim=128, intermediate_size=21504, mamba_num_heads=128,
                          mamba_head_dim=64, ssm_state_size=128, n_groups=8, chunk_size=128)
+    if name == "nemotron-3-nano-30b-a3b":  # the release's block pattern
+        pattern = "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"
+        return _nemotron(pattern, vocab_size=131072, hidden_size=2688, num_attention_heads=32,
+                         num_key_value_heads=2, head_dim=128, intermediate_size=1856, mamba_num_heads=64,
+                         mamba_head_dim=64, ssm_state_size=128, n_groups=8, chunk_size=128, n_routed_experts=128,
+                         num_experts_per_tok=6, moe_intermediate_size=1856, moe_shared_expert_intermediate_size=3712,
+                         n_group=1, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True)
     if name == "tiny-mamba2":
-        return _nemotron("M*M-", vocab_size=512, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+        return _nemotron("M*M-E", vocab_size=512, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                          head_dim=16, intermediate_size=96, mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=16,
-                         n_groups=2, chunk_size=32)
+                         n_groups=2, chunk_size=32, n_routed_experts=8, num_experts_per_tok=2,
+                         moe_intermediate_size=24, moe_shared_expert_intermediate_size=40, n_group=2, topk_group=1,
+                         routed_scaling_factor=2.5)
     if name == "tiny":
         return _hybrid(4, vocab_size=512, hidden_size=64, num_attention_heads=4, head_dim=16, intermediate_size=128,
                        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops.linear import dense, out_proj
+from ..ops.moe import fused_moe, grouped_sigmoid_route
 from .weights import TensorReader, copy_into
 
 
@@ -32,9 +33,8 @@ class GroupedSigmoidMoE(nn.Module):
     sigmoid scores, non-gated squared-ReLU experts (on the ``latent_size`` projection of the input where there is
     one, projected back after), and a squared-ReLU shared expert on the block's input, added.
 
-    Plain PyTorch, for the CPU: the experts are run one at a time over the tokens routed to them, which reads the
-    routing on the host; the GPU's graphs cannot, so the family refuses these blocks on CUDA until the expert
-    kernels take non-gated experts (``models/nemotron_h.py``)."""
+    The routing is plain torch (no host read, so CUDA graphs capture it); the experts go through ``ops.moe.fused_moe``
+    with ``gated=False``: the per-expert reference on the CPU, the pair and grouped Triton kernels on the GPU."""
 
     def __init__(self, mc, dtype: torch.dtype, device=None):
         super().__init__()
@@ -55,32 +55,18 @@ class GroupedSigmoidMoE(nn.Module):
         self.shared = SquaredReluMLP(hidden, mc.shared_expert_intermediate_size, dtype, device)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(expert ids [T, k], float32 weights [T, k]) for the tokens x [T, H]."""
-        r, tokens = self.spec, x.shape[0]
-        scores = F.linear(x.float(), self.gate).sigmoid()
-        biased = scores + self.bias
-        per_group = self.num_experts // r.n_group
-        group_score = biased.view(tokens, r.n_group, per_group).topk(2, dim=-1)[0].sum(-1)
-        groups = group_score.topk(r.topk_group, dim=-1, sorted=False)[1]
-        keep = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, groups, True)
-        biased = biased.masked_fill(~keep.repeat_interleave(per_group, dim=1), float("-inf"))
-        ids = biased.topk(self.top_k, dim=-1, sorted=False)[1]
-        weights = scores.gather(1, ids)
-        if self.normalize:
-            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-        return ids, weights * r.routed_scaling_factor
+        """(float32 weights [T, k], expert ids [T, k]) for the tokens x [T, H]; the router in float32, as the
+        reference."""
+        r = self.spec
+        return grouped_sigmoid_route(F.linear(x.float(), self.gate), self.bias, r.n_group, r.topk_group,
+                                     self.top_k, self.normalize, r.routed_scaling_factor)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ids, weights = self.route(x)
-        h = x if self.fc1 is None else F.linear(x, self.fc1)
-        out = torch.zeros(h.shape, dtype=torch.float32, device=h.device)  # summed in float32, as the reference
-        for expert in ids.unique().tolist():
-            rows, slot = (ids == expert).nonzero(as_tuple=True)
-            y = F.linear(torch.square(F.relu(F.linear(h[rows], self.up[expert]))), self.down[expert])
-            out.index_add_(0, rows, y * weights[rows, slot, None])
-        out = out.to(x.dtype)
+        weights, ids = self.route(x)
+        h = x if self.fc1 is None else dense(x, self.fc1)
+        out = fused_moe(h, self.up, self.down, weights, ids, gated=False)  # summed in float32, as transformers
         if self.fc2 is not None:
-            out = F.linear(out, self.fc2)
+            out = dense(out, self.fc2)
         return out + self.shared(x)
 
     def load(self, r: TensorReader, prefix: str) -> None:

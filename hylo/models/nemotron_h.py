@@ -3,8 +3,8 @@ Mamba2 (``M``), full attention without positional encoding (``*``), or a squared
 ``layers_block_type`` (or the older ``hybrid_override_pattern``) lists them. Tensors live under ``backbone.``.
 
 Nemotron 3's MoE blocks (``E``: grouped sigmoid routing, non-gated squared-ReLU experts, a latent projection, a
-shared expert; ``layers.mlp.GroupedSigmoidMoE``) run on the CPU; on CUDA they are refused before a weight is read
-until the expert kernels take non-gated experts. Refused by name too: tensor parallelism. MTP layers a checkpoint
+shared expert; ``layers.mlp.GroupedSigmoidMoE``) run on the CPU and, through the expert kernels' non-gated mode, on
+the GPU. Refused by name: tensor parallelism. MTP layers a checkpoint
 may carry are not read (n-gram speculation serves these models meanwhile).
 """
 
@@ -22,7 +22,6 @@ from ..layers.mamba2 import Mamba2Mixer
 from ..layers.mlp import GroupedSigmoidMoE, SquaredReluMLP
 from ..layers.weights import TensorReader, copy_into
 from ..ops.norm import rms_norm_plain
-from ..parallel.group import SINGLE, TPGroup
 from .stack import LayerStack, mamba2_model_config
 
 MODEL_TYPES = ("nemotron_h",)
@@ -121,13 +120,6 @@ class NemotronHForCausalLM(LayerStack):
     family = "Nemotron-H"
     EMBED, LAYERS, FINAL_NORM = "backbone.embeddings.weight", "backbone.layers", "backbone.norm_f.weight"
     NORM_WEIGHT_IN_FLOAT32 = True
-
-    def __init__(self, mc: ModelConfig, dtype: torch.dtype, device=None, tp: TPGroup = SINGLE):
-        if "moe" in mc.layer_types and device is not None and torch.device(device).type == "cuda":
-            raise ValueError("Nemotron 3 checkpoints (MoE blocks, 'E' in the pattern) run on the CPU only so far: "
-                             "hylo's GPU expert kernels take gated (SwiGLU) experts, not these squared-ReLU ones; "
-                             "use device='cpu'")
-        super().__init__(mc, dtype, device, tp)
 
     def make_layer(self, mc, layer_id, dtype, device):
         return Block(mc, layer_id, dtype, device)

@@ -1,6 +1,7 @@
-"""Sparse mixture of experts: softmax router with top-k, and the routed expert SwiGLU MLPs.
+"""Sparse mixture of experts: softmax router with top-k, and the routed experts' MLPs.
 
-Expert weights are held fused: ``w13[E, 2I, H]`` (gate rows then up rows) and ``w2[E, H, I]``.
+Expert weights are held fused: ``w13[E, 2I, H]`` (gate rows then up rows) and ``w2[E, H, I]`` for SwiGLU experts;
+non-gated squared-ReLU experts (Nemotron 3's) hold only the up rows, ``w13[E, I, H]`` (``gated=False``).
 """
 
 from __future__ import annotations
@@ -55,10 +56,38 @@ def route_topk(router_logits: torch.Tensor, top_k: int, normalize: bool):
     return weights.to(router_logits.dtype), ids
 
 
+def grouped_sigmoid_route(logits: torch.Tensor, bias: torch.Tensor, n_group: int, topk_group: int, top_k: int,
+                          normalize: bool, scaling: float):
+    """Nemotron 3's (and DeepSeek-V3's) routing from float32 logits [T, E]: sigmoid scores; the correction bias
+    added for the choice only; experts in ``n_group`` groups, each ranked by the sum of its two best biased scores,
+    only the best ``topk_group`` groups eligible; the top ``top_k`` eligible experts by biased score, weighted by
+    their unbiased scores (renormalised with ``normalize``) times ``scaling``. Returns (float32 weights [T, k],
+    int64 ids [T, k]); on CUDA one Triton launch (``moe_route_triton.grouped_sigmoid_route``)."""
+    if use_triton(logits):
+        from .moe_route_triton import grouped_sigmoid_route as route_triton
+
+        return route_triton(logits, bias, n_group, topk_group, top_k, normalize, scaling)
+    tokens, experts = logits.shape
+    scores = logits.sigmoid()
+    biased = scores + bias
+    if n_group > 1:
+        per_group = experts // n_group
+        group_score = biased.view(tokens, n_group, per_group).topk(2, dim=-1)[0].sum(-1)
+        groups = group_score.topk(topk_group, dim=-1, sorted=False)[1]
+        keep = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, groups, True)
+        biased = biased.masked_fill(~keep.repeat_interleave(per_group, dim=1), float("-inf"))
+    ids = biased.topk(top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, ids)
+    if normalize:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return weights * scaling, ids
+
+
 def fused_moe(x: torch.Tensor, w13, w2, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, reduce: bool = True) -> "torch.Tensor | SortedPairRows":
-    """[T, H] (the expert weights tensors or block-FP8 ``ops.fp8.Fp8Weight``); the Triton path with ``reduce=False`` returns the unreduced pair rows [T, J, H] instead, or, for
-    large prefill chunks, :class:`SortedPairRows` (both for ``add_rms_norm`` to sum)."""
+              topk_ids: torch.Tensor, reduce: bool = True, gated: bool = True) -> "torch.Tensor | SortedPairRows":
+    """[T, H] (the expert weights tensors or block-FP8 ``ops.fp8.Fp8Weight``; ``gated=False``: squared-ReLU
+    experts of up rows only); the Triton path with ``reduce=False`` returns the unreduced pair rows [T, J, H]
+    instead, or, for large prefill chunks, :class:`SortedPairRows` (both for ``add_rms_norm`` to sum)."""
     if use_triton(x):
         from .fp8_triton import fp8_tiles_ok
         from .moe_triton import fused_moe as fused_moe_triton
@@ -66,15 +95,16 @@ def fused_moe(x: torch.Tensor, w13, w2, topk_weights: torch.Tensor,
         if not isinstance(w13, torch.Tensor) and not (fp8_tiles_ok(w13) and fp8_tiles_ok(w2)):
             w13, w2 = w13.dequantize(x.dtype), w2.dequantize(x.dtype)  # blocks the kernels' tiles cannot follow
 
-        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, reduce=reduce)
+        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, reduce=reduce, gated=gated)
     if not isinstance(w13, torch.Tensor):  # block FP8 (ops.fp8.Fp8Weight): the reference dequantizes it whole
         w13, w2 = w13.dequantize(x.dtype), w2.dequantize(x.dtype)
-    return fused_moe_ref(x, w13, w2, topk_weights, topk_ids)
+    return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, gated)
 
 
 def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor) -> torch.Tensor:
-    """Sum over each token's chosen experts of ``weight * down(silu(gate(x)) * up(x))``.
+                  topk_ids: torch.Tensor, gated: bool = True) -> torch.Tensor:
+    """Sum over each token's chosen experts of ``weight * down(silu(gate(x)) * up(x))``, or with ``gated=False``
+    of ``weight * down(relu(up(x)) ** 2)``; summed in float32, rounded to x's dtype once.
 
     x: [T, H]; topk_*: [T, k]. The reference groups tokens by expert (it reads the per-expert counts on the host);
     the fast kernels do the same grouping on the device.
@@ -85,7 +115,7 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     order = flat_ids.argsort(stable=True)
     token_of = order // top_k  # token index of each sorted assignment
     counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
-    out = torch.zeros_like(x)
+    out = torch.zeros(x.shape, dtype=torch.promote_types(x.dtype, torch.float32), device=x.device)
     start = 0
     for expert, count in enumerate(counts):
         if count == 0:
@@ -93,8 +123,8 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
         sel = order[start:start + count]
         tok = token_of[start:start + count]
         h = F.linear(x[tok], w13[expert])
-        h = F.silu(h[:, :inter]) * h[:, inter:]
+        h = F.silu(h[:, :inter]) * h[:, inter:] if gated else torch.square(F.relu(h))
         h = F.linear(h, w2[expert]) * topk_weights.reshape(-1)[sel, None]
         out.index_add_(0, tok, h.to(out.dtype))
         start += count
-    return out
+    return out.to(x.dtype)

@@ -43,15 +43,21 @@ def grouped_mm_usable(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, num_
 
 
 @triton.jit
-def _silu_mul_kernel(h_ptr, act_ptr, P, I: tl.constexpr, BR: tl.constexpr, BI: tl.constexpr):
-    """Rows [BR] of h [P, 2I] (gate | up) -> silu(gate) * up [P, I], in float32, rounded once."""
+def _act_kernel(h_ptr, act_ptr, P, I: tl.constexpr, BR: tl.constexpr, BI: tl.constexpr, GATED: tl.constexpr):
+    """Rows [BR] of h [P, 2I] (gate | up) -> silu(gate) * up [P, I], or with GATED=False of h [P, I] (up) ->
+    relu(up)^2; in float32, rounded once."""
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     cols = tl.arange(0, BI)
     m = (rows < P)[:, None] & (cols < I)[None, :]
-    base = rows.to(tl.int64)[:, None] * (2 * I) + cols[None, :]
-    g = tl.load(h_ptr + base, mask=m, other=0.0).to(tl.float32)
-    u = tl.load(h_ptr + base + I, mask=m, other=0.0).to(tl.float32)
-    act = g / (1.0 + tl.exp(-g)) * u
+    UP0: tl.constexpr = I if GATED else 0
+    base = rows.to(tl.int64)[:, None] * (UP0 + I) + cols[None, :]
+    u = tl.load(h_ptr + base + UP0, mask=m, other=0.0).to(tl.float32)
+    if GATED:
+        g = tl.load(h_ptr + base, mask=m, other=0.0).to(tl.float32)
+        act = g / (1.0 + tl.exp(-g)) * u
+    else:
+        r = tl.maximum(u, 0.0)
+        act = r * r
     tl.store(act_ptr + rows.to(tl.int64)[:, None] * I + cols[None, :], act.to(act_ptr.dtype.element_ty), mask=m)
 
 
@@ -237,8 +243,8 @@ def _sort_pairs_torch(flat_ids: torch.Tensor, num_experts: int, top_k: int):
 
 
 def fused_moe_grouped_mm(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                         topk_ids: torch.Tensor, reduce: bool = True) -> "torch.Tensor | SortedPairRows":
-    """x: [T, H]; w13: [E, 2I, H]; w2: [E, H, I]; topk_*: [T, k]. Returns each token's weighted sum of its experts'
+                         topk_ids: torch.Tensor, reduce: bool = True, gated: bool = True) -> "torch.Tensor | SortedPairRows":
+    """x: [T, H]; w13: [E, 2I, H] (or [E, I, H] with ``gated=False``: squared-ReLU experts); w2: [E, H, I]; topk_*: [T, k]. Returns each token's weighted sum of its experts'
     outputs as one float32 row, [T, 1, H]; with ``reduce=False`` the rows before those sums
     (:class:`ops.pair_rows.SortedPairRows`), which the residual add that follows sums as it reads them."""
     num_tokens, top_k = topk_ids.shape
@@ -249,11 +255,11 @@ def fused_moe_grouped_mm(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
     # sorted rows [ends[g-1], ends[g])
     pos, tok, ends = sort_pairs_by_expert(flat, num_experts, top_k)
     xs = sorted_rows(x.contiguous(), pos, tok, top_k)
-    h = torch._grouped_mm(xs, w13.transpose(1, 2), offs=ends)  # [P, 2I]
+    h = torch._grouped_mm(xs, w13.transpose(1, 2), offs=ends)  # [P, 2I] (gated) or [P, I]
     act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     br, bi = 16, triton.next_power_of_2(inter)
-    _silu_mul_kernel[(triton.cdiv(num_pairs, br),)](h, act, num_pairs, inter, BR=br, BI=bi,
-                                                     num_warps=4 if bi <= 512 else 8)
+    _act_kernel[(triton.cdiv(num_pairs, br),)](h, act, num_pairs, inter, BR=br, BI=bi, GATED=gated,
+                                               num_warps=4 if bi <= 512 else 8)
     del h
     ys = torch._grouped_mm(act, w2.transpose(1, 2), offs=ends)  # [P, H], sorted order, unweighted
     pairs = SortedPairRows(ys, pos, topk_weights.reshape(-1).contiguous(), top_k)

@@ -1,5 +1,6 @@
 """Triton routing for the MoE: softmax over the experts, top-k, optional renormalisation, and the folded shared
-expert as one more pair, from the router's logits or from the float32 split-K partials of the router GEMV.
+expert as one more pair, from the router's logits or from the float32 split-K partials of the router GEMV; and
+Nemotron 3's grouped sigmoid routing (``grouped_sigmoid_route``).
 
 One program per token, one warp: the K choices come as K max-reductions in turn. Measured and taken out again
 (docs/PERFORMANCE.md): ranking every expert at once with [E, E] comparisons (0.037 ms slower per batch-1 step on
@@ -93,4 +94,61 @@ def route(logits: torch.Tensor, num_experts: int, top_k: int, normalize: bool, s
         _route_kernel[(tokens,)](logits, w, ids, logits.stride(0), logits.stride(1) if split > 1 else 0,
                                  E=num_experts, K=top_k, KP=kp, BE=max(16, next_pow2(num_experts + int(shared))),
                                  NORM=normalize, SHARED=shared, SPLIT=split, num_warps=1, **pdl_launch(logits))
+    return w, ids
+
+
+@triton.jit
+def _grouped_sigmoid_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, scaling, E: tl.constexpr, K: tl.constexpr,
+                            BE: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, PG: tl.constexpr,
+                            TOPK_GROUP: tl.constexpr, NORM: tl.constexpr):
+    """One program per token: sigmoid scores of the float32 logits [T, E], plus the correction bias for the
+    choice; with G > 1 groups of PG experts, each group ranked by the sum of its two best biased scores and all but
+    the best TOPK_GROUP groups left out; then the top K by biased score, weighted by their unbiased scores
+    (renormalised with NORM) times ``scaling``."""
+    t = tl.program_id(0)
+    offs = tl.arange(0, BE)
+    m = offs < E
+    scores = tl.load(logits_ptr + t * E + offs, mask=m, other=0.0)
+    scores = 1.0 / (1.0 + tl.exp(-scores))
+    biased = tl.where(m, scores + tl.load(bias_ptr + offs, mask=m, other=0.0), float("-inf"))
+    if G > 1:
+        group = offs // PG
+        offs_g = tl.arange(0, BG)
+        group_score = tl.full(offs_g.shape, float("-inf"), tl.float32)
+        for g in tl.static_range(G):
+            mine = tl.where(group == g, biased, float("-inf"))
+            best, idx = tl.max(mine, 0, return_indices=True, return_indices_tie_break_left=True)
+            second = tl.max(tl.where(offs == idx, float("-inf"), mine), 0)
+            group_score = tl.where(offs_g == g, best + second, group_score)
+        keep = tl.zeros(offs.shape, tl.int1)
+        for j in tl.static_range(TOPK_GROUP):
+            _, gi = tl.max(group_score, 0, return_indices=True, return_indices_tie_break_left=True)
+            keep = keep | (group == gi)
+            group_score = tl.where(offs_g == gi, float("-inf"), group_score)
+        biased = tl.where(keep, biased, float("-inf"))
+    rank = tl.full(offs.shape, -1, tl.int32)
+    total = 0.0
+    for j in tl.static_range(K):
+        _, idx = tl.max(biased, 0, return_indices=True, return_indices_tie_break_left=True)
+        total += tl.sum(tl.where(offs == idx, scores, 0.0), 0)
+        tl.store(ids_ptr + t * K + j, idx.to(tl.int64))
+        rank = tl.where(offs == idx, j, rank)
+        biased = tl.where(offs == idx, float("-inf"), biased)
+    scale = scaling / (total + 1e-20) if NORM else scaling
+    tl.store(w_ptr + t * K + rank, scores * scale, mask=rank >= 0)
+
+
+def grouped_sigmoid_route(logits: torch.Tensor, bias: torch.Tensor, n_group: int, topk_group: int, top_k: int,
+                          normalize: bool, scaling: float):
+    """Nemotron 3's routing (``ops.moe.grouped_sigmoid_route``) in one launch: logits float32 [T, E], bias float32
+    [E]. Returns (float32 weights [T, k], int64 ids [T, k])."""
+    tokens, experts = logits.shape
+    logits = logits.contiguous()
+    w = torch.empty(tokens, top_k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(tokens, top_k, dtype=torch.int64, device=logits.device)
+    if tokens:
+        _grouped_sigmoid_kernel[(tokens,)](logits, bias, w, ids, float(scaling), E=experts, K=top_k,
+                                           BE=max(16, next_pow2(experts)), G=n_group, BG=max(2, next_pow2(n_group)),
+                                           PG=experts // n_group,
+                                           TOPK_GROUP=topk_group, NORM=normalize, num_warps=1)
     return w, ids

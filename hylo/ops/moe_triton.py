@@ -36,18 +36,29 @@ PAIR_GEMV_MAX_PAIRS = 176
 
 # ---- few pairs: one GEMV per pair ------------------------------------------------------------------------------
 @triton.jit
+def _activation(gate, up, GATED: tl.constexpr):
+    """An expert's activation in float32: SwiGLU's silu(gate) * up, or the non-gated squared ReLU, relu(up)^2."""
+    if GATED:
+        return gate / (1.0 + tl.exp(-gate)) * up
+    r = tl.maximum(up, 0.0)
+    return r * r
+
+
+@triton.jit
 def _pair_gate_up_kernel(x_ptr, w13_ptr, ids_ptr, act_ptr, H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
                          BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr = False, s_ptr=None, S_E: tl.constexpr = 0, SK: tl.constexpr = 1, SBN: tl.constexpr = 1,
-                         SBK: tl.constexpr = 1, FP8: tl.constexpr = False):
-    """Program (pair, block of BN intermediate columns): silu(x W_gate^T) * (x W_up^T) of that pair's expert (with
-    FP8, each K tile's partial sums times its rows' block scales: ``fp8_triton.block_scale``)."""
+                         SBK: tl.constexpr = 1, FP8: tl.constexpr = False, GATED: tl.constexpr = True):
+    """Program (pair, block of BN intermediate columns): silu(x W_gate^T) * (x W_up^T) of that pair's expert, or
+    with GATED=False (experts of up rows only, [E, I, H]) relu(x W_up^T)^2 (with FP8, each K tile's partial sums
+    times its rows' block scales: ``fp8_triton.block_scale``)."""
     pdl_enter(PDL)
     pair = tl.program_id(0)
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
     mn = offs_n < I
     tok = pair // TOP_K
     e = tl.load(ids_ptr + pair).to(tl.int64)
-    w_base = w13_ptr + e * (2 * I * H)
+    UP0: tl.constexpr = I if GATED else 0  # the first up row of an expert
+    w_base = w13_ptr + e * ((UP0 + I) * H)
     s_base = s_ptr + e * S_E if FP8 else s_ptr
     acc_g = tl.zeros([BN], dtype=tl.float32)
     acc_u = tl.zeros([BN], dtype=tl.float32)
@@ -56,16 +67,18 @@ def _pair_gate_up_kernel(x_ptr, w13_ptr, ids_ptr, act_ptr, H: tl.constexpr, I: t
         mk = offs_k < H
         x = tl.load(x_ptr + tok * H + offs_k, mask=mk, other=0.0).to(tl.float32)
         m2 = mn[:, None] & mk[None, :]
-        wg = tl.load(w_base + offs_n[:, None] * H + offs_k[None, :], mask=m2, other=0.0).to(tl.float32)
-        wu = tl.load(w_base + (I + offs_n)[:, None] * H + offs_k[None, :], mask=m2, other=0.0).to(tl.float32)
-        part_g = tl.sum(wg * x[None, :], 1)
+        wu = tl.load(w_base + (UP0 + offs_n)[:, None] * H + offs_k[None, :], mask=m2, other=0.0).to(tl.float32)
         part_u = tl.sum(wu * x[None, :], 1)
         if FP8:  # one scale per output row for this K tile
-            part_g *= block_scale(s_base, offs_n, mn, k0, SK, SBN, SBK)
-            part_u *= block_scale(s_base, I + offs_n, mn, k0, SK, SBN, SBK)
-        acc_g += part_g
+            part_u *= block_scale(s_base, UP0 + offs_n, mn, k0, SK, SBN, SBK)
         acc_u += part_u
-    act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+        if GATED:
+            wg = tl.load(w_base + offs_n[:, None] * H + offs_k[None, :], mask=m2, other=0.0).to(tl.float32)
+            part_g = tl.sum(wg * x[None, :], 1)
+            if FP8:
+                part_g *= block_scale(s_base, offs_n, mn, k0, SK, SBN, SBK)
+            acc_g += part_g
+    act = _activation(acc_g, acc_u, GATED)
     tl.store(act_ptr + pair * I + offs_n, act.to(act_ptr.dtype.element_ty), mask=mn)
 
 
@@ -143,7 +156,7 @@ def _grouped_gate_up_kernel(x_ptr, w13_ptr, sorted_ptr, block_expert_ptr, act_pt
                             I: tl.constexpr, P,
                             TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                             PREC: tl.constexpr, s_ptr=None, S_E: tl.constexpr = 0, SK: tl.constexpr = 1, SBN: tl.constexpr = 1,
-                         SBK: tl.constexpr = 1, FP8: tl.constexpr = False):
+                         SBK: tl.constexpr = 1, FP8: tl.constexpr = False, GATED: tl.constexpr = True):
     blk = tl.program_id(0)
     e = tl.load(block_expert_ptr + blk).to(tl.int64)
     if e < 0:
@@ -153,7 +166,8 @@ def _grouped_gate_up_kernel(x_ptr, w13_ptr, sorted_ptr, block_expert_ptr, act_pt
     toks = pairs // TOP_K
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
     mn = offs_n < I
-    w_base = w13_ptr + e * (2 * I * H)
+    UP0: tl.constexpr = I if GATED else 0  # the first up row of an expert (GATED: gate rows first)
+    w_base = w13_ptr + e * ((UP0 + I) * H)
     s_base = s_ptr + e * S_E if FP8 else s_ptr
     acc_g = tl.zeros([BM, BN], dtype=tl.float32)
     acc_u = tl.zeros([BM, BN], dtype=tl.float32)
@@ -162,17 +176,20 @@ def _grouped_gate_up_kernel(x_ptr, w13_ptr, sorted_ptr, block_expert_ptr, act_pt
         mk = offs_k < H
         x = tl.load(x_ptr + toks[:, None] * H + offs_k[None, :], mask=mp[:, None] & mk[None, :], other=0.0)
         m2 = mk[:, None] & mn[None, :]
-        wg = tl.load(w_base + offs_n[None, :] * H + offs_k[:, None], mask=m2, other=0.0)
-        wu = tl.load(w_base + (I + offs_n)[None, :] * H + offs_k[:, None], mask=m2, other=0.0)
+        wu = tl.load(w_base + (UP0 + offs_n)[None, :] * H + offs_k[:, None], mask=m2, other=0.0)
         if FP8:  # FP8 values are exact in x's dtype; the tile's one scale per output column after the dot
-            acc_g += tl.dot(x, wg.to(x.dtype), input_precision=PREC) * block_scale(s_base, offs_n, mn, k0, SK, SBN,
-                                                                                SBK)[None, :]
-            acc_u += tl.dot(x, wu.to(x.dtype), input_precision=PREC) * block_scale(s_base, I + offs_n, mn, k0, SK,
+            acc_u += tl.dot(x, wu.to(x.dtype), input_precision=PREC) * block_scale(s_base, UP0 + offs_n, mn, k0, SK,
                                                                                 SBN, SBK)[None, :]
         else:
-            acc_g += tl.dot(x, wg, input_precision=PREC)
             acc_u += tl.dot(x, wu, input_precision=PREC)
-    act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+        if GATED:
+            wg = tl.load(w_base + offs_n[None, :] * H + offs_k[:, None], mask=m2, other=0.0)
+            if FP8:
+                acc_g += tl.dot(x, wg.to(x.dtype), input_precision=PREC) * block_scale(s_base, offs_n, mn, k0, SK,
+                                                                                    SBN, SBK)[None, :]
+            else:
+                acc_g += tl.dot(x, wg, input_precision=PREC)
+    act = _activation(acc_g, acc_u, GATED)
     tl.store(act_ptr + pairs[:, None] * I + offs_n[None, :], act.to(act_ptr.dtype.element_ty),
              mask=mp[:, None] & mn[None, :])
 
@@ -322,8 +339,9 @@ if os.environ.get("HYLO_GROUPED_CFG"):
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, reduce: bool = True) -> "torch.Tensor | SortedPairRows":
-    """x: [T, H]; w13: [E, 2I, H]; w2: [E, H, I]; topk_*: [T, k]. Returns [T, H] in x's dtype, or with
+              topk_ids: torch.Tensor, reduce: bool = True, gated: bool = True) -> "torch.Tensor | SortedPairRows":
+    """x: [T, H]; w13: [E, 2I, H] (gated: SwiGLU experts) or [E, I, H] (``gated=False``: squared-ReLU experts);
+    w2: [E, H, I]; topk_*: [T, k]. Returns [T, H] in x's dtype, or with
     ``reduce=False`` float32 rows [T, J, H] whose sum over J is the result, for the caller to sum (``add_rms_norm``
     does): the weighted row of every pair (J = k), or rows summed per token already (J = 1); through
     ``torch._grouped_mm``, the pairs' rows in expert order (``ops.pair_rows.SortedPairRows``), which ``add_rms_norm``
@@ -331,6 +349,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     num_tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
     num_experts, inter = w13.shape[0], w2.shape[-1]
+    if w13.shape[1] != (2 if gated else 1) * inter:
+        raise ValueError(f"expert weights {tuple(w13.shape)} and {tuple(w2.shape)} do not make "
+                         f"{'gated' if gated else 'non-gated'} experts")
     num_pairs = num_tokens * top_k
     fp8 = not isinstance(w13, torch.Tensor)  # block FP8 (ops.fp8.Fp8Weight): the Triton kernels dequantize as they load
     x = x.contiguous()
@@ -339,10 +360,10 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     if num_pairs == 0:
         return torch.zeros_like(x) if reduce else x.new_zeros(num_tokens, top_k, hidden)
     if num_pairs <= PAIR_GEMV_MAX_PAIRS:
-        return _pair_moe(x, w13, w2, ids, wts, top_k, reduce)
+        return _pair_moe(x, w13, w2, ids, wts, top_k, reduce, gated)
     if not fp8 and grouped_mm_usable(x, w13, w2, num_pairs):  # the pairs' rows in expert order, summed later
         pairs = fused_moe_grouped_mm(x, w13, w2, wts.view(num_tokens, top_k), ids.view(num_tokens, top_k),
-                                     reduce=False)
+                                     reduce=False, gated=gated)
         return pairs.reduce().view(num_tokens, hidden).to(x.dtype) if reduce else pairs
     else:
         cfg = next(cfg for limit, cfg in GROUPED_CFG if num_pairs <= limit)
@@ -355,7 +376,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         grid_blocks = block_expert.shape[0]
         _grouped_gate_up_kernel[(grid_blocks, triton.cdiv(inter, bn))](
             x, _q(w13), sorted_pairs, block_expert, act, hidden, inter, num_pairs, TOP_K=top_k, BM=bm, BN=bn, BK=_bk(bk, w13),
-            PREC=prec, num_warps=warps, num_stages=stages, **fp8_kernel_args(w13))
+            PREC=prec, GATED=gated, num_warps=warps, num_stages=stages, **fp8_kernel_args(w13))
         _grouped_down_kernel[(grid_blocks, triton.cdiv(hidden, dbn))](
             act, _q(w2), sorted_pairs, block_expert, wts, out, hidden, inter, num_pairs, BM=bm, BN=dbn, BK=_bk(dbk, w2),
             PREC=prec, num_warps=dwarps, num_stages=dstages, **fp8_kernel_args(w2))
@@ -364,15 +385,15 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
 
 
 def _pair_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor,
-              top_k: int, reduce: bool) -> torch.Tensor:
+              top_k: int, reduce: bool, gated: bool) -> torch.Tensor:
     """The pair kernels (few pairs): gate/up, then the down projection summed per token (or one row per pair)."""
     num_tokens, hidden = x.shape
     num_pairs, inter = ids.shape[0], w2.shape[-1]
     act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     bn, bk, warps, stages = PAIR_GATE_UP_CFG
     _pair_gate_up_kernel[(num_pairs, triton.cdiv(inter, bn))](
-        x, _q(w13), ids, act, hidden, inter, TOP_K=top_k, BN=bn, BK=_bk(min(bk, next_pow2(hidden)), w13), num_warps=warps,
-        num_stages=stages, **pdl_launch(x), **fp8_kernel_args(w13))
+        x, _q(w13), ids, act, hidden, inter, TOP_K=top_k, BN=bn, BK=_bk(min(bk, next_pow2(hidden)), w13),
+        GATED=gated, num_warps=warps, num_stages=stages, **pdl_launch(x), **fp8_kernel_args(w13))
     if PAIR_DOWN_SUM:  # one float32 row per token, [T, 1, H]
         bn, bk, warps, stages = PAIR_DOWN_SUM_CFG
         out = torch.empty(num_tokens, hidden, dtype=torch.float32, device=x.device)

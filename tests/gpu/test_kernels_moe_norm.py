@@ -6,16 +6,17 @@ import torch
 from hylo.ops.moe import fused_moe_ref, route_topk
 from hylo.ops.norm import gated_rms_norm, rms_norm
 
-def _moe_case(dev, seed, tokens, experts, top_k, hidden, inter):
+def _moe_case(dev, seed, tokens, experts, top_k, hidden, inter, gated=True):
     """Random MoE inputs on ``dev`` (bfloat16 on CUDA; float32 under the interpreter, which has no bfloat16 dot)
-    as ``fused_moe``'s arguments, and their float64 reference output."""
+    as ``fused_moe``'s arguments (SwiGLU experts, or with ``gated=False`` squared-ReLU ones), and their float64
+    reference output."""
     g = torch.Generator().manual_seed(seed)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     x = torch.randn(tokens, hidden, generator=g)
-    w13 = torch.randn(experts, 2 * inter, hidden, generator=g) / hidden ** 0.5
+    w13 = torch.randn(experts, (2 if gated else 1) * inter, hidden, generator=g) / hidden ** 0.5
     w2 = torch.randn(experts, hidden, inter, generator=g) / inter ** 0.5
     weights, ids = route_topk(torch.randn(tokens, experts, generator=g), top_k, True)
-    ref = fused_moe_ref(x.double(), w13.double(), w2.double(), weights.double(), ids)
+    ref = fused_moe_ref(x.double(), w13.double(), w2.double(), weights.double(), ids, gated)
     return (x.to(dev, dtype), w13.to(dev, dtype), w2.to(dev, dtype), weights.to(dev, dtype), ids.to(dev)), ref
 
 
@@ -85,6 +86,29 @@ def test_residual_add_gathers_the_grouped_mm_rows(dev, tokens, hidden):
     _assert_close_to(y, rms_norm_ref(want.to(x.dtype), nw.cpu(), 1e-6).double())
     with pytest.raises(ValueError, match="pair rows of"):
         add_rms_norm(resid[:-1], pairs, nw, 1e-6)
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 40, 600])
+@pytest.mark.parametrize("grouped_mm", [True, False])
+def test_non_gated_experts_match_reference(dev, tokens, grouped_mm, monkeypatch):
+    """Nemotron 3's squared-ReLU experts (up rows only, ``gated=False``) through every layout: the pair kernels (1
+    and 7 tokens), the Triton grouped kernel (40 tokens; 600 without torch._grouped_mm) and torch._grouped_mm's
+    activation pass (600 tokens where the GPU has it); a hidden size and intermediate size that are not powers of
+    two. The gated reading of the same weights is refused by their shapes."""
+    from hylo.ops import moe_grouped_mm
+    from hylo.ops.moe_triton import fused_moe
+
+    if not grouped_mm:
+        monkeypatch.setattr(moe_grouped_mm, "GROUPED_MM_MIN_PAIRS", 1 << 40)
+    args, ref = _moe_case(dev, 11, tokens, experts=16, top_k=6, hidden=72, inter=40, gated=False)
+    out = fused_moe(*args, gated=False)
+    assert out.shape == ref.shape
+    _assert_close_to(out, ref)
+    # float32 routing weights (Nemotron 3's router keeps them so) with bfloat16 activations
+    x, w13, w2, weights, ids = args
+    _assert_close_to(fused_moe(x, w13, w2, weights.float(), ids, gated=False), ref)
+    with pytest.raises(ValueError, match="gated"):
+        fused_moe(*args)
 
 
 @pytest.mark.parametrize("cfg", [(16, 32, 32, 4, 2, 64, 16, 4, 2), (32, 16, 16, 4, 2, 16, 64, 2, 3)])
