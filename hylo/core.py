@@ -34,7 +34,10 @@ class SamplingParams:
     (minus it once a token is in the output), OpenAI's and vLLM's formulas. ``logprobs=N`` returns each generated
     token's log probability and the N most likely alternatives, ``prompt_logprobs=N`` the same for the prompt's
     tokens; both from the model's raw distribution (log_softmax of the logits before any change above). ``n``
-    (offline API): that many samples of each prompt, choice i seeded with seed + i.
+    (offline API): that many samples of each prompt, choice i seeded with seed + i. ``constraint``
+    (``hylo.constrain.spec.Constraint``: a regular expression, a JSON schema, any JSON object or a choice) allows
+    only outputs it matches: the tokens it does not allow are masked after every change above, and the output ends
+    (at an end-of-sequence token) only where the constraint may end.
     """
 
     max_tokens: int = 16
@@ -53,6 +56,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     n: int = 1
+    constraint: "object | None" = None  # constrain.spec.Constraint
 
     def __post_init__(self):
         self.validate()
@@ -116,6 +120,15 @@ class SamplingParams:
                 _num(f"logit_bias[{tok}]", bias)
                 if not -100.0 <= bias <= 100.0:
                     raise ValueError(f"logit_bias[{tok}] must be between -100 and 100, got {bias}")
+        if self.constraint is not None:
+            from .constrain.spec import Constraint
+
+            if not isinstance(self.constraint, Constraint):
+                raise ValueError(f"constraint must be a hylo.constrain.spec.Constraint, got "
+                                 f"{type(self.constraint).__name__}")
+            if self.ignore_eos:
+                raise ValueError("ignore_eos cannot be combined with a constraint: the output ends where the "
+                                 "constraint is complete")
 
     @property
     def penalized(self) -> bool:
@@ -198,6 +211,7 @@ class Req:
     state_len: int = 0
     extra_ids: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens reused from the cache at admission
+    automaton: object = None  # constrain.automaton.TokenAutomaton of params.constraint, compiled on arrival
     last_snapshot: int = 0  # position of this request's latest snapshot
     branch_point: int = 0  # where its tokens leave the cached ones: a prefill chunk ends there, with a snapshot
     use_prefix_cache: bool = True  # False: neither reuses nor adds (Engine.prompt_logits computes every position)
@@ -318,6 +332,7 @@ class SamplingBatch:
     need_top_p: bool
     slots: torch.Tensor | None = None  # [B] the rows' request slots (the penalty tables' rows)
     penalized: bool = False  # some row's logits change before sampling (ops.logits.apply_penalties)
+    constrained: bool = False  # some row's tokens are constrained (constrain.tables: masks from device states)
     logprobs: int | None = None  # the most alternatives a row asked for; None: no row wants log probabilities
 
 

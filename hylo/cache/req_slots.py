@@ -39,6 +39,14 @@ class ReqSlots:
         self.sampling_i = torch.zeros(max_num_seqs + 1, SAMPLING_INTS, dtype=torch.int64, device=device)
         self._free = list(range(max_num_seqs, 0, -1))  # pop() hands out 1, 2, ...
         self.penalties: PenaltyTables | None = None  # allocated when a request first asks for penalties or bias
+        self.constraints = None  # constrain.tables.ConstraintTables, made when a request first has a constraint
+
+    def ensure_constraints(self, vocab: int, eos_ids):
+        if self.constraints is None:
+            from ..constrain.tables import ConstraintTables
+
+            self.constraints = ConstraintTables(self.max_num_seqs, vocab, self.req_to_token.device, eos_ids)
+        return self.constraints
 
     def ensure_penalties(self, vocab: int) -> PenaltyTables:
         if self.penalties is None:

@@ -18,6 +18,7 @@ import torch
 
 from ..cache.memory import allocate_caches
 from ..cache.prefix_cache import PrefixCache
+from ..constrain.automaton import AutomatonCache
 from ..config import EngineConfig
 from ..core import ForwardMode, Req, RequestOutput, SamplingParams, SpecStats, TokenLogprobs
 from ..models.default import TRAINED_DEFAULT_NAME
@@ -111,6 +112,7 @@ class Engine:
                      if self.ec.cuda_graph_sizes else
                      default_capture_sizes(min(self.ec.max_num_seqs, self.ec.max_graph_batch_size)))
             self.worker.capture_graphs(sizes, self.ec.verbose)
+        self._automata = AutomatonCache(self.tokenizer, self.model_config.vocab_size)
         self._rng = random.Random(self.ec.seed)
         self._ids = itertools.count()
         self._reqs: dict[str, Req] = {}
@@ -172,6 +174,7 @@ class Engine:
             if bad:
                 raise ValueError(f"{name}: token ids {bad[:8]} are out of vocabulary (ids are 0..{vocab - 1})")
         ids = self.encode_prompt(prompt)
+        automaton = self.compile_constraint(params.constraint) if params.constraint is not None else None
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self._reqs:
             raise ValueError(f"request id {rid!r} is already in use")
@@ -180,10 +183,19 @@ class Engine:
                   prompt=prompt if isinstance(prompt, str) else None,
                   # prompt log probabilities need every prompt position computed: no cached prefix
                   use_prefix_cache=params.prompt_logprobs is None,
-                  spec=SpecStats() if self.ec.speculative else None, prompt_tensor=torch.tensor(ids, dtype=torch.int64))
+                  spec=SpecStats() if self.ec.speculative else None, prompt_tensor=torch.tensor(ids, dtype=torch.int64),
+                  automaton=automaton)
         self._reqs[rid] = req
         self.scheduler.add(req)
         return rid
+
+    def compile_constraint(self, constraint):
+        """A constraint's token automaton (``hylo.constrain``), compiled once per constraint and cached; callable
+        from other threads (the server compiles a request's before handing it to the engine thread). Raises
+        ValueError naming what cannot be compiled."""
+        if self.tokenizer is None:
+            raise ValueError("constrained output needs the model's tokenizer, and this model has none")
+        return self._automata.get(constraint)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its slots; returns False if it is unknown or already finished."""

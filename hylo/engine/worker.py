@@ -54,8 +54,10 @@ class StepResult:
 
 def all_greedy(reqs) -> bool:
     """Whether every request decodes greedily (temperature 0) with nothing else to do with its logits: no
-    penalty or bias changes them and none asks for log probabilities (the graphs' greedy token is then final)."""
-    return all(r.params.temperature == 0 and not r.params.penalized and r.params.logprobs is None for r in reqs)
+    penalty, bias or constraint changes them and none asks for log probabilities (the graphs' greedy token is then
+    final)."""
+    return all(r.params.temperature == 0 and not r.params.penalized and r.params.logprobs is None
+               and r.automaton is None for r in reqs)
 
 
 def prompt_logprob_spans(sched: ScheduledBatch) -> list[tuple[int, int, int]]:
@@ -121,6 +123,7 @@ class ModelWorker:
                    for r, n, d in zip(sched.reqs, sched.extend_lens, sched.from_device) if d)
         register = sched.admitted  # their sampling parameters go into the device table now
         self.register_penalties(register)
+        self.register_constraints(register)
         pack = ExtendPack.build(sched, register, self.vocab_size)
         meta = to_device(pack.meta, dev)
         v = pack.views(meta)
@@ -238,15 +241,23 @@ class ModelWorker:
             all_greedy=all(greedy), any_greedy=any(greedy),
             need_top_k=any(0 < r.params.top_k < v for r, g in zip(reqs, greedy) if not g),
             need_top_p=any(r.params.top_p < 1.0 for r, g in zip(reqs, greedy) if not g),
-            slots=slots, penalized=any(r.params.penalized for r in reqs), logprobs=max(wanted, default=None))
+            slots=slots, penalized=any(r.params.penalized for r in reqs), logprobs=max(wanted, default=None),
+            constrained=any(r.automaton is not None for r in reqs))
 
     def choose(self, logits: torch.Tensor, sb: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The next token of each row ([B]) from its logits [B, V]: penalties and bias first where a row has them
-        (counting the token it picks), then greedy or a seeded draw; and the log probabilities of the raw logits
-        where a row asked for them ([B, 1, 1 + 2N], else None)."""
+        (counting the token it picks), then the constraints' masks where a row has one (moving its state on by the
+        token), then greedy or a seeded draw; and the log probabilities of the raw logits where a row asked for
+        them ([B, 1, 1 + 2N], else None)."""
         tables = self.caches.req_slots.penalties
         processed = apply_penalties(logits, tables, sb.slots, sb.steps) if sb.penalized else logits
+        if sb.constrained:
+            constraints = self.caches.req_slots.constraints
+            states = constraints.state[sb.slots]
+            processed = constraints.mask_logits(processed, states)
         tokens = sample(processed, sb)
+        if sb.constrained:
+            constraints.advance(sb.slots, states, tokens)
         if sb.penalized:
             tables.count(sb.slots, tokens[:, None])
         lp = pack_logprobs(logits, tokens[:, None], sb.logprobs) if sb.logprobs is not None else None
@@ -266,6 +277,15 @@ class ModelWorker:
         dev_idx = to_device(torch.stack([idx, targets]), self.device)
         logits = self.model.compute_logits(hidden[dev_idx[0]])
         return pack_logprobs(logits, dev_idx[1][:, None], top_n)[:, 0]
+
+    def register_constraints(self, reqs) -> None:
+        """The constraint states of requests whose prefill starts (their automaton's start; -1 without one, so a
+        reused slot forgets its last request's), once any request had a constraint."""
+        if self.caches.req_slots.constraints is None and all(r.automaton is None for r in reqs):
+            return
+        tables = self.caches.req_slots.ensure_constraints(self.vocab_size, self.eos_ids)
+        for r in reqs:
+            tables.register(r.req_slot, r.automaton, r.output_ids)
 
     def register_penalties(self, reqs) -> None:
         """Requests whose logits change before sampling: their rows of the penalty tables (allocated on first

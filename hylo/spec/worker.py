@@ -263,6 +263,10 @@ class SpecWorker:
             extra = verify_extra_counts(drafts, logits.shape[-1]).view(bs * (k + 1), -1)
             logits = apply_penalties(logits.reshape(bs * (k + 1), -1), tables, per_pos.slots, steps,
                                      extra).view(bs, k + 1, -1)
+        if sb.constrained:  # position i's mask is the state after drafts 1..i (a draft it does not allow is rejected)
+            constraints = tw.caches.req_slots.constraints
+            states = constraints.chain(batch.req_slots, drafts)
+            logits = constraints.mask_logits(logits.reshape(bs * (k + 1), -1), states.reshape(-1)).view(bs, k + 1, -1)
         emitted, accepted = greedy_accept(drafts, logits)
         if not sb.all_greedy:
             p = sampling_probs(logits.reshape(bs * (k + 1), -1), _repeat(sb, k + 1)).view(bs, k + 1, -1)
@@ -272,6 +276,10 @@ class SpecWorker:
             emitted = torch.where(sampled[:, None], s_emitted, emitted)
             accepted = torch.where(sampled, s_accepted, accepted)
         emitted, accepted = self._commit(batch, drafts, emitted, accepted)
+        if sb.constrained:  # the state after the accepted drafts and the token after them
+            last = accepted.clamp(min=0)[:, None]
+            constraints.advance(batch.req_slots, states.gather(1, last)[:, 0], emitted.gather(1, last)[:, 0],
+                                keep=accepted >= 0)
         if sb.penalized:
             valid = torch.arange(k + 1, device=emitted.device)[None, :] <= accepted[:, None]
             tables.count(sb.slots, emitted, valid)

@@ -1,0 +1,172 @@
+"""What a constrained request asks for, checked when it arrives, and the one regular expression it compiles to.
+
+Every constraint here is regular: a regular expression (in the Rust ``regex`` crate's syntax, which outlines-core
+compiles), a choice among strings (their alternation), a JSON schema or any JSON object (outlines-core's schema to
+regex translation: compact JSON with at most one space between tokens, nesting bounded where a schema recurses).
+A JSON schema keyword that translation would not enforce (``minimum``, ``uniqueItems``, ``not`` ...) is refused by
+name rather than loosened: the output of a constrained request always validates against what it asked for.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+KINDS = ("regex", "json_schema", "json_object", "choice")
+
+# keywords whose meaning the translation enforces (or tightens: a recursive schema is cut at a depth, an object with
+# ``properties`` gets no other keys), and annotations without a meaning for the output
+_ENFORCED = {"type", "properties", "required", "additionalProperties", "items", "prefixItems", "minItems",
+             "maxItems", "enum", "const", "anyOf", "allOf", "$ref", "$defs", "definitions", "minLength",
+             "maxLength", "pattern", "format", "oneOf"}
+_ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated",
+                "readOnly", "writeOnly", "discriminator"}
+_FORMATS = {"date-time", "date", "time", "uuid", "email", "uri"}
+_SCHEMA_VALUED = {"properties", "$defs", "definitions"}  # maps of name -> schema
+_SCHEMA_LISTS = {"anyOf", "allOf", "oneOf", "prefixItems"}
+_FALSE_NEUTRAL = {"uniqueItems"}  # refused unless false (their neutral value)
+_ZERO_NEUTRAL = {"minProperties"}
+# the Rust regex crate's meta characters: escaped in the strings of a choice
+_META = set("\\.+*?()|[]{}^$#&-~")
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """A request's output constraint; ``value`` is the regular expression, the schema's canonical JSON text, or
+    the choices. Build it with the class methods, which check it and raise ``ValueError`` naming the problem."""
+
+    kind: str
+    value: str | tuple[str, ...] | None = None
+
+    @classmethod
+    def regex(cls, pattern: str) -> "Constraint":
+        if not isinstance(pattern, str) or not pattern:
+            raise ValueError(f"regex constraint: a non-empty string is needed, got {pattern!r}")
+        return cls("regex", pattern)
+
+    @classmethod
+    def choice(cls, choices) -> "Constraint":
+        if (not isinstance(choices, (list, tuple)) or not choices
+                or not all(isinstance(c, str) and c for c in choices)):
+            raise ValueError(f"choice constraint: a non-empty list of non-empty strings is needed, got {choices!r}")
+        return cls("choice", tuple(choices))
+
+    @classmethod
+    def json_object(cls) -> "Constraint":
+        return cls("json_object")
+
+    @classmethod
+    def json_schema(cls, schema) -> "Constraint":
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"json_schema constraint: the schema is not valid JSON ({e})") from None
+        if not isinstance(schema, dict):
+            raise ValueError(f"json_schema constraint: the schema must be a JSON object, got {type(schema).__name__}")
+        check_schema(schema)
+        return cls("json_schema", json.dumps(schema))  # property order is output order: kept
+
+    def to_regex(self) -> str:
+        """The regular expression whose full matches are exactly the allowed outputs."""
+        if self.kind == "regex":
+            return self.value
+        if self.kind == "choice":
+            return "(" + "|".join(escape(c) for c in self.value) + ")"
+        from outlines_core.json_schema import build_regex_from_schema
+
+        schema = json.loads(self.value) if self.kind == "json_schema" else {"type": "object"}
+        try:
+            return build_regex_from_schema(json.dumps(_grouped_patterns(schema)))
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"json_schema constraint: {_first_line(e)}") from None
+
+    def describe(self) -> str:
+        text = self.value if isinstance(self.value, str) else json.dumps(self.value)
+        return f"{self.kind}" + (f" {text[:60]}{'...' if len(text or '') > 60 else ''}" if text else "")
+
+
+def escape(text: str) -> str:
+    """``text`` as a regular expression that matches exactly it."""
+    return "".join("\\" + c if c in _META else c for c in text)
+
+
+def check_schema(schema, where: str = "") -> None:
+    """Refuse (``ValueError``, naming the keyword and where it is) what the regex translation cannot enforce."""
+    if isinstance(schema, bool):
+        if not schema:
+            raise ValueError(f"json_schema constraint: the schema at {where or '/'} is false (nothing matches)")
+        return
+    if not isinstance(schema, dict):
+        raise ValueError(f"json_schema constraint: the schema at {where or '/'} must be an object or a boolean")
+    for key, value in schema.items():
+        at = f"{where}/{key}"
+        if key in _ANNOTATIONS:
+            continue
+        if key in _FALSE_NEUTRAL and value is False or key in _ZERO_NEUTRAL and value == 0:
+            continue
+        if key not in _ENFORCED:
+            raise ValueError(f"json_schema constraint: keyword {key!r} (at {at}) cannot be enforced by hylo's "
+                             f"constrained decoding; remove it or check the output after generation")
+        if key == "format" and value not in _FORMATS:
+            raise ValueError(f"json_schema constraint: format {value!r} (at {at}) is not supported "
+                             f"(supported: {', '.join(sorted(_FORMATS))})")
+        if key == "oneOf" and not _disjoint_types(value):
+            raise ValueError(f"json_schema constraint: oneOf (at {at}) is enforced only when its branches have "
+                             f"different types (a value matching two branches would be invalid); use anyOf")
+        if key in _SCHEMA_VALUED:
+            if not isinstance(value, dict):
+                raise ValueError(f"json_schema constraint: {key} (at {at}) must be an object")
+            for name, sub in value.items():
+                check_schema(sub, f"{at}/{name}")
+        elif key in _SCHEMA_LISTS:
+            if not isinstance(value, list) or not value:
+                raise ValueError(f"json_schema constraint: {key} (at {at}) must be a non-empty list")
+            for i, sub in enumerate(value):
+                check_schema(sub, f"{at}/{i}")
+        elif key in ("items", "additionalProperties") and not isinstance(value, bool):
+            check_schema(value, at)
+
+
+def _disjoint_types(branches) -> bool:
+    if not isinstance(branches, list):
+        return False
+    seen = set()
+    for b in branches:
+        t = b.get("type") if isinstance(b, dict) else None
+        types = {t} if isinstance(t, str) else set(t) if isinstance(t, list) else None
+        if not types:
+            return False
+        if "number" in types:
+            types.add("integer")
+        if "integer" in types:
+            types.add("number")
+        if seen & types:
+            return False
+        seen |= types
+    return True
+
+
+def _grouped_patterns(schema):
+    """A copy of the schema whose ``pattern`` values are one group without anchors: the translation writes a
+    pattern between the string's quotes as it is, so a top-level alternation (``a|b``) would escape them."""
+    if isinstance(schema, list):
+        return [_grouped_patterns(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key == "pattern" and isinstance(value, str):
+            body = value[1:] if value.startswith("^") else value
+            if body.endswith("$") and not body.endswith("\\$"):
+                body = body[:-1]
+            out[key] = f"({body})"
+        elif key in ("enum", "const", "default", "examples"):
+            out[key] = value
+        else:
+            out[key] = _grouped_patterns(value)
+    return out
+
+
+def _first_line(e: Exception) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

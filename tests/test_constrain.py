@@ -1,0 +1,207 @@
+"""Structured output (hylo.constrain): constraints checked and compiled, the device tables' masks against the
+grammar engine's own matcher step by step, and constrained generation on the embedded default model (its own
+byte-level BPE tokenizer and MTP head): every output matches its constraint, greedy and sampled, plain and
+speculative, beside unconstrained requests that it leaves as they were."""
+
+import json
+import random
+import re
+
+import jsonschema
+import numpy as np
+import pytest
+import torch
+
+from hylo import LLM, SamplingParams
+from hylo.constrain.automaton import AutomatonCache
+from hylo.constrain.spec import Constraint
+from hylo.constrain.tables import ConstraintTables
+from hylo.tokenizer import HFTokenizer
+
+from hylo.models.default import trained_default_path
+
+SCHEMA = {"type": "object",
+          "properties": {"name": {"type": "string", "maxLength": 12},
+                         "count": {"type": "integer"},
+                         "tags": {"type": "array", "items": {"enum": ["a", "b", "c d"]}, "maxItems": 3},
+                         "ok": {"type": ["boolean", "null"]}},
+          "required": ["name", "count"]}
+REGEX = r"[0-9]{3}-[a-z]{2,5}( [A-Z]{1,6})?"
+CHOICES = ["import os", "def main():", "return None"]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return HFTokenizer(trained_default_path())
+
+
+@pytest.fixture(scope="module")
+def cache(tok):
+    return AutomatonCache(tok, tok.vocab_size)
+
+
+def _allowed_by_tables(tables, slot, vocab):
+    logits = torch.zeros(1, vocab)
+    masked = tables.mask_logits(logits, tables.state[torch.tensor([slot])])
+    return set(torch.isfinite(masked[0]).nonzero()[:, 0].tolist())
+
+
+@pytest.mark.parametrize("constraint", [Constraint.regex(REGEX), Constraint.choice(CHOICES),
+                                        Constraint.json_schema(SCHEMA), Constraint.json_object()],
+                         ids=["regex", "choice", "json_schema", "json_object"])
+def test_device_masks_follow_the_grammar_engines_matcher(tok, cache, constraint):
+    """Along random walks through the constraint, the device tables' mask at every step is exactly the token set
+    outlines-core's own Guide allows there (its end-of-sequence standing for the model's), and the device state
+    moves on with the token as the Guide does."""
+    from outlines_core import Guide, Index, Vocabulary
+
+    from hylo.constrain.automaton import vocabulary_bytes
+
+    vocab, eos = tok.vocab_size, 0
+    auto = cache.get(constraint)
+    guide_index = Index(constraint.to_regex(), Vocabulary(vocab, vocabulary_bytes(tok, vocab)))
+    tables = ConstraintTables(4, vocab, torch.device("cpu"), {eos})
+    rng = random.Random(7)
+    steps = 0
+    for walk in range(6):
+        guide = Guide(guide_index)
+        tables.register(2, auto)
+        while True:
+            want = {eos if t == vocab else t for t in guide.get_tokens()}
+            assert _allowed_by_tables(tables, 2, vocab) == want
+            steps += 1
+            choices = sorted(want - {eos})
+            if not choices or (eos in want and rng.random() < 0.3):
+                break
+            # bias towards short tokens that close structures, so that walks end
+            t = rng.choice(choices)
+            guide.advance(t, return_tokens=False)
+            slot = torch.tensor([2])
+            tables.advance(slot, tables.state[slot], torch.tensor([t]))
+            if steps > 400:
+                break
+    assert steps > 20
+
+
+def test_constraints_are_checked_and_refused_by_name(tok, cache):
+    with pytest.raises(ValueError, match="'minimum'.*properties/n"):
+        Constraint.json_schema({"type": "object", "properties": {"n": {"type": "integer", "minimum": 3}}})
+    for bad, match in [({"type": "array", "uniqueItems": True}, "uniqueItems"), ({"not": {"type": "string"}}, "'not'"),
+                       ({"type": "string", "format": "ipv4"}, "format 'ipv4'"),
+                       ({"oneOf": [{"type": "number"}, {"type": "integer"}]}, "oneOf"),
+                       ({"type": "object", "minProperties": 2}, "minProperties")]:
+        with pytest.raises(ValueError, match=match):
+            Constraint.json_schema(bad)
+    with pytest.raises(ValueError, match="not valid JSON"):
+        Constraint.json_schema("{nope")
+    with pytest.raises(ValueError, match="non-empty list"):
+        Constraint.choice([])
+    with pytest.raises(ValueError, match="regex constraint: cannot be compiled"):
+        cache.get(Constraint.regex("(unclosed"))
+    with pytest.raises(ValueError, match="Unsupported type"):
+        cache.get(Constraint.json_schema({"type": "strin"}))
+    with pytest.raises(ValueError, match="ignore_eos"):
+        SamplingParams(constraint=Constraint.regex("a+"), ignore_eos=True)
+    with pytest.raises(ValueError, match="Constraint"):
+        SamplingParams(constraint="a+")
+    # annotations and neutral values pass; a pattern with a top-level alternation stays inside the quotes
+    c = Constraint.json_schema({"title": "t", "type": "string", "pattern": "^a|b$", "uniqueItems": False})
+    auto = cache.get(c)
+    assert auto.walk(tok.encode('"a"')) is not None and auto.walk(tok.encode('"a')) is not None
+    assert not auto.final[auto.walk(tok.encode('"a'))] and auto.final[auto.walk(tok.encode('"b"'))]
+
+
+def test_tables_keep_live_automata_and_renumber_states(tok, cache):
+    """Three automata through two slots: the one no slot uses any more leaves the table, the other slot's state
+    is renumbered to the same place of its automaton; a preempted request's state is its automaton walked over
+    the tokens it emitted; an unconstrained request in a reused slot is unconstrained."""
+    vocab = tok.vocab_size
+    tables = ConstraintTables(4, vocab, torch.device("cpu"), {0})
+    a, b, c = (cache.get(x) for x in (Constraint.regex(REGEX), Constraint.choice(CHOICES), Constraint.json_object()))
+    out = tok.encode("def")
+    tables.register(1, a)
+    tables.register(2, b, out)
+    before = _allowed_by_tables(tables, 2, vocab)
+    assert before == set(b.allowed(b.walk(out)).tolist())
+    tables.register(1, c)
+    assert tables.num_states == 1 + b.num_states + c.num_states  # a left the table
+    assert _allowed_by_tables(tables, 2, vocab) == before
+    tables.register(1, None)
+    assert tables.state[1].item() == -1 and len(_allowed_by_tables(tables, 1, vocab)) == vocab
+
+
+def _check(constraint: Constraint, text: str) -> None:
+    if constraint.kind == "json_schema":
+        jsonschema.validate(json.loads(text), json.loads(constraint.value))
+    elif constraint.kind == "json_object":
+        assert isinstance(json.loads(text), dict)
+    elif constraint.kind == "regex":
+        assert re.fullmatch(constraint.value, text), text
+    else:
+        assert text in constraint.value
+
+
+@pytest.fixture(scope="module")
+def llms():
+    made = {}
+
+    def get(spec):
+        if spec not in made:
+            kw = dict(speculative=spec, num_speculative_tokens=3) if spec else {}
+            made[spec] = LLM(None, device="cpu", verbose=False, max_num_seqs=8, chunk_size=24, **kw)
+        return made[spec]
+    return get
+
+
+PROMPTS = ["def f(x):\n    return", "import sys\n", "class A:\n    def __init__(self):", "# a comment\n"]
+CONSTRAINTS = [Constraint.json_schema(SCHEMA), Constraint.regex(REGEX), Constraint.choice(CHOICES),
+               Constraint.json_object()]
+
+
+@pytest.mark.parametrize("spec", [None, "ngram", "mtp"])
+def test_constrained_outputs_match_their_constraints(llms, spec):
+    """A batch of constrained requests (each kind, greedy and sampled) beside free ones: every constrained output
+    ends where its constraint may (finish reason stop) and matches it; the free requests' outputs are those they
+    get alone; greedy constrained outputs are the same with and without speculation (lossless)."""
+    llm = llms(spec)
+    params, prompts = [], []
+    for i, c in enumerate(CONSTRAINTS):
+        for temp in (0.0, 0.9):
+            params.append(SamplingParams(max_tokens=120, temperature=temp, seed=11 + i, constraint=c))
+            prompts.append(PROMPTS[i])
+    free = SamplingParams(max_tokens=24, temperature=0)
+    params += [free, free]
+    prompts += PROMPTS[:2]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    for p, o in zip(params, outs):
+        if p.constraint is None:
+            continue
+        if o.finish_reason == "stop":
+            _check(p.constraint, o.text)
+        else:  # only an unbounded constraint may run out of tokens (this small model repeats keys), on its way
+            assert p.constraint.kind == "json_object" and o.finish_reason == "length", (p.constraint, o.text)
+            assert llm.engine.compile_constraint(p.constraint).walk(o.token_ids) is not None
+    assert sum(o.finish_reason == "stop" for o in outs[:-2]) >= 6
+    alone = llm.generate(PROMPTS[:2], [free, free], use_tqdm=False)
+    assert [o.token_ids for o in outs[-2:]] == [o.token_ids for o in alone]
+    if spec is not None:
+        plain = llms(None).generate(prompts, params, use_tqdm=False)
+        for p, a, b in zip(params, outs, plain):
+            if p.temperature == 0:
+                assert a.token_ids == b.token_ids, (p.constraint, a.text, b.text)
+
+
+def test_speculative_sampling_keeps_the_constrained_distribution(llms):
+    """Sampled choice among three answers: the n-gram verify (drafts checked against the masked target, rejected
+    where the constraint forbids them) gives the plain decoder's distribution (chi-square, 300 samples each)."""
+    c = Constraint.choice(["yes", "no", "maybe"])
+    counts = []
+    for spec in (None, "ngram"):
+        params = [SamplingParams(max_tokens=8, temperature=1.0, seed=1000 + i, constraint=c) for i in range(300)]
+        outs = llms(spec).generate(["answer: "] * 300, params, use_tqdm=False)
+        counts.append([sum(o.text == w for o in outs) for w in c.value])
+        assert sum(counts[-1]) == 300
+    a, b = np.array(counts[0], float), np.array(counts[1], float)
+    keep = (a + b) > 0
+    chi2 = (((a - b) ** 2) / (a + b))[keep].sum()
+    assert chi2 < 13.8, counts  # 2 degrees of freedom, p = 0.001
