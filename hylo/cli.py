@@ -104,6 +104,11 @@ def _bench(args) -> int:
 
         run_spec_policy_bench(args.model_name, out_dir=args.out, quick=args.quick)
         return 0
+    if args.structured:
+        from .bench.structured import run_structured_bench
+
+        run_structured_bench(args.model_name, out_dir=args.out, quick=args.quick)
+        return 0
     if args.prefix_replay:
         from .bench.prefix import run_prefix_bench
 
@@ -196,6 +201,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--prefix-replay", action="store_true",
                    help="instead: multi-turn conversations sharing a system prompt, replayed with the prefix cache on "
                         "and off (hit rate against the ideal, first-token times, decode step on against off)")
+    b.add_argument("--structured", action="store_true",
+                   help="instead: constrained decoding's cost: a JSON schema's compile time, then per token the same "
+                        "batch free and with half its requests under the schema, greedy and sampled, batch 8 / 64")
     b.add_argument("--spec-policy", action="store_true",
                    help="instead: per generated token, plain decoding against fixed-k and adaptive speculation (MTP "
                         "and n-gram) at simulated accept lengths 1.0-4.0 and in a mixed batch, batch 1 / 8 / 64")

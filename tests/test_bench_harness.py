@@ -344,3 +344,19 @@ def test_nemotron3_bench_shape_and_its_floor():
     assert fp.decode_bytes(64, 1) - fp.decode_bytes(1, 1) - state == pytest.approx(extra_experts, rel=0.01)
     verify_only = fp.spec_step_bytes(1, 1024, 3)
     assert verify_only > fp.decode_bytes(1, 1024) and verify_only < fp.decode_bytes(4, 1024) + 8 * fp.state_per_req
+
+
+def test_structured_bench_runs_half_constrained_batches(tmp_path):
+    """``hylo bench --structured`` on the CPU: the schema compiles against the synthetic vocabulary, and each
+    batch's constrained half keeps decoding (inside its string fields) through the timed steps."""
+    import json as _json
+
+    from hylo.bench.structured import SyntheticTokenizer, run_structured_bench
+
+    tok = SyntheticTokenizer(600)
+    assert len({tok.token_bytes(i) for i in range(600)}) == 600 and tok.token_bytes(34) == b'"'
+    records = run_structured_bench("tiny", out_dir=str(tmp_path), quick=True, device="cpu")
+    assert [(r["batch_size"], r["temperature"]) for r in records] == [(2, 0.0), (2, 0.8)]
+    assert all(r["requests_still_running"] == 2 and r["ratio"] > 0 for r in records)
+    saved = _json.load(open(next(tmp_path.glob("structured-tiny-*.json"))))
+    assert saved["meta"]["states"] > 10 and saved["meta"]["compile_seconds"] > 0

@@ -171,7 +171,7 @@ def test_bad_requests_get_error_objects(server):
         (json.dumps({"prompt": 5}).encode(), 400, "prompt"),
         (json.dumps({"prompt": "x", "n": 0}).encode(), 400, "n"),
         (json.dumps({"prompt": "x", "logprobs": 21}).encode(), 400, "logprobs"),
-        (json.dumps({"prompt": "x", "response_format": {"type": "json_object"}}).encode(), 400, "response_format"),
+        (json.dumps({"prompt": "x", "response_format": {"type": "json_schema"}}).encode(), 400, "response_format"),
         (json.dumps({"prompt": "x", "use_beam_search": True}).encode(), 400, "use_beam_search"),
         (json.dumps({"prompt": "x", "stop_regex": ["a+"]}).encode(), 400, "stop_regex"),
         (json.dumps({"prompt": "x", "frobnicate": 1}).encode(), 400, "frobnicate"),

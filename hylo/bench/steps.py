@@ -13,9 +13,10 @@ from ..core import ReqStatus, SamplingParams
 from ..engine.engine import Engine
 
 
-def fake_prefill(engine: Engine, bs: int, ctx: int, temperature: float = 0.0) -> list[str]:
+def fake_prefill(engine: Engine, bs: int, ctx: int, temperature: float = 0.0, constraint=None) -> list[str]:
     """Put ``bs`` requests straight into the decoding state at context ``ctx`` (no prefill is run); they sample
-    at ``temperature`` (0: greedy)."""
+    at ``temperature`` (0: greedy), under ``constraint`` where one is given (their first output token is then
+    one the constraint starts with)."""
     sched, caches = engine.scheduler, engine.caches
     gen = torch.Generator().manual_seed(ctx * 7 + bs)
     vocab = engine.model_config.vocab_size
@@ -23,12 +24,15 @@ def fake_prefill(engine: Engine, bs: int, ctx: int, temperature: float = 0.0) ->
     for _ in range(bs):
         prompt = torch.randint(0, vocab, (ctx - 1,), generator=gen).tolist()
         rid = engine.add_request(prompt, SamplingParams(max_tokens=10 ** 6, temperature=temperature, seed=len(rids),
-                                                        ignore_eos=True))
+                                                        ignore_eos=constraint is None, constraint=constraint))
         req = sched.waiting.pop()
         req.req_slot = caches.req_slots.alloc()
         req.state_slot = caches.state_pool.alloc()
         req.status = ReqStatus.RUNNING
-        req.output_ids = [int(torch.randint(0, vocab, (1,), generator=gen))]
+        first = int(torch.randint(0, vocab, (1,), generator=gen))
+        if req.automaton is not None:
+            first = int(req.automaton.allowed(req.automaton.initial)[0])
+        req.output_ids = [first]
         req.num_computed = ctx - 1
         n = ctx + sched.kv_lookahead + 64
         locs = caches.kv_pool.alloc(n)
@@ -38,6 +42,7 @@ def fake_prefill(engine: Engine, bs: int, ctx: int, temperature: float = 0.0) ->
         req.kv_locs, req.num_kv = [locs], n
         req.decoding = True
         engine.model_worker.register_sampling([req])
+        engine.model_worker.register_constraints([req])
         caches.req_slots.seq_len[req.req_slot] = req.num_computed
         caches.req_slots.last_token[req.req_slot] = req.output_ids[-1]
         sched.running.append(req)

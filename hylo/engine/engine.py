@@ -195,6 +195,9 @@ class Engine:
         ValueError naming what cannot be compiled."""
         if self.tokenizer is None:
             raise ValueError("constrained output needs the model's tokenizer, and this model has none")
+        if not self.eos_ids:
+            raise ValueError("constrained output ends at the model's end-of-sequence token, and this model has none "
+                             "(eos_token_id in its config)")
         return self._automata.get(constraint)
 
     def abort(self, request_id: str) -> bool:

@@ -18,11 +18,14 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.engine import Engine
+from ..tokenizer import CHATML_TEMPLATE
 from .engine_thread import EngineThread
 from .metrics import Metrics
 from .protocol import (DEFAULT_COMPLETION_MAX_TOKENS, APIError, ChatCompletionRequest, CompletionRequest,
                        DetokenizeRequest, TokenizeRequest, error_body)
 from .serving import Formatter, serve
+from .structured import compile_constraint, constraint_of
+from .tools import Tools, parse_tools
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 
@@ -168,11 +171,14 @@ def create_app(engine: Engine, api_key: str | None = None, served_model_name: st
             raise APIError("this model has no tokenizer", param="model")
         return engine.tokenizer
 
-    def chat_prompt(body: ChatCompletionRequest) -> str:
+    def chat_prompt(body: ChatCompletionRequest, tools: Tools | None = None) -> str:
+        extra = dict(body.chat_template_kwargs or {})
+        if tools is not None:
+            extra["tools"] = tools.specs
         try:
             return tokenizer().apply_chat_template(body.rendered_messages(),
                                                    add_generation_prompt=body.add_generation_prompt,
-                                                   extra=body.chat_template_kwargs)
+                                                   extra=extra)
         except APIError:
             raise
         except Exception as e:  # a template may raise on messages it does not accept
@@ -212,7 +218,9 @@ def create_app(engine: Engine, api_key: str | None = None, served_model_name: st
         score_only = body.echo and body.max_tokens == 0
         if score_only:
             body.max_tokens = 1
-        params = body.choice_params(DEFAULT_COMPLETION_MAX_TOKENS)
+        field, constraint = constraint_of(body)
+        params = body.choice_params(DEFAULT_COMPLETION_MAX_TOKENS, constraint)
+        await compile_constraint(engine, constraint, field)
         for p in prompts:
             _check_room(engine, p, params[0].max_tokens, explicit=body.max_tokens is not None)
         if body.max_tokens is None:  # OpenAI's default of 16, within the room the shortest prompt leaves
@@ -231,13 +239,22 @@ def create_app(engine: Engine, api_key: str | None = None, served_model_name: st
         check_model(body.model)
         if engine.tokenizer is None:
             raise APIError("this model has no tokenizer, which chat needs", param="messages")
-        prompt = _encode(engine, chat_prompt(body), add_special_tokens=False)  # the template writes its own
+        tools = parse_tools(body, engine.tokenizer.chat_template or CHATML_TEMPLATE)
+        prompt = _encode(engine, chat_prompt(body, tools), add_special_tokens=False)  # the template writes its own
         room = engine.max_model_len - len(prompt)
         given = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         _check_room(engine, prompt, given if given is not None else room, explicit=given is not None)
-        params = body.choice_params(room)  # without max_tokens: the room the prompt leaves
+        field, constraint = constraint_of(body)
+        calls = tools.constraint() if tools is not None else None
+        if calls is not None:
+            if constraint is not None:
+                raise APIError(f"{field} cannot be combined with tool_choice {body.tool_choice!r} (the calls are "
+                               f"the output's constraint)", param=field)
+            field, constraint = "tools", calls
+        params = body.choice_params(room, constraint)  # without max_tokens: the room the prompt leaves
+        await compile_constraint(engine, constraint, field)
         return await serve(request, runner, "chatcmpl", "chat.completion", model_name, [prompt], params, body,
-                           chat=True, fmt=Formatter(engine.tokenizer, body.return_tokens_as_token_ids))
+                           chat=True, fmt=Formatter(engine.tokenizer, body.return_tokens_as_token_ids), tools=tools)
 
     if max_body_bytes:
         app.add_middleware(BodyLimit, limit=max_body_bytes)

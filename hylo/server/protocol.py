@@ -7,10 +7,11 @@ with a clear error otherwise, so a request never silently means something else t
 
 from __future__ import annotations
 
+import json
 import math
 import time
 import uuid
-from typing import Annotated, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -49,9 +50,6 @@ class StreamOptions(BaseModel):
 # Fields of OpenAI's and vLLM's request schemas that hylo does not implement, with the values that mean "not used":
 # a request that sets one to anything else is refused by name (a 400), never silently served without it.
 NOT_IMPLEMENTED = {
-    "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type") in (None, "text")),
-    "structured_outputs": lambda v: v is None,
-    "guided_json": lambda v: v is None, "guided_regex": lambda v: v is None, "guided_choice": lambda v: v is None,
     "guided_grammar": lambda v: v is None, "guided_decoding_backend": lambda v: v is None,
     "use_beam_search": lambda v: v in (None, False), "length_penalty": lambda v: v in (None, 1, 1.0),
     "stop_regex": lambda v: not v, "continue_final_message": lambda v: v in (None, False),
@@ -97,6 +95,13 @@ class _SamplingFields(BaseModel):
     n: Annotated[int, Field(ge=1, le=128)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # output constraints (server/structured.py reads them): OpenAI's, vLLM's, vLLM's older names
+    response_format: dict | None = None
+    structured_outputs: dict | None = Field(None, description="vLLM extension: one of json, regex, choice, "
+                                                              "json_object")
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
 
     def check_fields(self) -> None:
         """Refuse what hylo does not implement, by name: unknown fields and the not-implemented ones set."""
@@ -117,11 +122,11 @@ class _SamplingFields(BaseModel):
         """How many alternatives per generated token the request wants (None: no log probabilities)."""
         raise NotImplementedError
 
-    def choice_params(self, default_max_tokens: int) -> list[SamplingParams]:
+    def choice_params(self, default_max_tokens: int, constraint=None) -> list[SamplingParams]:
         """Sampling parameters for each of the ``n`` choices (a seeded request gives choice i the seed + i, so
-        that the choices differ and the whole response is reproducible)."""
+        that the choices differ and the whole response is reproducible), with the output ``constraint``."""
         self.check_fields()
-        return [self._sampling_params(default_max_tokens, i) for i in range(self.n)]
+        return [self._sampling_params(default_max_tokens, i, constraint) for i in range(self.n)]
 
     def _logit_bias(self) -> dict[int, float] | None:
         if not self.logit_bias:
@@ -142,7 +147,7 @@ class _SamplingFields(BaseModel):
                            param="logit_bias")
         return out
 
-    def _sampling_params(self, default_max_tokens: int, n_index: int) -> SamplingParams:
+    def _sampling_params(self, default_max_tokens: int, n_index: int, constraint=None) -> SamplingParams:
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
             value = getattr(self, name)
@@ -167,6 +172,7 @@ class _SamplingFields(BaseModel):
                 logit_bias=self._logit_bias(),
                 logprobs=self.logprobs_n(),
                 prompt_logprobs=self.prompt_logprobs_n(),
+                constraint=constraint,
             )
         except ValueError as e:
             msg = str(e)
@@ -233,6 +239,8 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: Union[str, list[ContentPart], None] = None
     name: str | None = None
+    tool_calls: list[dict] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message's answer to one
 
     def text(self, index: int = 0) -> str:
         """The message's text; a part that is not text is a clear error (never silently dropped)."""
@@ -260,6 +268,9 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = Field(True, description="vLLM extension: end the prompt with the assistant's turn")
     chat_template_kwargs: dict | None = Field(None, description="vLLM extension: extra variables for the chat "
                                                                 "template (e.g. enable_thinking)")
+    tools: list[dict] | None = None
+    tool_choice: Union[str, dict, None] = None
+    parallel_tool_calls: bool | None = None
 
     def logprobs_n(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
@@ -268,7 +279,33 @@ class ChatCompletionRequest(_SamplingFields):
 
     def rendered_messages(self) -> list[dict]:
         self.check_fields()
-        return [{"role": m.role, "content": m.text(i)} for i, m in enumerate(self.messages)]
+        out = []
+        for i, m in enumerate(self.messages):
+            msg = {"role": m.role, "content": m.text(i)}
+            if m.tool_calls:
+                msg["tool_calls"] = [_template_call(c, i) for c in m.tool_calls]
+            if m.tool_call_id is not None:
+                msg["tool_call_id"] = m.tool_call_id
+            if m.name is not None:
+                msg["name"] = m.name
+            out.append(msg)
+        return out
+
+
+def _template_call(call: dict, index: int) -> dict:
+    """An assistant message's earlier tool call for the chat template: its arguments as an object (templates
+    write them with tojson), as OpenAI's clients send them (a JSON string)."""
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise APIError(f"messages[{index}].tool_calls: each call needs function.name", param="messages")
+    args = fn.get("arguments", {})
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except json.JSONDecodeError:
+            raise APIError(f"messages[{index}].tool_calls: arguments of {fn['name']!r} are not valid JSON",
+                           param="messages") from None
+    return {**call, "function": {"name": fn["name"], "arguments": args}}
 
 
 class TokenizeRequest(BaseModel):

@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from .engine_thread import Delta, EngineThread
 from .protocol import APIError, error_body, new_id, now, usage
+from .tools import held_back, parse_calls
 
 NEG_INF_LOGPROB = -9999.0  # a log probability of -inf, as JSON can carry it (vLLM's convention)
 
@@ -102,10 +103,11 @@ def _abandon(runner: EngineThread, rid: str, queues: dict, collect: asyncio.Futu
 
 async def serve(request: Request, runner: EngineThread, id_prefix: str, obj: str, model: str,
                 prompts: list[list[int]], params: list, body, chat: bool, fmt: Formatter,
-                echo_texts: list[str] | None = None, score_only: bool = False):
+                echo_texts: list[str] | None = None, score_only: bool = False, tools=None):
     """Submit one request per (prompt, choice) and answer with one response or a stream. ``echo_texts``: the
     prompts' texts, returned before each choice's completion (completions with ``echo``); ``score_only``: the
-    requests generate one token that the answer leaves out (echo with max_tokens 0: the prompt scored only)."""
+    requests generate one token that the answer leaves out (echo with max_tokens 0: the prompt scored only);
+    ``tools`` (chat, ``server.tools.Tools``): the model's tool calls parsed out of its text."""
     rid = new_id(id_prefix)
     created = now()
     jobs = [(i * len(params) + j, prompt, p) for i, prompt in enumerate(prompts) for j, p in enumerate(params)]
@@ -113,7 +115,7 @@ async def serve(request: Request, runner: EngineThread, id_prefix: str, obj: str
     prompt_tokens = sum(len(p) for p in prompts)
     if body.stream:
         return StreamingResponse(_stream(runner, rid, created, model, obj, queues, prompts, len(params), body, chat,
-                                         fmt, echo_texts, score_only),
+                                         fmt, echo_texts, score_only, tools),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     collect = asyncio.ensure_future(asyncio.gather(*(_collect(q) for q in queues.values())))
     collect.add_done_callback(_retrieved)
@@ -143,7 +145,8 @@ async def serve(request: Request, runner: EngineThread, id_prefix: str, obj: str
     choices = []
     for index, r in zip(queues, results):
         prompt = prompts[index // n]
-        choices.append(_choice(index, r, prompt, body, chat, fmt, echo_texts[index // n] if echo_texts else None))
+        choices.append(_choice(index, r, prompt, body, chat, fmt, echo_texts[index // n] if echo_texts else None,
+                               tools))
     completion_tokens = sum(r.completion_tokens for r in results)
     # each prompt counts once (its first choice), as prompt_tokens does
     cached = sum(r.cached_tokens for index, r in zip(queues, results) if index % n == 0)
@@ -156,12 +159,19 @@ async def serve(request: Request, runner: EngineThread, id_prefix: str, obj: str
     return response
 
 
-def _choice(index: int, r: Delta, prompt: list[int], body, chat: bool, fmt: Formatter, echo: str | None) -> dict:
+def _choice(index: int, r: Delta, prompt: list[int], body, chat: bool, fmt: Formatter, echo: str | None,
+            tools=None) -> dict:
     want_lp = body.logprobs_n() is not None
     if chat:
-        choice = {"index": index, "message": {"role": "assistant", "content": r.text},
+        message, finish = {"role": "assistant", "content": r.text}, r.finish_reason
+        if tools is not None:
+            content, calls = parse_calls(r.text, tools)
+            if calls:
+                message = {"role": "assistant", "content": content, "tool_calls": calls}
+                finish = "tool_calls" if finish == "stop" else finish
+        choice = {"index": index, "message": message,
                   "logprobs": fmt.chat(r.token_ids, r.logprobs) if want_lp else None,
-                  "finish_reason": r.finish_reason, "stop_reason": r.stop_reason}
+                  "finish_reason": finish, "stop_reason": r.stop_reason}
     else:
         text, lp = r.text, None
         if want_lp:
@@ -210,7 +220,7 @@ async def _collect(q: asyncio.Queue) -> Delta:
 
 async def _stream(runner: EngineThread, rid: str, created: int, model: str, obj: str, queues: dict,
                   prompts: list[list[int]], choices_per_prompt: int, body, chat: bool, fmt: Formatter,
-                  echo_texts: list[str] | None, score_only: bool = False):
+                  echo_texts: list[str] | None, score_only: bool = False, tools=None):
     """Server-sent events in OpenAI's chunk format; aborts every unfinished choice if the client goes away.
     A completions choice's first chunk carries its echoed prompt (with the prompt's log probabilities, which
     come with the first token) and, with return_token_ids, its prompt_token_ids."""
@@ -237,6 +247,25 @@ async def _stream(runner: EngineThread, rid: str, created: int, model: str, obj:
     completion = {i: 0 for i in queues}
     cached = {i: 0 for i in queues}
     offsets = {i: 0 for i in queues}  # text_offset of the choice's next token
+    held = {i: "" for i in queues}  # chat with tools: text that may be a tool call, sent (or parsed) at the end
+
+    def chat_delta(index: int, d: Delta) -> tuple[dict, str | None]:
+        """A chat chunk's delta and finish reason; with tools, the text from a (possible) call's start held back
+        until the choice ends, then parsed into tool_calls."""
+        if tools is None:
+            return ({"content": d.text} if d.text else {}), d.finish_reason
+        text = held[index] + d.text
+        if d.finish_reason is None:
+            keep = held_back(text)
+            held[index] = text[len(text) - keep:] if keep else ""
+            out = text[:len(text) - keep]
+            return ({"content": out} if out else {}), None
+        content, calls = parse_calls(text, tools)
+        if not calls:
+            return ({"content": text} if text else {}), d.finish_reason
+        delta = {"content": content} if content else {}
+        delta["tool_calls"] = [dict(c, index=j) for j, c in enumerate(calls)]
+        return delta, "tool_calls" if d.finish_reason == "stop" else d.finish_reason
 
     def current_usage():
         done = sum(completion.values())
@@ -288,10 +317,10 @@ async def _stream(runner: EngineThread, rid: str, created: int, model: str, obj:
                 open_choices.discard(index)
             if d.text or d.token_ids or d.finish_reason is not None or (not chat and index not in started):
                 if chat:
-                    delta = {"content": d.text} if d.text else {}
+                    delta, finish = chat_delta(index, d)
                     c = {"index": index, "delta": delta,
                          "logprobs": fmt.chat(d.token_ids, d.logprobs) if want_lp and d.token_ids else None,
-                         "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}
+                         "finish_reason": finish, "stop_reason": d.stop_reason}
                     if body.return_token_ids:
                         c["token_ids"] = d.token_ids
                 else:

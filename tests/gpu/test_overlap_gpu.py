@@ -44,3 +44,44 @@ def test_steady_state_spec_steps_never_sync(gpu_ckpt, spec, bs, steps):  # noqa:
     for rid in rids:
         eng.abort(rid)
     eng.drain()
+
+
+@pytest.mark.parametrize("spec", [None, "ngram", "mtp"])
+def test_steady_state_steps_with_constrained_rows_never_sync(gpu_ckpt, spec):  # noqa: F811
+    """Constrained rows (a JSON schema over a synthetic vocabulary whose string fields keep a random model writing)
+    beside free ones, greedy and sampled: the masks come from the device states and the states move on the device,
+    so the steady state still makes no synchronising call, plain or speculative."""
+    from hylo.bench.structured import SCHEMA, SyntheticTokenizer
+    from hylo.constrain.automaton import AutomatonCache
+    from hylo.constrain.spec import Constraint
+
+    eng = _engine(gpu_ckpt, spec=spec, dtype="bfloat16")
+    tok = SyntheticTokenizer(eng.model_config.vocab_size)
+    eng.tokenizer, eng._automata = tok, AutomatonCache(tok, eng.model_config.vocab_size)
+    eng.eos_ids = eng.model_worker.eos_ids = {3}  # the test model has none; a constraint needs one
+    constraint = Constraint.json_schema(SCHEMA)
+    rids = []
+    for i, p in enumerate(_prompts(6, seed=4)):
+        params = SamplingParams(max_tokens=10 ** 6, temperature=0.0 if i % 2 else 0.8, seed=i,
+                                constraint=constraint if i < 4 else None, ignore_eos=i >= 4)
+        rids.append(eng.add_request(p, params))
+    for _ in range(6):
+        eng.step()
+    assert not eng.scheduler.waiting and all(r.decoding for r in eng.scheduler.running)
+    blocking = eng.host_reads.blocking
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(12):
+            eng.step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert eng.host_reads.blocking == blocking
+    eng.drain()
+    auto = eng.compile_constraint(constraint)
+    for rid in rids[:4]:
+        out = eng._reqs[rid].output_ids
+        assert len(out) >= 12 and auto.walk(out) is not None  # every token the constraint allowed
+        eng.abort(rid)
+    for rid in rids[4:]:
+        eng.abort(rid)
+    eng.drain()

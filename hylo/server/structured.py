@@ -1,0 +1,105 @@
+"""A request's output constraint, from the fields OpenAI's and vLLM's APIs carry it in:
+
+- ``response_format``: ``{"type": "text"}`` (none), ``{"type": "json_object"}``, ``{"type": "json_schema",
+  "json_schema": {"name": ..., "schema": {...}, "strict": ...}}`` (OpenAI);
+- ``structured_outputs``: ``{"json": schema}``, ``{"regex": "..."}``, ``{"choice": [...]}``,
+  ``{"json_object": true}`` (vLLM; ``grammar`` is refused: a context-free grammar does not compile to the device
+  automaton, and hylo has no host matcher yet);
+- ``guided_json``, ``guided_regex``, ``guided_choice`` (vLLM's older names).
+At most one of them per request. Every problem is a 400 naming the field.
+"""
+
+from __future__ import annotations
+
+from ..constrain.spec import Constraint
+from .protocol import APIError
+
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice"}
+_STRUCTURED_KEYS = {"json", "regex", "choice", "json_object", "grammar", "structural_tag"}
+
+
+def constraint_of(body) -> tuple[str | None, Constraint | None]:
+    """The constraint a completions or chat request asks for, checked (not yet compiled), and the field it came
+    in; (None, None) without one."""
+    found: list[tuple[str, Constraint]] = []
+    rf = body.response_format
+    if rf is not None:
+        c = _response_format(rf)
+        if c is not None:
+            found.append(("response_format", c))
+    so = body.structured_outputs
+    if so is not None:
+        found.append(("structured_outputs", _structured_outputs(so)))
+    for name, kind in GUIDED.items():
+        value = getattr(body, name)
+        if value is not None:
+            found.append((name, _build(kind, value, name)))
+    if len(found) > 1:
+        raise APIError(f"give one output constraint, not {len(found)} ({', '.join(n for n, _ in found)})",
+                       param=found[1][0])
+    return found[0] if found else (None, None)
+
+
+async def compile_constraint(engine, constraint: Constraint | None, param: str | None) -> None:
+    """Compile the request's constraint now, in a worker thread (seconds at a large vocabulary, the first time a
+    constraint is seen; cached after): the engine thread then finds it compiled, and a constraint that cannot be
+    compiled is a 400 naming the field."""
+    if constraint is None:
+        return
+    from starlette.concurrency import run_in_threadpool
+
+    try:
+        await run_in_threadpool(engine.compile_constraint, constraint)
+    except ValueError as e:
+        raise APIError(f"{param}: {e}", param=param) from None
+
+
+def _response_format(rf: dict) -> Constraint | None:
+    if not isinstance(rf, dict):
+        raise APIError("response_format must be an object", param="response_format")
+    kind = rf.get("type")
+    if kind in (None, "text"):
+        return None
+    if kind == "json_object":
+        return Constraint.json_object()
+    if kind == "json_schema":
+        spec = rf.get("json_schema")
+        if not isinstance(spec, dict) or "schema" not in spec and "json_schema" not in spec:
+            raise APIError("response_format json_schema needs json_schema.schema (the JSON schema)",
+                           param="response_format")
+        return _build("json", spec.get("schema", spec.get("json_schema")), "response_format")
+    raise APIError(f"response_format type {kind!r} is not supported (text, json_object, json_schema are)",
+                   param="response_format", code="unsupported_parameter")
+
+
+def _structured_outputs(so: dict) -> Constraint:
+    if not isinstance(so, dict):
+        raise APIError("structured_outputs must be an object", param="structured_outputs")
+    given = [k for k, v in so.items() if k in _STRUCTURED_KEYS and v not in (None, False)]
+    unknown = [k for k in so if k not in _STRUCTURED_KEYS and k not in ("disable_any_whitespace",
+                                                                        "disable_additional_properties",
+                                                                        "whitespace_pattern")]
+    if unknown:
+        raise APIError(f"structured_outputs: unknown field {unknown[0]!r}", param="structured_outputs")
+    if len(given) != 1:
+        raise APIError(f"structured_outputs needs exactly one of json, regex, choice, json_object (got "
+                       f"{given or 'none'})", param="structured_outputs")
+    kind = given[0]
+    if kind in ("grammar", "structural_tag"):
+        raise APIError(f"structured_outputs.{kind} is not supported by hylo: only constraints that compile to a "
+                       f"token automaton on the device are (json, regex, choice, json_object)",
+                       param="structured_outputs", code="unsupported_parameter")
+    if kind == "json_object":
+        return Constraint.json_object()
+    return _build(kind, so[kind], "structured_outputs")
+
+
+def _build(kind: str, value, param: str) -> Constraint:
+    try:
+        if kind == "json":
+            return Constraint.json_schema(value)
+        if kind == "regex":
+            return Constraint.regex(value)
+        return Constraint.choice(value)
+    except ValueError as e:
+        raise APIError(f"{param}: {e}", param=param) from None

@@ -1,0 +1,191 @@
+"""Tool calls on chat: the request's ``tools`` checked and handed to the chat template, the model's calls parsed
+back into OpenAI's ``message.tool_calls``, and, with ``tool_choice`` ``required`` or a named function, the output
+constrained to calls whose arguments follow the functions' JSON schemas.
+
+Two call formats, the one the model's template teaches (``call_format``):
+- ``json`` (Qwen3, Qwen3-Next, hylo's own ChatML template): ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n
+  </tool_call>``;
+- ``xml`` (Qwen3.5, Qwen3-Coder): ``<tool_call>\\n<function=NAME>\\n<parameter=KEY>\\nVALUE\\n</parameter>\\n...
+  </function>\\n</tool_call>``, a string value as it is, any other value as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+
+from ..constrain.spec import Constraint, check_schema, escape
+from .protocol import APIError
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+_JSON_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
+_XML_CALL = re.compile(r"<tool_call>\s*<function=([^>\n]+)>(.*?)</function>\s*</tool_call>", re.DOTALL)
+_XML_PARAM = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
+
+
+@dataclass
+class Tools:
+    """A chat request's tools, as given (for the template) and by name (their parameter schemas)."""
+
+    specs: list[dict]
+    params: dict[str, dict]
+    choice: str | None  # "auto", "required", a function name; None: "none" (tools neither rendered nor parsed)
+    parallel: bool
+    call_format: str
+
+    def constraint(self) -> Constraint | None:
+        """With ``required`` or a named function: the calls the output must consist of (one, or several with
+        parallel calls); None with ``auto``."""
+        if self.choice in (None, "auto"):
+            return None
+        names = list(self.params) if self.choice == "required" else [self.choice]
+        calls = "|".join(_call_regex(n, self.params[n], self.call_format) for n in names)
+        one = f"({calls})"
+        return Constraint.regex(f"{one}(\\n{one})*" if self.parallel else one)
+
+
+def parse_tools(body, template: str | None) -> Tools | None:
+    """The request's tools and tool_choice, checked (400s naming the problem); None when it has none or
+    tool_choice is "none"."""
+    tools, choice = body.tools, body.tool_choice
+    if not tools:
+        if choice not in (None, "none", "auto"):
+            raise APIError("tool_choice needs tools", param="tool_choice")
+        return None
+    if choice == "none":
+        return None
+    params: dict[str, dict] = {}
+    for i, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(fn, dict):
+            raise APIError(f"tools[{i}] must be {{'type': 'function', 'function': {{...}}}}", param="tools")
+        name = fn.get("name")
+        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.\-]{1,64}", name):
+            raise APIError(f"tools[{i}].function.name must be 1-64 letters, digits, '_', '.' or '-', got {name!r}",
+                           param="tools")
+        if name in params:
+            raise APIError(f"tools[{i}]: function {name!r} is given twice", param="tools")
+        schema = fn.get("parameters") or {"type": "object", "properties": {}}
+        if not isinstance(schema, dict):
+            raise APIError(f"tools[{i}].function.parameters must be a JSON schema object", param="tools")
+        params[name] = schema
+    if isinstance(choice, dict):
+        name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+        if name not in params:
+            raise APIError(f"tool_choice names function {name!r}, which is not among the tools", param="tool_choice")
+        choice = name
+    elif choice is None:
+        choice = "auto"
+    elif choice not in ("auto", "required"):
+        raise APIError(f"tool_choice must be 'none', 'auto', 'required' or a named function, got {choice!r}",
+                       param="tool_choice")
+    if template is not None and "tools" not in template:
+        raise APIError("this model's chat template does not render tools", param="tools",
+                       code="unsupported_parameter")
+    fmt = "xml" if template is not None and "<function=" in template else "json"
+    out = Tools(list(tools), params, choice, body.parallel_tool_calls is not False, fmt)
+    if choice != "auto":
+        for name in ([choice] if choice != "required" else params):
+            try:
+                check_schema(params[name], f"/{name}/parameters")
+            except ValueError as e:
+                raise APIError(f"tools: {e}", param="tools") from None
+    return out
+
+
+def _call_regex(name: str, schema: dict, call_format: str) -> str:
+    from outlines_core.json_schema import build_regex_from_schema
+
+    def value(sub: dict) -> str:
+        try:
+            return build_regex_from_schema(json.dumps(sub))
+        except (ValueError, TypeError) as e:
+            raise APIError(f"tools: function {name!r}: its parameters cannot be enforced ({e})",
+                           param="tools") from None
+
+    if call_format == "json":
+        return escape(f'<tool_call>\n{{"name": "{name}", "arguments": ') + value(schema) + escape("}\n</tool_call>")
+    # xml: each property as a parameter block, the required ones in order, the others optional
+    props = schema.get("properties") or {}
+    required = set(schema.get("required") or ())
+    blocks = []
+    for key, sub in props.items():
+        raw = sub.get("type") == "string" and not ({"enum", "const", "pattern", "format"} & set(sub))
+        body = "[^<]*" if raw else value(sub)  # a plain string as it is (without '<', which would close it)
+        block = escape(f"<parameter={key}>\n") + body + escape("\n</parameter>\n")
+        blocks.append(block if key in required else f"({block})?")
+    return (escape(f"<tool_call>\n<function={name}>\n") + "".join(blocks) + escape("</function>\n</tool_call>"))
+
+
+def parse_calls(text: str, tools: Tools) -> tuple[str | None, list[dict]]:
+    """(the content outside the calls, or None when there is none; the calls in OpenAI's shape) of a finished
+    output. A call that does not parse, or names an unknown function, stays in the content."""
+    calls, spans = [], []
+    pattern = _JSON_CALL if tools.call_format == "json" else _XML_CALL
+    for m in pattern.finditer(text):
+        call = _json_call(m.group(1), tools) if tools.call_format == "json" else _xml_call(m, tools)
+        if call is not None:
+            calls.append(call)
+            spans.append(m.span())
+    if not calls:
+        return text, []
+    rest, last = [], 0
+    for a, b in spans:
+        rest.append(text[last:a])
+        last = b
+    rest.append(text[last:])
+    content = "".join(rest).strip()
+    return content or None, calls
+
+
+def _openai_call(name: str, arguments: dict) -> dict:
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
+
+
+def _json_call(text: str, tools: Tools) -> dict | None:
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(obj, dict) or obj.get("name") not in tools.params:
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError:
+            return None
+    return _openai_call(obj["name"], args) if isinstance(args, dict) else None
+
+
+def _xml_call(m: re.Match, tools: Tools) -> dict | None:
+    name = m.group(1).strip()
+    if name not in tools.params:
+        return None
+    props = tools.params[name].get("properties") or {}
+    args = {}
+    for p in _XML_PARAM.finditer(m.group(2)):
+        key, raw = p.group(1).strip(), p.group(2)
+        if (props.get(key) or {}).get("type") == "string":
+            args[key] = raw
+        else:
+            try:
+                args[key] = json.loads(raw)
+            except json.JSONDecodeError:
+                args[key] = raw
+    return _openai_call(name, args)
+
+
+def held_back(text: str) -> int:
+    """How many characters at the end of a streamed text may start a tool call (held back until it is known
+    whether they do): from the first ``<tool_call>``, or a partial one at the very end."""
+    at = text.find(OPEN)
+    if at >= 0:
+        return len(text) - at
+    for n in range(min(len(OPEN) - 1, len(text)), 0, -1):
+        if text.endswith(OPEN[:n]):
+            return n
+    return 0

@@ -1,0 +1,175 @@
+"""Structured output and tool calls through the server, driven by the official ``openai`` client (over FastAPI's
+TestClient: the real app and engine thread, in process) on the trained embedded default model: response_format and
+vLLM's structured_outputs validate, tool calls round-trip (forced by tool_choice, streamed and not), and every
+malformed constraint is a 400 naming its field."""
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from hylo.config import EngineConfig
+from hylo.engine.engine import Engine
+from hylo.models.default import trained_default_path
+
+openai = pytest.importorskip("openai")
+
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16},
+                                           "days": {"enum": [1, 2, 3, 7, 14]}}, "required": ["city", "days"]}
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                                    "unit": {"enum": ["c", "f"]}},
+                   "required": ["city", "unit"]}}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "string", "maxLength": 8}}, "required": ["zone"]}}}
+
+
+@pytest.fixture(scope="module")
+def app_client():
+    from fastapi.testclient import TestClient
+
+    from hylo.server.app import create_app
+
+    engine = Engine(trained_default_path(), device="cpu", engine_config=EngineConfig(verbose=False))
+    with TestClient(create_app(engine)) as http:
+        yield http
+
+
+@pytest.fixture(scope="module")
+def client(app_client):
+    return openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=app_client, max_retries=0)
+
+
+def _model(client):
+    return client.models.list().data[0].id
+
+
+def test_response_format_and_structured_outputs_validate(client):
+    m = _model(client)
+    r = client.chat.completions.create(
+        model=m, messages=[{"role": "user", "content": "a trip"}], max_tokens=80, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "trip", "schema": SCHEMA}})
+    jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMA)
+    r = client.chat.completions.create(model=m, messages=[{"role": "user", "content": "an object"}], max_tokens=60,
+                                       temperature=0.8, seed=3, response_format={"type": "json_object"}, n=2)
+    for c in r.choices:
+        assert c.finish_reason == "length" or isinstance(json.loads(c.message.content), dict)
+    r = client.completions.create(model=m, prompt="def f():", max_tokens=20, temperature=0.7, seed=1,
+                                  extra_body={"structured_outputs": {"regex": "[a-z]{3,8}\\(\\)"}})
+    assert re.fullmatch("[a-z]{3,8}\\(\\)", r.choices[0].text)
+    r = client.completions.create(model=m, prompt="x = ", max_tokens=10, temperature=1.0, seed=2,
+                                  extra_body={"structured_outputs": {"choice": ["None", "True", "[]"]}})
+    assert r.choices[0].text in ("None", "True", "[]")
+    stream = client.chat.completions.create(
+        model=m, messages=[{"role": "user", "content": "a trip"}], max_tokens=80, temperature=0, stream=True,
+        extra_body={"guided_json": SCHEMA})
+    text = "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
+    jsonschema.validate(json.loads(text), SCHEMA)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_calls_round_trip(client, stream):
+    """tool_choice "required" and a named function force calls whose arguments follow the function's schema;
+    they come back as message.tool_calls (streamed: as tool_calls deltas) with finish_reason tool_calls, and the
+    conversation goes on with the call and its result in the history."""
+    m = _model(client)
+    msgs = [{"role": "user", "content": "weather in Oslo?"}]
+    for choice in ("required", {"type": "function", "function": {"name": "get_time"}}):
+        kw = dict(model=m, messages=msgs, tools=[WEATHER, CLOCK], tool_choice=choice, max_tokens=80, temperature=0)
+        if stream:
+            calls, finish = {}, None
+            for ch in client.chat.completions.create(stream=True, **kw):
+                for d in ch.choices[0].delta.tool_calls or []:
+                    calls.setdefault(d.index, d)
+                finish = ch.choices[0].finish_reason or finish
+            calls = [calls[i] for i in sorted(calls)]
+        else:
+            r = client.chat.completions.create(**kw)
+            calls, finish = r.choices[0].message.tool_calls, r.choices[0].finish_reason
+        assert finish == "tool_calls" and calls
+        for call in calls:
+            tool = {"get_weather": WEATHER, "get_time": CLOCK}[call.function.name]
+            jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+            assert call.id and call.type == "function"
+        if isinstance(choice, dict):
+            assert all(c.function.name == "get_time" for c in calls)
+    # the calls and a tool's answer in the history: the template renders them, the next turn is served
+    history = msgs + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": c.function.arguments}}
+        for c in calls]}] + [{"role": "tool", "tool_call_id": c.id, "content": "sunny"} for c in calls]
+    r = client.chat.completions.create(model=m, messages=history, tools=[WEATHER, CLOCK], max_tokens=8,
+                                       temperature=0)
+    assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+def test_tool_call_parsing():
+    """The model's calls in both of Qwen's formats, text around them kept as content; malformed or unknown calls
+    stay text."""
+    from hylo.server.tools import Tools, held_back, parse_calls
+
+    params = {"get_weather": WEATHER["function"]["parameters"]}
+    js = Tools([WEATHER], params, "auto", True, "json")
+    content, calls = parse_calls('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", '
+                                 '"unit": "c"}}\n</tool_call>', js)
+    assert content == "Let me check." and len(calls) == 1
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Oslo", "unit": "c"}
+    assert parse_calls('<tool_call>\n{"name": "nope", "arguments": {}}\n</tool_call>', js)[1] == []
+    assert parse_calls("<tool_call>\n{broken\n</tool_call>", js)[1] == []
+    xml = Tools([WEATHER], {"get_weather": {"type": "object", "properties": {"city": {"type": "string"},
+                                                                            "days": {"type": "integer"}}}},
+                "auto", True, "xml")
+    content, calls = parse_calls("<tool_call>\n<function=get_weather>\n<parameter=city>\nNew York\n</parameter>\n"
+                                 "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>", xml)
+    assert content is None and json.loads(calls[0]["function"]["arguments"]) == {"city": "New York", "days": 3}
+    assert held_back("abc <tool") == 5 and held_back("abc <tool_call>\n{") == 13 and held_back("abc") == 0
+
+
+def test_xml_call_constraint_follows_the_schema(app_client):
+    """Qwen3.5's XML call format under tool_choice: the constraint's language holds exactly well-formed calls
+    (checked with the automaton on the tokenizer: a good call is accepted and complete, a wrong enum value or a
+    missing required parameter is not)."""
+    from hylo.server.tools import Tools
+
+    engine = app_client.app.state.engine if hasattr(app_client.app.state, "engine") else None
+    params = {"get_weather": WEATHER["function"]["parameters"]}
+    c = Tools([WEATHER], params, "required", False, "xml").constraint()
+    good = "<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n<parameter=unit>\n\"c\"\n" \
+           "</parameter>\n</function>\n</tool_call>"
+    assert re.fullmatch(c.value, good)
+    assert not re.fullmatch(c.value, good.replace('"c"', '"k"'))
+    assert not re.fullmatch(c.value, good.replace("<parameter=unit>\n\"c\"\n</parameter>\n", ""))
+    del engine
+
+
+def test_bad_constraints_and_tools_are_refused_by_name(app_client):
+    h = {"Content-Type": "application/json"}
+    chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 4}
+    cases = [
+        ("/v1/completions", {"prompt": "x", "structured_outputs": {"regex": "(unclosed"}}, "structured_outputs"),
+        ("/v1/completions", {"prompt": "x", "structured_outputs": {"grammar": "root ::= 'a'"}}, "structured_outputs"),
+        ("/v1/completions", {"prompt": "x", "structured_outputs": {"regex": "a", "choice": ["b"]}},
+         "structured_outputs"),
+        ("/v1/completions", {"prompt": "x", "guided_json": {"type": "integer", "minimum": 2}}, "guided_json"),
+        ("/v1/completions", {"prompt": "x", "response_format": {"type": "xml"}}, "response_format"),
+        ("/v1/completions", {"prompt": "x", "response_format": {"type": "json_object"}, "guided_regex": "a"},
+         "guided_regex"),
+        ("/v1/completions", {"prompt": "x", "guided_regex": "a+", "ignore_eos": True}, "ignore_eos"),
+        ("/v1/chat/completions", {**chat, "tools": [{"type": "function", "function": {"name": "bad name"}}]},
+         "tools"),
+        ("/v1/chat/completions", {**chat, "tools": [WEATHER], "tool_choice": {"type": "function",
+                                                                              "function": {"name": "nope"}}},
+         "tool_choice"),
+        ("/v1/chat/completions", {**chat, "tool_choice": "required"}, "tool_choice"),
+        ("/v1/chat/completions", {**chat, "tools": [WEATHER], "tool_choice": "required",
+                                  "response_format": {"type": "json_object"}}, "response_format"),
+        ("/v1/chat/completions", {**chat, "tools": [{"type": "function", "function": {
+            "name": "f", "parameters": {"type": "object", "properties": {"n": {"type": "integer", "maximum": 3}}}}}],
+            "tool_choice": "required"}, "tools"),
+    ]
+    for path, body, param in cases:
+        r = app_client.post(path, json=body, headers=h)
+        assert r.status_code == 400, (body, r.text)
+        assert r.json()["error"]["param"] == param, (body, r.json())
+    assert app_client.post("/v1/completions", json={"prompt": "ok", "max_tokens": 2}).status_code == 200
