@@ -12,10 +12,12 @@
 # Everything is written under OUT (the device tool's $OUT); the summary lines go to stdout.
 # On the device machine (no registry there): carry fla-core 0.6.0 and einops as wheels in .whl (the device tool's
 # README says how to download them), then start the command with
-#   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
+#   python3 -m pip install -q --no-index --no-deps --target /tmp/site --find-links .whl fla-core einops outlines-core
+#   export PYTHONPATH=/tmp/site:$PWD
+# (.whl holds outlines-core for several Pythons: pip picks the one that fits)
 # ($PWD too: the tools run as scripts import hylo from the checkout).
 set -u
-phase=${1:?tests, tests-host, tests-bench, check, tune-bench, bench, bench-first, bench-short, fma, changed, model, prefix, mamba2 or s20}
+phase=${1:?tests, tests-host, tests-bench, check, tune-bench, bench, bench-first, bench-short, fma, changed, model, prefix, mamba2, structured or s20}
 out=${2:?output folder}
 mkdir -p "$out"
 # The GPU tests run in parallel workers where pytest-xdist is installed (the device image has it), so that a fresh
@@ -125,6 +127,14 @@ case "$phase" in
       > "$out/gputests.txt" 2>&1
     echo "pytest rc=$?"; grep -E "passed|failed|FAILED|Error" "$out/gputests.txt" | tail -15
     bench 0 --model-name nemotron-h-8b --short
+    ;;
+  structured)  # the GPU tests selected by HYLO_TESTS_K (if set), then constrained decoding's cost (bench --structured)
+    if [ -n "${HYLO_TESTS_K:-}" ]; then
+      timeout 280 python3 -m pytest -q -p no:cacheprovider $par tests/gpu -k "$HYLO_TESTS_K" > "$out/gputests.txt" 2>&1
+      echo "pytest -k \"$HYLO_TESTS_K\" rc=$?"; grep -E "passed|failed|FAILED|Error" "$out/gputests.txt" | tail -15
+    fi
+    timeout 280 python3 -m hylo bench --structured --model-name "${3:-bench-6b}" --out "$out" > "$out/structured.txt" 2>&1
+    echo "structured bench rc=$?"; grep "^\[bench\]" "$out/structured.txt"; tail -3 "$out/structured.txt"
     ;;
   *) echo "unknown phase $phase" >&2; exit 2 ;;
 esac
