@@ -1,7 +1,7 @@
 """Structured output: constraints (a regular expression, a JSON schema, any JSON object, a choice among strings)
 compiled to token-level automata whose tables live on the device, so that a constrained request's mask for step
 N + 1 is gathered on the device from the state its token N reached: no host sync, the overlap loop and speculative
-verification unchanged (DESIGN.md section 13).
+verification unchanged (docs/INTERNALS.md, "Structured output").
 
 - ``spec``: what a request asks for (``Constraint``), checked and turned into one regular expression; JSON schema
   keywords the automaton cannot enforce are refused by name.

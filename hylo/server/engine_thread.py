@@ -62,6 +62,7 @@ class EngineThread:
         self._thread = threading.Thread(target=self._run, name="hylo-engine", daemon=True)
         self.error: str | None = None  # set if the loop died: /health reports it
         self.metrics.prefix = getattr(engine, "prefix_cache", None)
+        self.metrics.automata = getattr(engine, "_automata", None)
         caches = getattr(engine, "caches", None)
         if caches is not None:
             kv = caches.kv_pool

@@ -46,6 +46,7 @@ class Metrics:
         self.spec_emitted_tokens = 0
         self.spec_plain_steps = 0
         self.prefix = None  # the engine's prefix cache (cache.prefix_cache.PrefixCache), read at render time
+        self.automata = None  # the engine's compiled constraints (constrain.automaton.AutomatonCache), the same
         self.prefix_slot_bytes = self.prefix_kv_token_bytes = 0
         self.ttft = Histogram((0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
         self.token_latency = Histogram((0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5))
@@ -106,6 +107,11 @@ class Metrics:
                    st.kv_evicted)
             metric("prefix_cache_evicted_snapshots_total", "counter", "State snapshots evicted from the prefix cache.",
                    st.snapshots_evicted)
+        if self.automata is not None:
+            metric("constraint_compiles_total", "counter", "Output constraints compiled to token automata (each "
+                   "distinct constraint once while cached).", self.automata.compiles)
+            metric("constraint_compile_seconds_total", "counter", "Seconds spent compiling output constraints.",
+                   round(self.automata.compile_seconds, 6))
         lines += self.ttft.lines(f"{p}_time_to_first_token_seconds", "Time from arrival to the first token.")
         lines += self.token_latency.lines(f"{p}_time_per_output_token_seconds",
                                           "Time between output tokens of one request.")
