@@ -42,7 +42,8 @@ def cache(tok):
 
 def _allowed_by_tables(tables, slot, vocab):
     logits = torch.zeros(1, vocab)
-    masked = tables.mask_logits(logits, tables.state[torch.tensor([slot])])
+    slots = torch.tensor([slot])
+    masked = tables.mask_logits(logits, tables.state[slots], slots)
     return set(torch.isfinite(masked[0]).nonzero()[:, 0].tolist())
 
 
@@ -137,6 +138,8 @@ def _check(constraint: Constraint, text: str) -> None:
         assert isinstance(json.loads(text), dict)
     elif constraint.kind == "regex":
         assert re.fullmatch(constraint.value, text), text
+    elif constraint.kind == "grammar":
+        assert re.fullmatch(GRAMMAR_RE, text), text
     else:
         assert text in constraint.value
 
@@ -153,9 +156,12 @@ def llms():
     return get
 
 
-PROMPTS = ["def f(x):\n    return", "import sys\n", "class A:\n    def __init__(self):", "# a comment\n"]
+# a context-free grammar (Lark; matched on the host by llguidance) and a regular expression of the same language
+GRAMMAR = 'start: "def " NAME "(" NAME? ")" ":"\nNAME: /[a-z_]{1,10}/\n'
+GRAMMAR_RE = r"def [a-z_]{1,10}\(([a-z_]{1,10})?\):"
+PROMPTS = ["def f(x):\n    return", "import sys\n", "class A:\n    def __init__(self):", "# a comment\n", "\n\n"]
 CONSTRAINTS = [Constraint.json_schema(SCHEMA), Constraint.regex(REGEX), Constraint.choice(CHOICES),
-               Constraint.json_object()]
+               Constraint.json_object(), Constraint.grammar(GRAMMAR)]
 
 
 @pytest.mark.parametrize("spec", [None, "ngram", "mtp"])
@@ -181,7 +187,8 @@ def test_constrained_outputs_match_their_constraints(llms, spec):
         else:  # only an unbounded constraint may run out of tokens (this small model repeats keys), on its way
             assert p.constraint.kind == "json_object" and o.finish_reason == "length", (p.constraint, o.text)
             assert llm.engine.compile_constraint(p.constraint).walk(o.token_ids) is not None
-    assert sum(o.finish_reason == "stop" for o in outs[:-2]) >= 6
+    assert sum(o.finish_reason == "stop" for o in outs[:-2]) >= 8
+    assert llm.engine.host_syncs > 0  # the grammar rows' steps read the step before them first
     alone = llm.generate(PROMPTS[:2], [free, free], use_tqdm=False)
     assert [o.token_ids for o in outs[-2:]] == [o.token_ids for o in alone]
     if spec is not None:
@@ -205,3 +212,33 @@ def test_speculative_sampling_keeps_the_constrained_distribution(llms):
     keep = (a + b) > 0
     chi2 = (((a - b) ** 2) / (a + b))[keep].sum()
     assert chi2 < 13.8, counts  # 2 degrees of freedom, p = 0.001
+
+
+def test_grammars_are_matched_on_the_host(llms):
+    """GBNF and Lark grammars (llguidance on the host): outputs in their language; the host mask reaches the device
+    table (a grammar row's allowed set is the matcher's); a broken grammar is refused naming the problem; while a
+    grammar row runs the steps read the step before them (counted), and without one they overlap again."""
+    llm = llms(None)
+    eng = llm.engine
+    gbnf = 'root ::= "x = " [0-9] [0-9]? " # " ("yes" | "no")'
+    outs = llm.generate(["\n"] * 3, [SamplingParams(max_tokens=30, temperature=t, seed=5, constraint=Constraint.grammar(gbnf))
+                                     for t in (0.0, 0.7, 1.0)], use_tqdm=False)
+    for o in outs:
+        assert re.fullmatch(r"x = [0-9][0-9]? # (yes|no)", o.text), o.text
+    with pytest.raises(ValueError, match="grammar constraint"):
+        eng.compile_constraint(Constraint.grammar('start: "a" undefined_rule'))
+    with pytest.raises(ValueError, match="grammar constraint"):
+        Constraint.grammar("   ")
+    # the device table takes a host row's mask from host_masks
+    tok = eng.tokenizer
+    matcher = eng.compile_constraint(Constraint.grammar(gbnf)).matcher()
+    matcher.feed(tok.encode("x = 4", add_special_tokens=False))
+    tables = ConstraintTables(4, eng.model_config.vocab_size, torch.device("cpu"), {0})
+    tables.register(3, matcher)
+    tables.set_host_masks([3], [matcher.mask()])
+    allowed = _allowed_by_tables(tables, 3, eng.model_config.vocab_size)
+    assert allowed and all(re.fullmatch(r"[0-9]?( (# ?)?)?", tok.decode([t])) or tok.decode([t]) in (" #", " # ")
+                           or tok.decode([t]).startswith(" # ") for t in allowed), [tok.decode([t]) for t in allowed]
+    before = eng.host_syncs
+    llm.generate(["\n"], [SamplingParams(max_tokens=8, temperature=0)], use_tqdm=False)
+    assert eng.host_syncs == before

@@ -148,7 +148,9 @@ def test_bad_constraints_and_tools_are_refused_by_name(app_client):
     chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 4}
     cases = [
         ("/v1/completions", {"prompt": "x", "structured_outputs": {"regex": "(unclosed"}}, "structured_outputs"),
-        ("/v1/completions", {"prompt": "x", "structured_outputs": {"grammar": "root ::= 'a'"}}, "structured_outputs"),
+        ("/v1/completions", {"prompt": "x", "structured_outputs": {"grammar": "root ::= undefined"}},
+         "structured_outputs"),
+        ("/v1/completions", {"prompt": "x", "structured_outputs": {"structural_tag": {}}}, "structured_outputs"),
         ("/v1/completions", {"prompt": "x", "structured_outputs": {"regex": "a", "choice": ["b"]}},
          "structured_outputs"),
         ("/v1/completions", {"prompt": "x", "guided_json": {"type": "integer", "minimum": 2}}, "guided_json"),
@@ -182,3 +184,10 @@ def test_compiles_are_counted_in_metrics(app_client):
     compiles = [line for line in text.splitlines() if line.startswith("hylo_constraint_compiles_total")]
     assert compiles and int(compiles[0].split()[-1]) >= 1
     assert "hylo_constraint_compile_seconds_total" in text
+    # a grammar (matched on the host): served, its blocking reads counted
+    r = app_client.post("/v1/completions", json={"prompt": "x", "max_tokens": 12, "temperature": 0.5,
+                                                 "structured_outputs": {"grammar": 'root ::= "n = " [0-9] [0-9]?'}})
+    assert r.status_code == 200 and re.fullmatch("n = [0-9][0-9]?", r.json()["choices"][0]["text"])
+    syncs = [line for line in app_client.get("/metrics").text.splitlines()
+             if line.startswith("hylo_constraint_host_syncs_total")]
+    assert syncs and int(syncs[0].split()[-1]) >= 1

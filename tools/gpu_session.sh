@@ -12,7 +12,8 @@
 # Everything is written under OUT (the device tool's $OUT); the summary lines go to stdout.
 # On the device machine (no registry there): carry fla-core 0.6.0 and einops as wheels in .whl (the device tool's
 # README says how to download them), then start the command with
-#   python3 -m pip install -q --no-index --no-deps --target /tmp/site --find-links .whl fla-core einops outlines-core
+#   python3 -m pip install -q --no-index --no-deps --target /tmp/site --find-links .whl fla-core einops outlines-core \
+#     llguidance
 #   export PYTHONPATH=/tmp/site:$PWD
 # (.whl holds outlines-core for several Pythons: pip picks the one that fits)
 # ($PWD too: the tools run as scripts import hylo from the checkout).

@@ -131,8 +131,8 @@ class AutomatonCache:
     """Compiled automata of one tokenizer and logit width, by constraint (least recently used dropped past
     ``capacity``). Safe to call from several threads: a constraint compiles once, other callers wait for it."""
 
-    def __init__(self, tokenizer, vocab: int, capacity: int = 64):
-        self.tokenizer, self.vocab, self.capacity = tokenizer, vocab, capacity
+    def __init__(self, tokenizer, vocab: int, capacity: int = 64, eos_ids=()):
+        self.tokenizer, self.vocab, self.capacity, self.eos_ids = tokenizer, vocab, capacity, set(eos_ids)
         self._vocabulary: dict[bytes, list[int]] | None = None
         self._done: OrderedDict[Constraint, TokenAutomaton] = OrderedDict()
         self._lock = threading.Lock()
@@ -140,7 +140,7 @@ class AutomatonCache:
         self.compiles = 0
         self.compile_seconds = 0.0
 
-    def get(self, constraint: Constraint) -> TokenAutomaton:
+    def get(self, constraint: Constraint) -> "TokenAutomaton | HostGrammar":  # noqa: F821
         with self._lock:
             if constraint in self._done:
                 self._done.move_to_end(constraint)
@@ -153,7 +153,14 @@ class AutomatonCache:
                 if self._vocabulary is None:
                     self._vocabulary = vocabulary_bytes(self.tokenizer, self.vocab)
             try:
-                auto = compile_automaton(constraint, self._vocabulary, self.vocab)
+                if constraint.kind == "grammar":  # no device automaton: matched on the host (constrain.host)
+                    from .host import HostGrammar
+
+                    start = time.perf_counter()
+                    auto = HostGrammar(constraint, self.tokenizer, self.vocab, self.eos_ids)
+                    auto.compile_seconds = time.perf_counter() - start
+                else:
+                    auto = compile_automaton(constraint, self._vocabulary, self.vocab)
             finally:
                 with self._lock:
                     self._pending.pop(constraint, None)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-KINDS = ("regex", "json_schema", "json_object", "choice")
+KINDS = ("regex", "json_schema", "json_object", "choice", "grammar")
 
 # keywords whose meaning the translation enforces (or tightens: a recursive schema is cut at a depth, an object with
 # ``properties`` gets no other keys), and annotations without a meaning for the output
@@ -37,6 +37,7 @@ class Constraint:
 
     kind: str
     value: str | tuple[str, ...] | None = None
+    syntax: str | None = None  # a grammar's: "lark" or "gbnf"
 
     @classmethod
     def regex(cls, pattern: str) -> "Constraint":
@@ -50,6 +51,18 @@ class Constraint:
                 or not all(isinstance(c, str) and c for c in choices)):
             raise ValueError(f"choice constraint: a non-empty list of non-empty strings is needed, got {choices!r}")
         return cls("choice", tuple(choices))
+
+    @classmethod
+    def grammar(cls, text: str, syntax: str | None = None) -> "Constraint":
+        """A context-free grammar in Lark's syntax (``start`` is the start rule) or GBNF (``root ::= ...``; told
+        apart by ``::=`` when ``syntax`` is not given). Matched on the host (``constrain.host``), not on the
+        device."""
+        if not isinstance(text, str) or not text.strip():
+            raise ValueError(f"grammar constraint: a non-empty string is needed, got {text!r}")
+        syntax = syntax or ("gbnf" if "::=" in text else "lark")
+        if syntax not in ("lark", "gbnf"):
+            raise ValueError(f"grammar constraint: syntax {syntax!r} is not supported (lark, gbnf)")
+        return cls("grammar", text, syntax)
 
     @classmethod
     def json_object(cls) -> "Constraint":
@@ -75,6 +88,8 @@ class Constraint:
             return "(" + "|".join(escape(c) for c in self.value) + ")"
         if self.kind == "json_object":
             return json_object_regex(JSON_OBJECT_DEPTH)
+        if self.kind == "grammar":
+            raise ValueError("a grammar constraint has no regular expression: it is matched on the host")
         from outlines_core.json_schema import build_regex_from_schema
 
         schema = json.loads(self.value)

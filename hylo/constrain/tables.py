@@ -22,6 +22,7 @@ from ..core import to_device
 from .automaton import TokenAutomaton
 
 UNCONSTRAINED = -1
+HOST = -2  # the row's mask comes from the host (constrain.host), in ``host_masks[slot]``
 DEAD = 0
 
 
@@ -35,15 +36,16 @@ class ConstraintTables:
         self._slot_auto: dict[int, TokenAutomaton] = {}
         self._offsets: dict[int, int] = {}  # id(automaton) -> its first global state
         self._order: list[TokenAutomaton] = []
+        self.host_masks: torch.Tensor | None = None  # [slots + 1, W], made for the first host-matched request
         self._build([])
 
     # ---- host side: which automata are in the table --------------------------------------------------------------
     def register(self, slot: int, automaton: TokenAutomaton | None, output_ids=()) -> None:
         """A request's prefill starts in ``slot``: its state becomes its automaton's start, walked over the tokens
         it already emitted (a preempted request), or -1 without a constraint."""
-        if automaton is None:
+        if automaton is None or getattr(automaton, "host", False):
             self._slot_auto.pop(slot, None)
-            self.state[slot] = UNCONSTRAINED
+            self.state[slot] = UNCONSTRAINED if automaton is None else HOST
             return
         self._slot_auto[slot] = automaton
         if id(automaton) not in self._offsets:
@@ -90,16 +92,28 @@ class ConstraintTables:
             self.state.copy_(torch.where(self.state >= 0, remap_t[self.state.clamp(min=0)], self.state))
         self._offsets, self._order = offsets, list(automata)
 
+    def set_host_masks(self, slots: list[int], masks: list) -> None:
+        """The host-matched rows' masks for the step about to launch (int32 bitmask words each)."""
+        if self.host_masks is None:
+            self.host_masks = torch.full((self.state.shape[0], self.words), -1, dtype=torch.int32,
+                                         device=self.device)
+        rows = torch.from_numpy(np.stack(masks))
+        self.host_masks[to_device(torch.tensor(slots), self.device)] = to_device(rows, self.device)
+
     # ---- device side ---------------------------------------------------------------------------------------------
-    def mask_logits(self, logits: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
-        """``logits`` [R, V] with the tokens each row's state (``states`` [R], -1: none) does not allow at -inf."""
+    def mask_logits(self, logits: torch.Tensor, states: torch.Tensor,
+                    slots: torch.Tensor | None = None) -> torch.Tensor:
+        """``logits`` [R, V] with the tokens each row's state (``states`` [R], -1: none; -2: the host's mask in
+        ``host_masks[slots]``) does not allow at -inf."""
         words = self.masks[self.mask_of[states.clamp(min=0)]]  # [R, W]
+        if self.host_masks is not None and slots is not None:
+            words = torch.where((states == HOST)[:, None], self.host_masks[slots], words)
         bits = (words[:, :, None] >> torch.arange(32, device=words.device, dtype=torch.int32)) & 1
-        allowed = bits.view(states.shape[0], -1)[:, :logits.shape[-1]].bool() | (states < 0)[:, None]
+        allowed = bits.view(states.shape[0], -1)[:, :logits.shape[-1]].bool() | (states == UNCONSTRAINED)[:, None]
         return logits.masked_fill(~allowed, float("-inf"))
 
     def next_states(self, states: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """The state after ``tokens`` from ``states`` (same shapes): -1 stays -1, a token the state does not
+        """The state after ``tokens`` from ``states`` (same shapes): -1 and -2 stay, a token the state does not
         allow leads to the dead state."""
         query = states.clamp(min=0) * self.vocab + tokens
         n = self.keys.shape[0]

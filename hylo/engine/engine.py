@@ -112,7 +112,6 @@ class Engine:
                      if self.ec.cuda_graph_sizes else
                      default_capture_sizes(min(self.ec.max_num_seqs, self.ec.max_graph_batch_size)))
             self.worker.capture_graphs(sizes, self.ec.verbose)
-        self._automata = AutomatonCache(self.tokenizer, self.model_config.vocab_size)
         self._rng = random.Random(self.ec.seed)
         self._ids = itertools.count()
         self._reqs: dict[str, Req] = {}
@@ -121,6 +120,8 @@ class Engine:
         self._last_plan: ScheduledBatch | None = None  # the plan of the step the last step() launched
         self._failed: list[Req] = []  # requests failed by an internal error, reported by the next step()
         self.eos_ids = set(self.model_config.eos_token_ids)
+        self._automata = AutomatonCache(self.tokenizer, self.model_config.vocab_size, eos_ids=self.eos_ids)
+        self.host_syncs = 0  # blocking reads for host-matched constraints (constrain.host)
         self.load_seconds = time.perf_counter() - t0
         if self.ec.verbose:
             kind = ("embedded default, RANDOM WEIGHTS (output is noise)" if self.is_random else
@@ -175,6 +176,8 @@ class Engine:
                 raise ValueError(f"{name}: token ids {bad[:8]} are out of vocabulary (ids are 0..{vocab - 1})")
         ids = self.encode_prompt(prompt)
         automaton = self.compile_constraint(params.constraint) if params.constraint is not None else None
+        if automaton is not None and not hasattr(automaton, "walk"):  # a grammar: this request's own host matcher
+            automaton = automaton.matcher()
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self._reqs:
             raise ValueError(f"request id {rid!r} is already in use")
@@ -260,13 +263,18 @@ class Engine:
         With overlap (the default) this launches step N+1 and only then reads step N's results, so the device never
         waits for the host between steps; the returned requests are those of step N. Without overlap the step is
         launched and its own results read at once."""
+        early = []
+        if self._inflight is not None and any(getattr(r.automaton, "host", False) for r in self.scheduler.running):
+            # a grammar row's mask needs the token the step in flight samples: read it first (constrain.host)
+            early, self._inflight = self._complete(self._inflight), None
+            self.host_syncs += 1
         launched = self._launch()
         self._last_plan = launched.plan if launched is not None else None
         failed, self._failed = self._failed, []
         if not self.ec.overlap:
-            return failed + (self._complete(launched) if launched is not None else [])
+            return failed + early + (self._complete(launched) if launched is not None else [])
         previous, self._inflight = self._inflight, launched
-        return failed + (self._complete(previous) if previous is not None else [])
+        return failed + early + (self._complete(previous) if previous is not None else [])
 
     def set_step_costs(self, costs: dict) -> None:
         """The speculation policy's step costs, measured by another rank's engine (tensor parallelism: every rank
@@ -291,6 +299,7 @@ class Engine:
         timer = (StepTimer(self.device) if policy is not None and policy.adaptive and self.times_steps
                  and sched.mode is not ForwardMode.EXTEND else None)
         try:
+            self._host_masks(sched)
             pool = self.caches.state_pool
             pool.copy(sched.copies_before)  # prefix-cache hits: their snapshots into the requests' slots
             res = self.worker.run(sched)
@@ -312,6 +321,19 @@ class Engine:
         prompt_read = self.host_reads.start(res.prompt_logprobs) if res.prompt_logprobs is not None else None
         self.scheduler.step_launched(sched)
         return _Launched(sched, read, prompt_read, timer)
+
+    def _host_masks(self, sched: ScheduledBatch) -> None:
+        """The masks of the step's host-matched rows that sample (their output so far fed to their matchers: no
+        step of theirs is in flight, see ``step``), into the device table before the step launches."""
+        rows = [r for r, keep in zip(sched.reqs, sched.sample) if keep and getattr(r.automaton, "host", False)]
+        if not rows:
+            return
+        masks = []
+        for r in rows:
+            r.automaton.feed(r.output_ids)
+            masks.append(r.automaton.mask())
+        tables = self.caches.req_slots.ensure_constraints(self.model_config.vocab_size, self.model_worker.eos_ids)
+        tables.set_host_masks([r.req_slot for r in rows], masks)
 
     def _complete(self, launched: "_Launched") -> list[Req]:
         """Read a launched step's results (waiting on its event) and apply them: tokens, stop rules, freeing."""

@@ -281,6 +281,8 @@ class Scheduler:
             return None
         rows = [r for r in decoding if not self._surely_done(r)] or decoding
         choice = self.policy.choose(rows)
+        if any(getattr(r.automaton, "host", False) for r in decoding):
+            choice = StepChoice(False, False)  # a host-matched grammar's mask needs each token before the next
         if not choice.verify and all(r.has_drafts for r in rows) and any(map(self._may_end_in_flight, rows)):
             # a verify in flight may end one of them: verify again (a row past its request's end is inert there,
             # where a plain step would compute a token past it) rather than hold the row back for a step

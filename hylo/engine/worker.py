@@ -254,7 +254,7 @@ class ModelWorker:
         if sb.constrained:
             constraints = self.caches.req_slots.constraints
             states = constraints.state[sb.slots]
-            processed = constraints.mask_logits(processed, states)
+            processed = constraints.mask_logits(processed, states, sb.slots)
         tokens = sample(processed, sb)
         if sb.constrained:
             constraints.advance(sb.slots, states, tokens)

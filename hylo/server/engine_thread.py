@@ -63,6 +63,7 @@ class EngineThread:
         self.error: str | None = None  # set if the loop died: /health reports it
         self.metrics.prefix = getattr(engine, "prefix_cache", None)
         self.metrics.automata = getattr(engine, "_automata", None)
+        self.metrics.engine = engine
         caches = getattr(engine, "caches", None)
         if caches is not None:
             kv = caches.kv_pool

@@ -47,6 +47,7 @@ class Metrics:
         self.spec_plain_steps = 0
         self.prefix = None  # the engine's prefix cache (cache.prefix_cache.PrefixCache), read at render time
         self.automata = None  # the engine's compiled constraints (constrain.automaton.AutomatonCache), the same
+        self.engine = None  # the engine, for its counters (host_syncs), the same
         self.prefix_slot_bytes = self.prefix_kv_token_bytes = 0
         self.ttft = Histogram((0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
         self.token_latency = Histogram((0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5))
@@ -112,6 +113,9 @@ class Metrics:
                    "distinct constraint once while cached).", self.automata.compiles)
             metric("constraint_compile_seconds_total", "counter", "Seconds spent compiling output constraints.",
                    round(self.automata.compile_seconds, 6))
+        if self.engine is not None:
+            metric("constraint_host_syncs_total", "counter", "Blocking reads of a step's tokens before the next "
+                   "launch, for grammar constraints matched on the host.", getattr(self.engine, "host_syncs", 0))
         lines += self.ttft.lines(f"{p}_time_to_first_token_seconds", "Time from arrival to the first token.")
         lines += self.token_latency.lines(f"{p}_time_per_output_token_seconds",
                                           "Time between output tokens of one request.")

@@ -50,7 +50,7 @@ class StreamOptions(BaseModel):
 # Fields of OpenAI's and vLLM's request schemas that hylo does not implement, with the values that mean "not used":
 # a request that sets one to anything else is refused by name (a 400), never silently served without it.
 NOT_IMPLEMENTED = {
-    "guided_grammar": lambda v: v is None, "guided_decoding_backend": lambda v: v is None,
+    "guided_decoding_backend": lambda v: v is None,
     "use_beam_search": lambda v: v in (None, False), "length_penalty": lambda v: v in (None, 1, 1.0),
     "stop_regex": lambda v: not v, "continue_final_message": lambda v: v in (None, False),
     "tools": lambda v: not v, "tool_choice": lambda v: v in (None, "none"), "functions": lambda v: not v,
@@ -102,6 +102,7 @@ class _SamplingFields(BaseModel):
     guided_json: Any = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def check_fields(self) -> None:
         """Refuse what hylo does not implement, by name: unknown fields and the not-implemented ones set."""

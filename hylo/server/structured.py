@@ -3,9 +3,9 @@
 - ``response_format``: ``{"type": "text"}`` (none), ``{"type": "json_object"}``, ``{"type": "json_schema",
   "json_schema": {"name": ..., "schema": {...}, "strict": ...}}`` (OpenAI);
 - ``structured_outputs``: ``{"json": schema}``, ``{"regex": "..."}``, ``{"choice": [...]}``,
-  ``{"json_object": true}`` (vLLM; ``grammar`` is refused: a context-free grammar does not compile to the device
-  automaton, and hylo has no host matcher yet);
-- ``guided_json``, ``guided_regex``, ``guided_choice`` (vLLM's older names).
+  ``{"json_object": true}``, ``{"grammar": "..."}`` (vLLM; a grammar, Lark or GBNF, is matched on the host, at the
+  cost of a blocking read per step while it runs: ``constrain.host``);
+- ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar`` (vLLM's older names).
 At most one of them per request. Every problem is a 400 naming the field.
 """
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 from ..constrain.spec import Constraint
 from .protocol import APIError
 
-GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice"}
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 _STRUCTURED_KEYS = {"json", "regex", "choice", "json_object", "grammar", "structural_tag"}
 
 
@@ -82,13 +82,12 @@ def _structured_outputs(so: dict) -> Constraint:
     if unknown:
         raise APIError(f"structured_outputs: unknown field {unknown[0]!r}", param="structured_outputs")
     if len(given) != 1:
-        raise APIError(f"structured_outputs needs exactly one of json, regex, choice, json_object (got "
+        raise APIError(f"structured_outputs needs exactly one of json, regex, choice, grammar, json_object (got "
                        f"{given or 'none'})", param="structured_outputs")
     kind = given[0]
-    if kind in ("grammar", "structural_tag"):
-        raise APIError(f"structured_outputs.{kind} is not supported by hylo: only constraints that compile to a "
-                       f"token automaton on the device are (json, regex, choice, json_object)",
-                       param="structured_outputs", code="unsupported_parameter")
+    if kind == "structural_tag":
+        raise APIError("structured_outputs.structural_tag is not supported by hylo (json, regex, choice, grammar and "
+                       "json_object are)", param="structured_outputs", code="unsupported_parameter")
     if kind == "json_object":
         return Constraint.json_object()
     return _build(kind, so[kind], "structured_outputs")
@@ -100,6 +99,8 @@ def _build(kind: str, value, param: str) -> Constraint:
             return Constraint.json_schema(value)
         if kind == "regex":
             return Constraint.regex(value)
+        if kind == "grammar":
+            return Constraint.grammar(value)
         return Constraint.choice(value)
     except ValueError as e:
         raise APIError(f"{param}: {e}", param=param) from None

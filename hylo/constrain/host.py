@@ -1,0 +1,95 @@
+"""The host fallback for what does not compile to a device automaton: context-free grammars (Lark, or GBNF
+converted to Lark), matched by llguidance on the host.
+
+A grammar's mask for step N + 1 depends on token N, which the host learns one step late in the overlap loop: a
+step with such a row therefore reads the step before it first (a blocking read, counted: ``Engine.host_syncs`` and
+``hylo_constraint_host_syncs_total``), feeds the new tokens to each row's matcher, and writes the rows' masks into
+the device table (``ConstraintTables.host_masks``) before it launches. Such rows also decode without speculation
+(their verify positions would need the drafts' masks, which only the device knows). Every other row in the batch
+keeps its device automaton; the cost is the steps' overlap while a grammar request runs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .spec import Constraint
+
+
+class _Vocabulary:
+    """What llguidance's tokenizer wrapper reads: the tokens' bytes, the special ids, an encoder."""
+
+    def __init__(self, tokenizer, vocab: int, eos: int):
+        specials = set(getattr(tokenizer, "special_ids", ()))
+        self.tokens = [b"" if i in specials or i >= tokenizer.vocab_size else tokenizer.token_bytes(i)
+                       for i in range(vocab)]
+        self.special_token_ids = sorted(t for t in specials if t < vocab)
+        self.eos_token_id, self.bos_token_id = eos, None
+        self._tokenizer = tokenizer
+
+    def __call__(self, text) -> list[int]:
+        if isinstance(text, bytes):
+            text = text.decode("utf-8", errors="replace")
+        return self._tokenizer.encode(text, add_special_tokens=False)
+
+
+class HostGrammar:
+    """A checked grammar over one tokenizer; ``matcher()`` gives each request its own matcher."""
+
+    def __init__(self, constraint: Constraint, tokenizer, vocab: int, eos_ids):
+        import llguidance
+
+        eos = sorted(eos_ids)
+        self.constraint, self.vocab = constraint, vocab
+        self.lltok = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Vocabulary(tokenizer, vocab, eos[0])),
+                                            n_vocab=vocab, eos_token=eos)
+        text = constraint.value
+        try:
+            if constraint.syntax == "gbnf":
+                from llguidance.gbnf_to_lark import gbnf_to_lark
+
+                text = gbnf_to_lark(text)
+            self.grammar = llguidance.LLMatcher.grammar_from_lark(text)
+            error = llguidance.LLMatcher.validate_grammar(self.grammar, self.lltok)
+        except Exception as e:  # noqa: BLE001 - llguidance's converter raises plain Exceptions for bad grammars
+            error = str(e) or type(e).__name__
+        if error:
+            raise ValueError(f"grammar constraint: {error.strip().splitlines()[0]}")
+        self.compile_seconds = 0.0
+
+    def matcher(self) -> "HostMatcher":
+        return HostMatcher(self)
+
+
+class HostMatcher:
+    """One request's grammar state on the host."""
+
+    host = True  # marks a request whose constraint is matched on the host (``Req.automaton``)
+
+    def __init__(self, grammar: HostGrammar):
+        import llguidance
+
+        self.grammar = grammar
+        self._m = llguidance.LLMatcher(grammar.lltok, grammar.grammar)
+        self.fed = 0  # output tokens consumed
+
+    def restart(self, tokens) -> None:
+        """Back to the start, then over ``tokens`` (a preempted request's output so far)."""
+        self._m.reset()
+        self.fed = 0
+        self.feed(tokens)
+
+    def feed(self, tokens) -> None:
+        """The request's output tokens from ``fed`` on (each at most once)."""
+        new = list(tokens[self.fed:])
+        if new and not self._m.consume_tokens(new):
+            raise RuntimeError(f"grammar matcher rejected a masked token: {self._m.get_error()}")
+        self.fed += len(new)
+
+    def mask(self) -> np.ndarray:
+        """The allowed tokens after what was fed, as int32 bitmask words (the end-of-sequence tokens where the
+        grammar may end)."""
+        words = (self.grammar.vocab + 31) // 32
+        out = np.zeros(words, dtype=np.int32)
+        self._m.unsafe_compute_mask_ptr(out.ctypes.data, out.nbytes)
+        return out
