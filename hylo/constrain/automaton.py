@@ -14,10 +14,14 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .spec import Constraint
+
+if TYPE_CHECKING:
+    from .host import HostGrammar
 
 # a constraint whose masks would take more device memory than this is refused (one 32-bit word per 32 tokens per
 # distinct mask; JSON schemas share most of theirs)
@@ -140,7 +144,7 @@ class AutomatonCache:
         self.compiles = 0
         self.compile_seconds = 0.0
 
-    def get(self, constraint: Constraint) -> "TokenAutomaton | HostGrammar":  # noqa: F821
+    def get(self, constraint: Constraint) -> "TokenAutomaton | HostGrammar":
         with self._lock:
             if constraint in self._done:
                 self._done.move_to_end(constraint)
