@@ -11,6 +11,18 @@ from hylo.engine.engine import Engine
 from hylo.spec.setup import SpecSetup
 
 
+def fake_caches(conv: tuple, recurrent: tuple, kv: tuple):
+    """What ``Footprint.of`` reads of the caches, as meta tensors (shapes only): the state pool's conv and recurrent
+    tensors and the KV pool's keys, each [layers, slots, ...]."""
+    from types import SimpleNamespace
+
+    meta = dict(device="meta")
+    return SimpleNamespace(
+        state_pool=SimpleNamespace(conv=torch.empty(conv, dtype=torch.bfloat16, **meta),
+                                   recurrent=torch.empty(recurrent, dtype=torch.float32, **meta)),
+        kv_pool=SimpleNamespace(k=torch.empty(kv, dtype=torch.bfloat16, **meta)))
+
+
 def test_fake_prefill_decodes_and_frees():
     eng = Engine(None, device="cpu", engine_config=EngineConfig(enable_prefix_caching=False, verbose=False, max_num_seqs=4))
     rids = fake_prefill(eng, 3, 40)
@@ -81,13 +93,8 @@ def test_bench_6b_footprint_matches_the_issue():
     params = sum(p.numel() for p in model.parameters())
     assert 6.2e9 < params < 6.4e9
 
-    class FakeCaches:  # shapes only
-        class state_pool:
-            conv = torch.empty(18, 2, 8192, 3, dtype=torch.bfloat16, device="meta")
-            recurrent = torch.empty(18, 2, 32, 128, 128, dtype=torch.float32, device="meta")
-
-        class kv_pool:
-            k = torch.empty(6, 2, 2, 256, dtype=torch.bfloat16, device="meta")
+    FakeCaches = fake_caches(conv=(18, 2, 8192, 3), recurrent=(18, 2, 32, 128, 128),
+                             kv=(6, 2, 2, 256))
 
     fp = Footprint.of(model, None, FakeCaches)
     per_token = fp.decode_bytes(1, 1) - 2 * fp.state_per_req - fp.kv_per_token
@@ -208,14 +215,9 @@ def test_qwen35_bench_shapes(name, params, bs1_bytes):
     assert type(model).family == "Qwen3.5"
     assert params[0] < sum(p.numel() for p in model.parameters()) < params[1]
 
-    class FakeCaches:  # shapes only
-        class state_pool:
-            conv = torch.empty(len(mc.linear_layer_ids), 2, mc.conv_dim, 3, dtype=torch.bfloat16, device="meta")
-            recurrent = torch.empty(len(mc.linear_layer_ids), 2, 32, 128, 128, dtype=torch.float32, device="meta")
-
-        class kv_pool:
-            k = torch.empty(len(mc.attn_layer_ids), 2, mc.num_key_value_heads, 256, dtype=torch.bfloat16,
-                            device="meta")
+    gdn, attn = len(mc.linear_layer_ids), len(mc.attn_layer_ids)
+    FakeCaches = fake_caches(conv=(gdn, 2, mc.conv_dim, 3), recurrent=(gdn, 2, 32, 128, 128),
+                             kv=(attn, 2, mc.num_key_value_heads, 256))
 
     fp = Footprint.of(model, mtp, FakeCaches)
     assert bs1_bytes[0] < fp.decode_bytes(1, 1) < bs1_bytes[1]
@@ -230,13 +232,8 @@ def test_fp8_shapes_read_half_the_weight_bytes():
     and the 80B shape's weights fit one H200 (about 80 GB)."""
     from hylo.models.qwen3_next import Qwen3NextForCausalLM
 
-    class FakeCaches:
-        class state_pool:
-            conv = torch.empty(36, 2, 8192, 3, dtype=torch.bfloat16, device="meta")
-            recurrent = torch.empty(36, 2, 32, 128, 128, dtype=torch.float32, device="meta")
-
-        class kv_pool:
-            k = torch.empty(12, 2, 2, 256, dtype=torch.bfloat16, device="meta")
+    FakeCaches = fake_caches(conv=(36, 2, 8192, 3), recurrent=(36, 2, 32, 128, 128),
+                             kv=(12, 2, 2, 256))
 
     fps = {}
     for name in ("qwen3-next-80b", "qwen3-next-80b-fp8"):
@@ -287,13 +284,8 @@ def test_mamba2_bench_shapes():
     assert 8.0e9 < sum(p.numel() for p in model.parameters()) < 8.2e9
     conv, kernel, heads, p, n = mc.state_dims
 
-    class FakeCaches:  # shapes only
-        class state_pool:
-            conv = torch.empty(24, 2, 10240, kernel - 1, dtype=torch.bfloat16, device="meta")
-            recurrent = torch.empty(24, 2, heads, p, n, dtype=torch.float32, device="meta")
-
-        class kv_pool:
-            k = torch.empty(4, 2, 8, 128, dtype=torch.bfloat16, device="meta")
+    FakeCaches = fake_caches(conv=(24, 2, 10240, kernel - 1), recurrent=(24, 2, heads, p, n),
+                             kv=(4, 2, 8, 128))
 
     fp = Footprint.of(model, None, FakeCaches)
     assert fp.state_per_req == 24 * (10240 * 3 * 2 + 128 * 64 * 128 * 4)
@@ -328,13 +320,8 @@ def test_nemotron3_bench_shape_and_its_floor():
         model = build_model(mc, torch.bfloat16, "meta", SINGLE)
     assert 31.5e9 < sum(p.numel() for p in model.parameters()) < 31.7e9
 
-    class FakeCaches:  # shapes only
-        class state_pool:
-            conv = torch.empty(23, 2, 6144, 3, dtype=torch.bfloat16, device="meta")
-            recurrent = torch.empty(23, 2, 64, 64, 128, dtype=torch.float32, device="meta")
-
-        class kv_pool:
-            k = torch.empty(6, 2, 2, 128, dtype=torch.bfloat16, device="meta")
+    FakeCaches = fake_caches(conv=(23, 2, 6144, 3), recurrent=(23, 2, 64, 64, 128),
+                             kv=(6, 2, 2, 128))
 
     fp = Footprint.of(model, None, FakeCaches)
     assert fp.moe_layers == 23 and fp.expert == 2 * 1856 * 2688 * 2 and fp.num_experts == 128 and fp.top_k == 6

@@ -64,17 +64,12 @@ def run_bench(model_name: str = "bench-6b", vs_hf: bool = False, quick: bool = F
         raise ValueError("hylo bench needs a CUDA GPU")
     device = torch.device("cuda")
     records: list[dict] = []
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, f"{model_name}-{time.strftime('%Y%m%d-%H%M%S')}.json")
     pdl_on, prefetch_on = pdl_settings()
     meta = dict(model=model_name, gpu=torch.cuda.get_device_name(), torch=torch.__version__, host=platform.node(),
                 quick=quick, short=short, pdl=pdl_on and torch.cuda.get_device_capability()[0] >= 9, pdl_prefetch=prefetch_on,
                 hf_note=("HF transformers cannot do speculative decoding on this model: generate() refuses assisted "
                          "generation for stateful models"))
-
-    def save():  # after every record, so a run cut short still leaves its numbers
-        with open(path, "w") as f:
-            json.dump({"meta": meta, "records": records}, f, indent=1)
+    path, save = results_file(out_dir, model_name, meta, records)
 
     copy_rate, mm_rate = measure_copy_rate(device), measure_matmul_rate(device)
     print(f"[bench] copy {copy_rate / 1e12:.2f} TB/s, bf16 matmul {mm_rate / 1e12:.0f} TFLOP/s", flush=True)
@@ -297,6 +292,18 @@ def forget_hf_model(lm: LoadedModel) -> None:
     """After the HF rows: ``lm``'s reader (``bench_hf.HFReader``) holds the HF model's state dict, the whole model
     a second time; only its fallback, which has the MTP head that HF drops, is needed from here on."""
     lm.reader = lm.reader.fallback
+
+
+def results_file(out_dir: str, stem: str, meta: dict, records: list):
+    """(path, save): the JSON file a bench mode writes its ``meta`` and ``records`` to, ``save()`` rewriting it
+    whole after every record, so that a run cut short still leaves its numbers."""
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}.json")
+
+    def save():
+        with open(path, "w") as f:
+            json.dump({"meta": meta, "records": records}, f, indent=1)
+    return path, save
 
 
 def release_gpu_memory() -> None:

@@ -10,8 +10,6 @@ context 1k; a measurement is the wall time of ``steps`` steady-state steps over 
 
 from __future__ import annotations
 
-import json
-import os
 import platform
 import time
 
@@ -20,7 +18,7 @@ import torch
 from ..config import EngineConfig
 from ..engine.engine import Engine, LoadedModel
 from ..spec.setup import SpecSetup
-from .run import build_model, release_gpu_memory
+from .run import build_model, release_gpu_memory, results_file
 from .steps import _sync, clear, fake_prefill
 
 ACCEPTS = (1.0, 1.5, 2.0, 3.0, 4.0)
@@ -116,12 +114,7 @@ def run_spec_policy_bench(model_name: str = "bench-6b", out_dir: str = "bench/re
                 torch=torch.__version__, host=platform.node(), context=CONTEXT, k=3, warmup_steps=warmup,
                 timed_steps=steps)
     records: list[dict] = []
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, f"spec-policy-{model_name}-{time.strftime('%Y%m%d-%H%M%S')}.json")
-
-    def save():
-        with open(path, "w") as f:
-            json.dump({"meta": meta, "records": records}, f, indent=1)
+    path, save = results_file(out_dir, f"spec-policy-{model_name}", meta, records)
 
     eng = _engine(lm, device, max(batches), None, sizes)
     plain = {}

@@ -12,8 +12,6 @@ blocking; a host matcher would add one per step).
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 import platform
 import random
 import time
@@ -22,7 +20,7 @@ import torch
 
 from ..constrain.automaton import AutomatonCache
 from ..constrain.spec import Constraint
-from .run import build_model, release_gpu_memory
+from .run import build_model, release_gpu_memory, results_file
 from .spec_policy import _engine, per_token_ms
 from .steps import clear, fake_prefill, overlap_profile
 
@@ -74,12 +72,7 @@ def run_structured_bench(model_name: str = "bench-6b", out_dir: str = "bench/res
                 torch=torch.__version__, host=platform.node(), context=CONTEXT, schema=SCHEMA, warmup_steps=warmup,
                 timed_steps=steps, vocab=mc.vocab_size)
     records: list[dict] = []
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, f"structured-{model_name}-{time.strftime('%Y%m%d-%H%M%S')}.json")
-
-    def save():
-        with open(path, "w") as f:
-            json.dump({"meta": meta, "records": records}, f, indent=1)
+    path, save = results_file(out_dir, f"structured-{model_name}", meta, records)
 
     constraint = Constraint.json_schema(SCHEMA)
     cache = AutomatonCache(tok, mc.vocab_size)

@@ -12,6 +12,18 @@ from test_engine_gpu import _engine, _prompts, gpu_ckpt  # noqa: F401  (the fixt
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 
 
+def steps_without_sync(eng, steps: int) -> None:
+    """``steps`` engine steps in which any synchronising CUDA call raises, and no host read blocks."""
+    blocking = eng.host_reads.blocking
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(steps):
+            eng.step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert eng.host_reads.blocking == blocking
+
+
 @pytest.mark.parametrize("spec", ["mtp", "ngram"])
 @pytest.mark.parametrize("bs", [1, 5, 16])  # 5 runs padded to the captured 8
 @pytest.mark.parametrize("steps", ["adaptive", "cycle"])
@@ -30,15 +42,9 @@ def test_steady_state_spec_steps_never_sync(gpu_ckpt, spec, bs, steps):  # noqa:
     for _ in range(6):  # prefill, then a few verify steps
         eng.step()
     assert all(r.decoding for r in eng.scheduler.running) and not eng.scheduler.waiting
-    blocking, overlapped = eng.host_reads.blocking, eng.host_reads.overlapped
+    overlapped = eng.host_reads.overlapped
     before = [len(eng._reqs[r].output_ids) for r in rids]
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for _ in range(12):
-            eng.step()
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-    assert eng.host_reads.blocking == blocking
+    steps_without_sync(eng, 12)
     assert eng.host_reads.overlapped == overlapped + 12
     assert all(len(eng._reqs[r].output_ids) >= b + 12 for r, b in zip(rids, before))
     for rid in rids:
@@ -68,14 +74,7 @@ def test_steady_state_steps_with_constrained_rows_never_sync(gpu_ckpt, spec):  #
     for _ in range(6):
         eng.step()
     assert not eng.scheduler.waiting and all(r.decoding for r in eng.scheduler.running)
-    blocking = eng.host_reads.blocking
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for _ in range(12):
-            eng.step()
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-    assert eng.host_reads.blocking == blocking
+    steps_without_sync(eng, 12)
     eng.drain()
     auto = eng.compile_constraint(constraint)
     for rid in rids[:4]:
