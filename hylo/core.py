@@ -121,9 +121,7 @@ class SamplingParams:
                 if not -100.0 <= bias <= 100.0:
                     raise ValueError(f"logit_bias[{tok}] must be between -100 and 100, got {bias}")
         if self.constraint is not None:
-            from .constrain.spec import Constraint
-
-            if not isinstance(self.constraint, Constraint):
+            if not hasattr(self.constraint, "kind") or not hasattr(self.constraint, "to_regex"):
                 raise ValueError(f"constraint must be a hylo.constrain.spec.Constraint, got "
                                  f"{type(self.constraint).__name__}")
             if self.ignore_eos:
