@@ -93,3 +93,13 @@ class HostMatcher:
         out = np.zeros(words, dtype=np.int32)
         self._m.unsafe_compute_mask_ptr(out.ctypes.data, out.nbytes)
         return out
+
+
+def write_host_masks(reqs, tables) -> None:
+    """Feed each host-matched request's new output tokens to its matcher and write its mask into the device table
+    (``ConstraintTables.host_masks``) for the step about to launch."""
+    masks = []
+    for r in reqs:
+        r.automaton.feed(r.output_ids)
+        masks.append(r.automaton.mask())
+    tables.set_host_masks([r.req_slot for r in reqs], masks)

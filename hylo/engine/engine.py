@@ -19,6 +19,7 @@ import torch
 from ..cache.memory import allocate_caches
 from ..cache.prefix_cache import PrefixCache
 from ..constrain.automaton import AutomatonCache
+from ..constrain.host import write_host_masks
 from ..config import EngineConfig
 from ..core import ForwardMode, Req, RequestOutput, SamplingParams, SpecStats, TokenLogprobs
 from ..models.default import TRAINED_DEFAULT_NAME
@@ -323,17 +324,12 @@ class Engine:
         return _Launched(sched, read, prompt_read, timer)
 
     def _host_masks(self, sched: ScheduledBatch) -> None:
-        """The masks of the step's host-matched rows that sample (their output so far fed to their matchers: no
-        step of theirs is in flight, see ``step``), into the device table before the step launches."""
+        """The masks of the step's host-matched rows that sample, into the device table before it launches (no
+        step of theirs is in flight: ``step`` read it)."""
         rows = [r for r, keep in zip(sched.reqs, sched.sample) if keep and getattr(r.automaton, "host", False)]
-        if not rows:
-            return
-        masks = []
-        for r in rows:
-            r.automaton.feed(r.output_ids)
-            masks.append(r.automaton.mask())
-        tables = self.caches.req_slots.ensure_constraints(self.model_config.vocab_size, self.model_worker.eos_ids)
-        tables.set_host_masks([r.req_slot for r in rows], masks)
+        if rows:
+            write_host_masks(rows, self.caches.req_slots.ensure_constraints(self.model_config.vocab_size,
+                                                                            self.model_worker.eos_ids))
 
     def _complete(self, launched: "_Launched") -> list[Req]:
         """Read a launched step's results (waiting on its event) and apply them: tokens, stop rules, freeing."""
