@@ -21,29 +21,18 @@ from ..cache.prefix_cache import PrefixCache
 from ..constrain.automaton import AutomatonCache
 from ..constrain.host import write_host_masks
 from ..config import EngineConfig
-from ..core import ForwardMode, Req, RequestOutput, SamplingParams, SpecStats, TokenLogprobs
+from ..core import ForwardMode, Req, RequestOutput, SamplingParams, SpecStats
 from ..models.default import TRAINED_DEFAULT_NAME
 from ..models.registry import family_of
 from ..parallel.group import SINGLE, TPGroup
-from .detok import detokenize_step, find_stop_string
 from ..ops.triton_utils import use_triton
 from .graphs import default_capture_sizes
 from .host_reads import HostReads, PendingRead, StepTimer
 from .loading import LoadedModel, load_model, resolve_device, resolve_dtype  # noqa: F401  (re-exported)
 from .plan import ScheduledBatch
 from .scheduler import Scheduler
-from .worker import ModelWorker, prompt_logprob_spans
-
-
-def _unpack_logprobs(bits: list[int], width: int, top_n: int, wanted: int) -> list[TokenLogprobs]:
-    """A row's log probabilities from the host view's float32 bits: per token (its log probability, the ``wanted``
-    most likely (id, log probability) pairs)."""
-    vals = torch.tensor(bits, dtype=torch.int64).to(torch.int32).view(torch.float32).view(width, 1 + 2 * top_n)
-    out = []
-    for r in vals.tolist():
-        top = [(int(r[1 + top_n + j]), r[1 + j]) for j in range(wanted)]
-        out.append(TokenLogprobs(r[0], top))
-    return out
+from .outputs import append_token, apply_prompt_logprobs, unpack_logprobs
+from .worker import ModelWorker
 
 
 @dataclass
@@ -341,7 +330,7 @@ class Engine:
                      if keep and r.params.logprobs is not None), default=None)
         updated = []
         if launched.prompt_read is not None:
-            self._apply_prompt_logprobs(sched, launched.prompt_read.wait())
+            apply_prompt_logprobs(sched, launched.prompt_read.wait())
         policy = self.scheduler.policy
         if launched.timer is not None:  # the step's results are read: its end event has completed
             policy.observe_step(verify, len(sched.reqs), launched.timer.ms())
@@ -357,7 +346,7 @@ class Engine:
                 committed = count if verify else n
                 lps = None
                 if top_n is not None and req.params.logprobs is not None:
-                    lps = _unpack_logprobs(row[width + verify:], width, top_n, req.params.logprobs)
+                    lps = unpack_logprobs(row[width + verify:], width, top_n, req.params.logprobs)
                 if not req.finished:
                     try:
                         self._apply_row(req, new, count, verify, lps, sched.mode is ForwardMode.DECODE)
@@ -370,21 +359,6 @@ class Engine:
         if verify:
             policy.observe_verify(accepted)
         return updated
-
-    @staticmethod
-    def _apply_prompt_logprobs(sched: ScheduledBatch, values: list[list[float]]) -> None:
-        """Each prefill chunk's prompt log probabilities into its request's list (the first prompt token has
-        none: nothing precedes it)."""
-        at = 0
-        for i, _, count in prompt_logprob_spans(sched):
-            req, wanted = sched.reqs[i], sched.reqs[i].params.prompt_logprobs
-            top_n = max(sched.reqs[j].params.prompt_logprobs for j, _, _ in prompt_logprob_spans(sched))
-            if not req.prompt_logprobs:
-                req.prompt_logprobs.append(None)
-            for r in values[at:at + count]:
-                req.prompt_logprobs.append(TokenLogprobs(r[0], [(int(r[1 + top_n + j]), r[1 + j])
-                                                                for j in range(wanted)]))
-            at += count
 
     def _apply_row(self, req: Req, new: list[int], count: int, verify: bool, lps: list | None = None,
                    plain: bool = False) -> None:
@@ -425,26 +399,10 @@ class Engine:
 
     def _append_token(self, req: Req, token: int) -> bool:
         """Append one generated token and apply the stop rules; True when the request finished."""
-        req.output_ids.append(token)
-        p = req.params
-        if (not p.ignore_eos and token in self.eos_ids) or (p.stop_token_ids and token in p.stop_token_ids):
-            req.stop_reason = token
-            self.scheduler.finish(req, "stop")  # the stop token's text is not part of the output
-            return True
-        if self.tokenizer is not None:
-            delta = detokenize_step(self.tokenizer, req)
-            hit = find_stop_string(req, delta)
-            if hit is not None:
-                req.text = req.text[:hit[0]]
-                req.stop_reason = hit[1]
-                self.scheduler.finish(req, "stop")
-                return True
-        if len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
-            if self.tokenizer is not None:  # flush a character the last token left unfinished
-                req.text = self.tokenizer.decode(req.output_ids)
-            self.scheduler.finish(req, "length")
-            return True
-        return False
+        reason = append_token(req, token, self.eos_ids, self.tokenizer, self.max_model_len)
+        if reason is not None:
+            self.scheduler.finish(req, reason)
+        return reason is not None
 
     @torch.inference_mode()
     def prompt_logits(self, prompt: str | list[int]) -> torch.Tensor:
