@@ -18,7 +18,7 @@
 # (.whl holds outlines-core for several Pythons: pip picks the one that fits)
 # ($PWD too: the tools run as scripts import hylo from the checkout).
 set -u
-phase=${1:?tests, tests-host, tests-bench, check, tune-bench, bench, bench-first, bench-short, fma, changed, model, prefix, mamba2, structured or s20}
+phase=${1:?tests, tests-host, tests-bench, check, tune-bench, bench, bench-first, bench-short, fma, changed, model, prefix, mamba2, structured, s25 or s20}
 out=${2:?output folder}
 mkdir -p "$out"
 # The GPU tests run in parallel workers where pytest-xdist is installed (the device image has it), so that a fresh
@@ -136,6 +136,14 @@ case "$phase" in
     fi
     timeout 280 python3 -m hylo bench --structured --model-name "${3:-bench-6b}" --out "$out" > "$out/structured.txt" 2>&1
     echo "structured bench rc=$?"; grep "^\[bench\]" "$out/structured.txt"; tail -3 "$out/structured.txt"
+    ;;
+  s25)  # session 25 in one call: the GPU tests of its kernels and paths, the structured bench, Nemotron 3's records
+    timeout 200 python3 -m pytest -q -p no:cacheprovider $par tests/gpu -k "non_gated or grouped_sigmoid or nemotron-3 \
+      or constrained or fused_moe_matches or prefill_sized" > "$out/gputests.txt" 2>&1
+    echo "pytest rc=$?"; grep -E "passed|failed|FAILED|Error" "$out/gputests.txt" | tail -12
+    timeout 130 python3 -m hylo bench --structured --out "$out" > "$out/structured.txt" 2>&1
+    echo "structured bench rc=$?"; grep "^\[bench\]" "$out/structured.txt"; tail -2 "$out/structured.txt"
+    bench 0 --model-name nemotron-3-nano-30b-a3b --short
     ;;
   *) echo "unknown phase $phase" >&2; exit 2 ;;
 esac
