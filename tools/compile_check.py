@@ -75,7 +75,8 @@ def record(checkpoint: str | None, spec: str | None, out: str) -> None:
     llm = LLM(checkpoint or "hylo-default-random", device="cpu", dtype="float32", verbose=False, max_num_seqs=4,
               max_model_len=512, kv_cache_tokens=4096, **options)
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
-    llm.generate([[5, 9, 200, 7], [11] * 6, [3]], params, use_tqdm=False)
+    vocab = llm.engine.model_config.vocab_size  # a test checkpoint's vocabulary may be small
+    llm.generate([[t % vocab for t in p] for p in ([5, 9, 200, 7], [11] * 6, [3])], params, use_tqdm=False)
     llm.generate([[4, 8]], params, use_tqdm=False)  # batch 1: its own decode paths
     with open(out, "w") as f:
         json.dump(list(launches.values()), f)

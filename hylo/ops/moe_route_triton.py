@@ -108,9 +108,10 @@ def _grouped_sigmoid_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, scaling, E: tl
     t = tl.program_id(0)
     offs = tl.arange(0, BE)
     m = offs < E
-    scores = tl.load(logits_ptr + t * E + offs, mask=m, other=0.0)
+    scores = tl.load(logits_ptr + t * E + offs, mask=m, other=0.0).to(tl.float32)
     scores = 1.0 / (1.0 + tl.exp(-scores))
-    biased = tl.where(m, scores + tl.load(bias_ptr + offs, mask=m, other=0.0), float("-inf"))
+    bias = tl.load(bias_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    biased = tl.where(m, scores + bias, float("-inf"))
     if G > 1:
         group = offs // PG
         offs_g = tl.arange(0, BG)
@@ -135,7 +136,7 @@ def _grouped_sigmoid_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, scaling, E: tl
         rank = tl.where(offs == idx, j, rank)
         biased = tl.where(offs == idx, float("-inf"), biased)
     scale = scaling / (total + 1e-20) if NORM else scaling
-    tl.store(w_ptr + t * K + rank, scores * scale, mask=rank >= 0)
+    tl.store(w_ptr + t * K + rank, (scores * scale).to(w_ptr.dtype.element_ty), mask=rank >= 0)
 
 
 def grouped_sigmoid_route(logits: torch.Tensor, bias: torch.Tensor, n_group: int, topk_group: int, top_k: int,
