@@ -126,13 +126,11 @@ def test_tool_call_parsing():
     assert held_back("abc <tool") == 5 and held_back("abc <tool_call>\n{") == 13 and held_back("abc") == 0
 
 
-def test_xml_call_constraint_follows_the_schema(app_client):
-    """Qwen3.5's XML call format under tool_choice: the constraint's language holds exactly well-formed calls
-    (checked with the automaton on the tokenizer: a good call is accepted and complete, a wrong enum value or a
-    missing required parameter is not)."""
-    from hylo.server.tools import Tools
+def test_xml_call_constraint_follows_the_schema():
+    """Qwen3.5's XML call format under tool_choice: the constraint's language holds exactly well-formed calls (a
+    good call matches; a wrong enum value, a missing required parameter, a string past its maxLength do not)."""
+    from hylo.server.tools import Tools, parse_calls
 
-    engine = app_client.app.state.engine if hasattr(app_client.app.state, "engine") else None
     params = {"get_weather": WEATHER["function"]["parameters"]}
     c = Tools([WEATHER], params, "required", False, "xml").constraint()
     good = "<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n<parameter=unit>\n\"c\"\n" \
@@ -140,7 +138,17 @@ def test_xml_call_constraint_follows_the_schema(app_client):
     assert re.fullmatch(c.value, good)
     assert not re.fullmatch(c.value, good.replace('"c"', '"k"'))
     assert not re.fullmatch(c.value, good.replace("<parameter=unit>\n\"c\"\n</parameter>\n", ""))
-    del engine
+    assert not re.fullmatch(c.value, good.replace("Oslo", "Oslo-and-far-beyond"))  # maxLength 12 kept
+    # string parameters are written as text: an enum of strings without quotes, a pattern's text as it is
+    params = {"f": {"type": "object", "properties": {"mode": {"type": "string", "enum": ["fast", "slow"]},
+                                                     "code": {"type": "string", "pattern": "^[A-Z]{3}$"}},
+                    "required": ["mode", "code"]}}
+    c = Tools([], params, "f", False, "xml").constraint()
+    call = ("<tool_call>\n<function=f>\n<parameter=mode>\nfast\n</parameter>\n<parameter=code>\nABC\n"
+            "</parameter>\n</function>\n</tool_call>")
+    assert re.fullmatch(c.value, call) and not re.fullmatch(c.value, call.replace("fast", '"fast"'))
+    tools = Tools([], params, "auto", False, "xml")
+    assert json.loads(parse_calls(call, tools)[1][0]["function"]["arguments"]) == {"mode": "fast", "code": "ABC"}
 
 
 def test_bad_constraints_and_tools_are_refused_by_name(app_client):
@@ -191,3 +199,39 @@ def test_compiles_are_counted_in_metrics(app_client):
     syncs = [line for line in app_client.get("/metrics").text.splitlines()
              if line.startswith("hylo_constraint_host_syncs_total")]
     assert syncs and int(syncs[0].split()[-1]) >= 1
+
+
+# a chat template in Qwen3.5's style: tools listed as <function> blocks, calls written as XML parameters
+XML_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n# Tools\n<tools>{% for t in tools %}\n<function><name>"
+    "{{ t['function']['name'] }}</name></function>{% endfor %}\n</tools>\nCall a function as <tool_call>\n"
+    "<function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>\n</function>\n</tool_call><|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_xml_tool_calls_end_to_end(stream):
+    """A model whose template teaches Qwen3.5's XML call format: a forced call is written in that format (its
+    values following the function's schema: an enum as JSON, a plain string as text) and parsed back into
+    OpenAI's tool_calls, streamed and not."""
+    from fastapi.testclient import TestClient
+
+    from hylo.server.app import create_app
+
+    engine = Engine(trained_default_path(), device="cpu", engine_config=EngineConfig(verbose=False))
+    engine.tokenizer.chat_template = XML_TEMPLATE
+    with TestClient(create_app(engine)) as http:
+        client = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=http, max_retries=0)
+        kw = dict(model=_model(client), messages=[{"role": "user", "content": "weather?"}], tools=[WEATHER],
+                  tool_choice="required", max_tokens=150, temperature=0, parallel_tool_calls=False)
+        if stream:
+            calls, finish = [], None
+            for ch in client.chat.completions.create(stream=True, **kw):
+                calls += ch.choices[0].delta.tool_calls or []
+                finish = ch.choices[0].finish_reason or finish
+        else:
+            r = client.chat.completions.create(**kw)
+            calls, finish = r.choices[0].message.tool_calls, r.choices[0].finish_reason
+    assert finish == "tool_calls" and len(calls) == 1 and calls[0].function.name == "get_weather"
+    jsonschema.validate(json.loads(calls[0].function.arguments), WEATHER["function"]["parameters"])

@@ -112,11 +112,27 @@ def _call_regex(name: str, schema: dict, call_format: str) -> str:
     required = set(schema.get("required") or ())
     blocks = []
     for key, sub in props.items():
-        raw = sub.get("type") == "string" and not ({"enum", "const", "pattern", "format"} & set(sub))
-        body = "[^<]*" if raw else value(sub)  # a plain string as it is (without '<', which would close it)
+        body = _xml_string(sub, value) if sub.get("type") == "string" else value(sub)
         block = escape(f"<parameter={key}>\n") + body + escape("\n</parameter>\n")
         blocks.append(block if key in required else f"({block})?")
     return (escape(f"<tool_call>\n<function={name}>\n") + "".join(blocks) + escape("</function>\n</tool_call>"))
+
+
+def _xml_string(sub: dict, value) -> str:
+    """A string parameter's value in the XML form: the text itself, not JSON (no quotes, no escapes), without '<'
+    (which would close it); its enum, const, pattern, format and length bounds kept."""
+    if "enum" in sub or "const" in sub:
+        options = sub["enum"] if "enum" in sub else [sub["const"]]
+        if not all(isinstance(o, str) for o in options):
+            return value(sub)
+        return "(" + "|".join(escape(o) for o in options) + ")"
+    if "pattern" in sub:
+        body = sub["pattern"].removeprefix("^")
+        return f"({body[:-1] if body.endswith('$') and not body.endswith(chr(92) + '$') else body})"
+    if "format" in sub:
+        quoted = value(sub)  # the translation writes the format between quotes: the text inside them
+        return quoted[1:-1] if quoted.startswith('"') and quoted.endswith('"') else quoted
+    return f"[^<]{{{sub.get('minLength', 0)},{sub.get('maxLength', '')}}}"
 
 
 def parse_calls(text: str, tools: Tools) -> tuple[str | None, list[dict]]:
