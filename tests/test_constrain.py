@@ -242,3 +242,34 @@ def test_grammars_are_matched_on_the_host(llms):
     before = eng.host_syncs
     llm.generate(["\n"], [SamplingParams(max_tokens=8, temperature=0)], use_tqdm=False)
     assert eng.host_syncs == before
+
+
+def test_mtp_drafts_follow_the_constraint(monkeypatch):
+    """The MTP head drafts constrained rows under their constraint (each draft masked by the state after the ones
+    before it): the verify accepts more of them than of unmasked drafts, on the same requests; the outputs stay
+    the constrained greedy ones."""
+    import dataclasses
+
+    import hylo.spec.mtp as mtp
+
+    params = [SamplingParams(max_tokens=100, temperature=0, constraint=c) for c in CONSTRAINTS[:4]]
+
+    def run():
+        llm = LLM(None, device="cpu", verbose=False, speculative="mtp", num_speculative_tokens=3,
+                  spec_policy="fixed", max_num_seqs=4)
+        outs = llm.generate(PROMPTS[:4], params, use_tqdm=False)
+        return [o.token_ids for o in outs], sum(o.spec.emitted_tokens for o in outs) / sum(
+            o.spec.verify_steps for o in outs)
+
+    masked_ids, masked = run()
+    pick = mtp.MTPDrafter._pick
+
+    def unmasked_pick(self, logits, req_slots, sb, base, i, worker=None):
+        if sb is not None and sb.constrained:
+            sb = dataclasses.replace(sb, constrained=False)
+        return pick(self, logits, req_slots, sb, base, i, worker)
+
+    monkeypatch.setattr(mtp.MTPDrafter, "_pick", unmasked_pick)
+    plain_ids, plain = run()
+    assert masked_ids == plain_ids
+    assert masked > plain + 0.3, (masked, plain)

@@ -51,15 +51,24 @@ class MTPDrafter:
         return fn
 
     def _pick(self, logits: torch.Tensor, req_slots: torch.Tensor, sb: SamplingBatch | None,
-              base_steps: torch.Tensor | None, i: int) -> torch.Tensor:
+              base_steps: torch.Tensor | None, i: int, worker=None) -> torch.Tensor:
         """Draft i from MTP logits: argmax for greedy rows (every row when ``sb`` is None), a draw from q for the
-        others."""
+        others. Constrained rows draft under their constraint: draft i is masked by the state after drafts
+        0..i-1 (from the slot's state, which the target's step moved on already), so that their drafts are ones the
+        verify's masked target can accept; q is then the masked distribution, which keeps rejection sampling
+        exact."""
+        if sb is not None and sb.constrained:
+            tables = worker.caches.req_slots.constraints
+            states = tables.state[req_slots] if i == 0 else self._draft_states
+            logits = tables.mask_logits(logits, states)
         token = greedy_tokens(logits)
         if sb is not None and not sb.all_greedy:
             q = sampling_probs(logits, sb)
             token = torch.where(sb.temperatures > 0, draw(q, sb.seeds, base_steps + i, STREAM_DRAFT), token)
             self.draft_probs[req_slots, i] = q
         self.drafts[req_slots, i] = token
+        if sb is not None and sb.constrained:
+            self._draft_states = tables.next_states(states, token)
         return token
 
     def _chain(self, run_head, worker, hidden, token, positions0, req_slots, state_slots, max_seq_len, sb,
@@ -81,7 +90,7 @@ class MTPDrafter:
                 state_slots=state_slots, seq_lens=p + 1, query_start_loc=qsl, out_cache_loc=locs[:, i - 1],
                 max_seq_len=min(max_seq_len + i, width))
             hidden, logits = run_head(worker, batch, hidden, "draft_decode")
-            token = self._pick(logits, req_slots, sb, base_steps, i)
+            token = self._pick(logits, req_slots, sb, base_steps, i, worker)
 
     def after_prefill(self, worker, batch: ForwardBatch, hidden: torch.Tensor, next_ids: torch.Tensor,
                       tok_idx: torch.Tensor, row_idx: torch.Tensor, sb: SamplingBatch, max_seq_len: int) -> None:
@@ -95,7 +104,7 @@ class MTPDrafter:
         req_slots, state_slots = batch.req_slots[row_idx], batch.state_slots[row_idx]
         last = out[tok_idx]
         base = sb.steps + 1
-        first = self._pick(self.mtp.compute_logits(last), req_slots, sb, base, 0)
+        first = self._pick(self.mtp.compute_logits(last), req_slots, sb, base, 0, worker)
         self._chain(self.forward, worker, last, first, batch.positions[tok_idx] + 1, req_slots, state_slots,
                     max_seq_len, sb, base)
 
@@ -117,7 +126,7 @@ class MTPDrafter:
         run_head = self._direct if fused else self.forward
         out, logits = run_head(worker, mtp_batch, hidden, "draft_decode")
         base = None if sb is None else sb.steps + 1
-        first = self._pick(logits, batch.req_slots, sb, base, 0)
+        first = self._pick(logits, batch.req_slots, sb, base, 0, worker)
         self._chain(run_head, worker, out, first, pos + 1, batch.req_slots, batch.state_slots, batch.max_seq_len,
                     sb, base)
 
@@ -146,7 +155,7 @@ class MTPDrafter:
         # the pair (target hidden, token) at the newest committed position gives draft 1
         last = out.view(bs, k1, -1)[rows, accepted]
         base = None if sb is None else sb.steps + accepted + 1
-        first = self._pick(logits.view(bs, k1, -1)[rows, accepted], mtp_batch.req_slots, sb, base, 0)
+        first = self._pick(logits.view(bs, k1, -1)[rows, accepted], mtp_batch.req_slots, sb, base, 0, worker)
         positions0 = mtp_batch.seq_lens - k1 + accepted + 1
         self._chain(run_head, worker, last, first, positions0, mtp_batch.req_slots, mtp_batch.state_slots,
                     mtp_batch.max_seq_len, sb, base)
