@@ -60,6 +60,29 @@ def _engine_options(args) -> dict:
                 prefix_state_interval=args.prefix_state_interval, prefix_snapshots=args.prefix_snapshots)
 
 
+def _constraint(args):
+    """The output constraint the generate options ask for (``hylo.constrain``), or None."""
+    from .constrain.spec import Constraint
+
+    def text(value: str) -> str:
+        if value.startswith("@"):
+            with open(value[1:]) as f:
+                return f.read()
+        return value
+
+    if args.regex is not None:
+        return Constraint.regex(args.regex)
+    if args.json_schema is not None:
+        return Constraint.json_schema(text(args.json_schema))
+    if args.json:
+        return Constraint.json_object()
+    if args.choice:
+        return Constraint.choice(args.choice)
+    if args.grammar is not None:
+        return Constraint.grammar(text(args.grammar))
+    return None
+
+
 def _generate(args) -> int:
     from .api import LLM
     from .core import SamplingParams
@@ -72,8 +95,14 @@ def _generate(args) -> int:
     if prompt is None:
         print("error: give a prompt (hylo generate \"text\", --prompt TEXT or --prompt-file F)", file=sys.stderr)
         return 2
+    try:
+        constraint = _constraint(args)
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.seed, stop=args.stop or None, ignore_eos=args.ignore_eos)
+                            top_k=args.top_k, seed=args.seed, stop=args.stop or None, ignore_eos=args.ignore_eos,
+                            constraint=constraint)
     llm = LLM(args.model, device=args.device, dtype=args.dtype, **_engine_options(args))
     t0 = time.perf_counter()
     out = llm.generate(prompt, params, use_tqdm=False)[0]
@@ -184,6 +213,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seed of the sampling noise: the same seed gives the same output (default: drawn)")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
+    c = g.add_mutually_exclusive_group()
+    c.add_argument("--regex", default=None, help="constrain the output to full matches of this regular expression")
+    c.add_argument("--json-schema", default=None, metavar="SCHEMA",
+                   help="constrain the output to JSON valid against this schema (JSON text, or @FILE)")
+    c.add_argument("--json", action="store_true", help="constrain the output to a JSON object")
+    c.add_argument("--choice", action="append", default=None, help="constrain the output to one of these strings "
+                                                                   "(repeatable)")
+    c.add_argument("--grammar", default=None, metavar="GRAMMAR",
+                   help="constrain the output to a Lark or GBNF grammar (text, or @FILE; matched on the host)")
     _add_engine_args(g)
     g.set_defaults(func=_generate)
     b = sub.add_parser("bench", help="benchmark on the GPU (random-weight benchmark model, no checkpoint)")

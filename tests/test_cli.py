@@ -30,3 +30,24 @@ def test_bad_and_busy_ports_are_refused_before_loading():
                              text=True, timeout=60)
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert f"port {port}" in out.stderr and "in use" in out.stderr and "[hylo] model" not in out.stderr
+
+
+def test_generate_with_a_constraint(tmp_path):
+    """``hylo generate --json-schema @FILE`` / ``--regex``: the printed completion follows the constraint; a bad
+    one is refused in one line, without a traceback."""
+    import json
+    import re
+
+    schema = tmp_path / "s.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}))
+    prompt = "x = "
+    out = subprocess.run([sys.executable, "-m", "hylo", "generate", prompt, "--json-schema", f"@{schema}",
+                          "--max-tokens", "40"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout[len(prompt):].strip()) in ({"ok": True}, {"ok": False})
+    out = subprocess.run([sys.executable, "-m", "hylo", "generate", prompt, "--regex", "[0-9]{2}", "--max-tokens",
+                          "8"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and re.fullmatch(r"[0-9]{2}", out.stdout[len(prompt):].strip()), out
+    out = subprocess.run([sys.executable, "-m", "hylo", "generate", prompt, "--json-schema", "{nope"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and "not valid JSON" in out.stderr and "Traceback" not in out.stderr
