@@ -35,7 +35,8 @@ class SamplingParams:
     token's log probability and the N most likely alternatives, ``prompt_logprobs=N`` the same for the prompt's
     tokens; both from the model's raw distribution (log_softmax of the logits before any change above). ``n``
     (offline API): that many samples of each prompt, choice i seeded with seed + i. ``constraint``
-    (``hylo.constrain.spec.Constraint``: a regular expression, a JSON schema, any JSON object or a choice) allows
+    (``hylo.constrain.spec.Constraint``: a regular expression, a JSON schema, any JSON object, a choice or a
+    grammar) allows
     only outputs it matches: the tokens it does not allow are masked after every change above, and the output ends
     (at an end-of-sequence token) only where the constraint may end.
     """
@@ -209,12 +210,19 @@ class Req:
     state_len: int = 0
     extra_ids: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens reused from the cache at admission
-    automaton: object = None  # constrain.automaton.TokenAutomaton of params.constraint, compiled on arrival
+    # params.constraint compiled on arrival: a constrain.automaton.TokenAutomaton, or for a grammar the request's
+    # own constrain.host.HostMatcher
+    automaton: object = None
     last_snapshot: int = 0  # position of this request's latest snapshot
     branch_point: int = 0  # where its tokens leave the cached ones: a prefill chunk ends there, with a snapshot
     use_prefix_cache: bool = True  # False: neither reuses nor adds (Engine.prompt_logits computes every position)
     logprobs: list["TokenLogprobs"] = field(default_factory=list)  # one per output token, when asked for
     prompt_logprobs: list["TokenLogprobs | None"] = field(default_factory=list)  # per prompt token, when asked for
+
+    @property
+    def host_matched(self) -> bool:
+        """Its constraint is matched on the host (a grammar): each step needs the token before it."""
+        return getattr(self.automaton, "host", False)
 
     @property
     def num_tokens(self) -> int:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .spec import Constraint
+from .spec import Constraint, first_line
 
 if TYPE_CHECKING:
     from .host import HostGrammar
@@ -100,8 +100,7 @@ def compile_automaton(constraint: Constraint, vocabulary: dict[bytes, list[int]]
         # the end-of-sequence id outlines wants is one no token has: the device tables allow the model's own
         index = Index(regex, Vocabulary(vocab, vocabulary))
     except (ValueError, TypeError, RuntimeError) as e:
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ValueError(f"{constraint.kind} constraint: cannot be compiled ({msg})") from None
+        raise ValueError(f"{constraint.kind} constraint: cannot be compiled ({first_line(e)})") from None
     transitions = index.get_transitions()
     finals = set(index.get_final_states())
     order = {s: i for i, s in enumerate(sorted(set(transitions) | finals | {index.get_initial_state()}))}
@@ -137,7 +136,8 @@ class AutomatonCache:
 
     def __init__(self, tokenizer, vocab: int, capacity: int = 64, eos_ids=()):
         self.tokenizer, self.vocab, self.capacity, self.eos_ids = tokenizer, vocab, capacity, set(eos_ids)
-        self._vocabulary: dict[bytes, list[int]] | None = None
+        self._vocabulary: dict[bytes, list[int]] | None = None  # for the automata (outlines-core)
+        self._lltok = None  # for the grammars (llguidance's tokenizer over the same vocabulary)
         self._done: OrderedDict[Constraint, TokenAutomaton] = OrderedDict()
         self._lock = threading.Lock()
         self._pending: dict[Constraint, threading.Lock] = {}
@@ -154,16 +154,18 @@ class AutomatonCache:
             with self._lock:
                 if constraint in self._done:
                     return self._done[constraint]
-                if self._vocabulary is None:
-                    self._vocabulary = vocabulary_bytes(self.tokenizer, self.vocab)
             try:
                 if constraint.kind == "grammar":  # no device automaton: matched on the host (constrain.host)
-                    from .host import HostGrammar
+                    from .host import HostGrammar, llg_tokenizer
 
                     start = time.perf_counter()
-                    auto = HostGrammar(constraint, self.tokenizer, self.vocab, self.eos_ids)
+                    if self._lltok is None:
+                        self._lltok = llg_tokenizer(self.tokenizer, self.vocab, self.eos_ids)
+                    auto = HostGrammar(constraint, self._lltok, self.vocab)
                     auto.compile_seconds = time.perf_counter() - start
                 else:
+                    if self._vocabulary is None:
+                        self._vocabulary = vocabulary_bytes(self.tokenizer, self.vocab)
                     auto = compile_automaton(constraint, self._vocabulary, self.vocab)
             finally:
                 with self._lock:

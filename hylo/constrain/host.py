@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .spec import Constraint
+from .spec import Constraint, first_line
 
 
 class _Vocabulary:
@@ -33,16 +33,24 @@ class _Vocabulary:
         return self._tokenizer.encode(text, add_special_tokens=False)
 
 
-class HostGrammar:
-    """A checked grammar over one tokenizer; ``matcher()`` gives each request its own matcher."""
+def llg_tokenizer(tokenizer, vocab: int, eos_ids):
+    """llguidance's view of the tokenizer for logits of width ``vocab`` (built once per engine: it walks the whole
+    vocabulary)."""
+    import llguidance
 
-    def __init__(self, constraint: Constraint, tokenizer, vocab: int, eos_ids):
+    eos = sorted(eos_ids)
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Vocabulary(tokenizer, vocab, eos[0])),
+                                  n_vocab=vocab, eos_token=eos)
+
+
+class HostGrammar:
+    """A checked grammar over one tokenizer (``llg_tokenizer``); ``matcher()`` gives each request its own
+    matcher."""
+
+    def __init__(self, constraint: Constraint, lltok, vocab: int):
         import llguidance
 
-        eos = sorted(eos_ids)
-        self.constraint, self.vocab = constraint, vocab
-        self.lltok = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Vocabulary(tokenizer, vocab, eos[0])),
-                                            n_vocab=vocab, eos_token=eos)
+        self.constraint, self.vocab, self.lltok = constraint, vocab, lltok
         text = constraint.value
         try:
             if constraint.syntax == "gbnf":
@@ -52,9 +60,9 @@ class HostGrammar:
             self.grammar = llguidance.LLMatcher.grammar_from_lark(text)
             error = llguidance.LLMatcher.validate_grammar(self.grammar, self.lltok)
         except Exception as e:  # noqa: BLE001 - llguidance's converter raises plain Exceptions for bad grammars
-            error = str(e) or type(e).__name__
+            error = first_line(e)
         if error:
-            raise ValueError(f"grammar constraint: {error.strip().splitlines()[0]}")
+            raise ValueError(f"grammar constraint: {first_line(error)}")
         self.compile_seconds = 0.0
 
     def matcher(self) -> "HostMatcher":
@@ -73,14 +81,9 @@ class HostMatcher:
         self._m = llguidance.LLMatcher(grammar.lltok, grammar.grammar)
         self.fed = 0  # output tokens consumed
 
-    def restart(self, tokens) -> None:
-        """Back to the start, then over ``tokens`` (a preempted request's output so far)."""
-        self._m.reset()
-        self.fed = 0
-        self.feed(tokens)
-
     def feed(self, tokens) -> None:
-        """The request's output tokens from ``fed`` on (each at most once)."""
+        """The request's output tokens from ``fed`` on (each at most once; a preempted request keeps its matcher,
+        as it keeps its output)."""
         new = list(tokens[self.fed:])
         if new and not self._m.consume_tokens(new):
             raise RuntimeError(f"grammar matcher rejected a masked token: {self._m.get_error()}")

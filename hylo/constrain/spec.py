@@ -1,8 +1,9 @@
 """What a constrained request asks for, checked when it arrives, and the one regular expression it compiles to.
 
-Every constraint here is regular: a regular expression (in the Rust ``regex`` crate's syntax, which outlines-core
-compiles), a choice among strings (their alternation), a JSON schema or any JSON object (outlines-core's schema to
-regex translation: compact JSON with at most one space between tokens, nesting bounded where a schema recurses).
+Every constraint but a grammar is regular: a regular expression (in the Rust ``regex`` crate's syntax, which
+outlines-core compiles), a choice among strings (their alternation), a JSON schema or any JSON object (outlines-core's
+schema to regex translation: compact JSON with at most one space between tokens, nesting bounded where a schema
+recurses). A grammar (Lark or GBNF) is matched on the host instead (``constrain.host``).
 A JSON schema keyword that translation would not enforce (``minimum``, ``uniqueItems``, ``not`` ...) is refused by
 name rather than loosened: the output of a constrained request always validates against what it asked for.
 """
@@ -11,8 +12,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-
-KINDS = ("regex", "json_schema", "json_object", "choice", "grammar")
 
 # keywords whose meaning the translation enforces (or tightens: a recursive schema is cut at a depth, an object with
 # ``properties`` gets no other keys), and annotations without a meaning for the output
@@ -32,8 +31,8 @@ _META = set("\\.+*?()|[]{}^$#&-~")
 
 @dataclass(frozen=True)
 class Constraint:
-    """A request's output constraint; ``value`` is the regular expression, the schema's canonical JSON text, or
-    the choices. Build it with the class methods, which check it and raise ``ValueError`` naming the problem."""
+    """A request's output constraint; ``value`` is the regular expression, the schema's JSON text, the choices or
+    the grammar's text. Build it with the class methods, which check it and raise ``ValueError`` naming the problem."""
 
     kind: str
     value: str | tuple[str, ...] | None = None
@@ -96,11 +95,7 @@ class Constraint:
         try:
             return build_regex_from_schema(json.dumps(_grouped_patterns(schema)))
         except (ValueError, TypeError) as e:
-            raise ValueError(f"json_schema constraint: {_first_line(e)}") from None
-
-    def describe(self) -> str:
-        text = self.value if isinstance(self.value, str) else json.dumps(self.value)
-        return f"{self.kind}" + (f" {text[:60]}{'...' if len(text or '') > 60 else ''}" if text else "")
+            raise ValueError(f"json_schema constraint: {first_line(e)}") from None
 
 
 # ``json_object``: any JSON object whose values nest at most this deep (objects or arrays of plain values, at 2).
@@ -211,5 +206,7 @@ def _grouped_patterns(schema):
     return out
 
 
-def _first_line(e: Exception) -> str:
-    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+def first_line(e: "Exception | str") -> str:
+    """The first line of an error (a compiler's message may run on), or the exception's type when it has none."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__

@@ -168,6 +168,7 @@ class Engine:
         automaton = self.compile_constraint(params.constraint) if params.constraint is not None else None
         if automaton is not None and not hasattr(automaton, "walk"):  # a grammar: this request's own host matcher
             automaton = automaton.matcher()
+            self.scheduler.host_matching = True
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self._reqs:
             raise ValueError(f"request id {rid!r} is already in use")
@@ -254,7 +255,8 @@ class Engine:
         waits for the host between steps; the returned requests are those of step N. Without overlap the step is
         launched and its own results read at once."""
         early = []
-        if self._inflight is not None and any(getattr(r.automaton, "host", False) for r in self.scheduler.running):
+        if (self._inflight is not None and self.scheduler.host_matching
+                and any(r.host_matched for r in self.scheduler.running)):
             # a grammar row's mask needs the token the step in flight samples: read it first (constrain.host)
             early, self._inflight = self._complete(self._inflight), None
             self.host_syncs += 1
@@ -315,7 +317,9 @@ class Engine:
     def _host_masks(self, sched: ScheduledBatch) -> None:
         """The masks of the step's host-matched rows that sample, into the device table before it launches (no
         step of theirs is in flight: ``step`` read it)."""
-        rows = [r for r, keep in zip(sched.reqs, sched.sample) if keep and getattr(r.automaton, "host", False)]
+        if not self.scheduler.host_matching:
+            return
+        rows = [r for r, keep in zip(sched.reqs, sched.sample) if keep and r.host_matched]
         if rows:
             write_host_masks(rows, self.caches.req_slots.ensure_constraints(self.model_config.vocab_size,
                                                                             self.model_worker.eos_ids))

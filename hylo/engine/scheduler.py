@@ -48,6 +48,8 @@ class Scheduler:
         self.caches = caches
         self.ec = ec
         self.k = num_spec_tokens
+        # set once a request whose constraint is matched on the host arrives: only then do steps look for one
+        self.host_matching = False
         # with speculation: whether each step of decoding rows verifies drafts or decodes plainly
         self.policy = (DraftPolicy(num_spec_tokens, adaptive=ec.spec_policy == "adaptive")
                        if num_spec_tokens else None)
@@ -281,7 +283,7 @@ class Scheduler:
             return None
         rows = [r for r in decoding if not self._surely_done(r)] or decoding
         choice = self.policy.choose(rows)
-        if any(getattr(r.automaton, "host", False) for r in decoding):
+        if self.host_matching and any(r.host_matched for r in decoding):
             choice = StepChoice(False, False)  # a host-matched grammar's mask needs each token before the next
         if not choice.verify and all(r.has_drafts for r in rows) and any(map(self._may_end_in_flight, rows)):
             # a verify in flight may end one of them: verify again (a row past its request's end is inert there,

@@ -98,7 +98,7 @@ class _SamplingFields(BaseModel):
     # output constraints (server/structured.py reads them): OpenAI's, vLLM's, vLLM's older names
     response_format: dict | None = None
     structured_outputs: dict | None = Field(None, description="vLLM extension: one of json, regex, choice, "
-                                                              "json_object")
+                                                              "grammar, json_object")
     guided_json: Any = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None

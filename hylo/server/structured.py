@@ -16,6 +16,9 @@ from .protocol import APIError
 
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 _STRUCTURED_KEYS = {"json", "regex", "choice", "json_object", "grammar", "structural_tag"}
+# vLLM's options of the JSON translation, and the values that mean "as hylo does anyway"
+_NEUTRAL_OPTIONS = {"disable_any_whitespace": (None, False), "disable_additional_properties": (None, False),
+                    "whitespace_pattern": (None,)}
 
 
 def constraint_of(body) -> tuple[str | None, Constraint | None]:
@@ -76,11 +79,13 @@ def _structured_outputs(so: dict) -> Constraint:
     if not isinstance(so, dict):
         raise APIError("structured_outputs must be an object", param="structured_outputs")
     given = [k for k, v in so.items() if k in _STRUCTURED_KEYS and v not in (None, False)]
-    unknown = [k for k in so if k not in _STRUCTURED_KEYS and k not in ("disable_any_whitespace",
-                                                                        "disable_additional_properties",
-                                                                        "whitespace_pattern")]
+    unknown = [k for k in so if k not in _STRUCTURED_KEYS and k not in _NEUTRAL_OPTIONS]
     if unknown:
         raise APIError(f"structured_outputs: unknown field {unknown[0]!r}", param="structured_outputs")
+    changed = [k for k, neutral in _NEUTRAL_OPTIONS.items() if k in so and so[k] not in neutral]
+    if changed:  # accepted at their neutral values only: hylo's JSON whitespace and object keys are its own
+        raise APIError(f"structured_outputs.{changed[0]} is not supported by hylo (JSON output has at most one space "
+                       f"between tokens)", param="structured_outputs", code="unsupported_parameter")
     if len(given) != 1:
         raise APIError(f"structured_outputs needs exactly one of json, regex, choice, grammar, json_object (got "
                        f"{given or 'none'})", param="structured_outputs")
