@@ -1,4 +1,4 @@
-"""A/B of the captured plain decode step on bench-6b under settings read from the environment at start-up.
+"""A/B of the captured plain decode step on bench-6b (or ``--model-name``'s shape) under settings read from the environment at start-up.
 
     python tools/ab_decode.py --variant base: --variant tc:HYLO_GEMV_FMA=0 --bs 1 8 --rounds 2 --out DIR
 
@@ -24,7 +24,7 @@ import sys
 import time
 
 
-def child(batches: list[int]) -> None:
+def child(batches: list[int], model_name: str) -> None:
     import torch
 
     from hylo.bench.run import SPEC_KV_TOKENS, SPEC_MODEL_LEN, build_model
@@ -40,7 +40,7 @@ def child(batches: list[int]) -> None:
     ablate.apply()  # HYLO_ABLATE: pieces left out (what-if timing)
     dev = torch.device("cuda")
     copy_rate = measure_copy_rate(dev)
-    lm = build_model(bench_config("bench-6b"), dev)
+    lm = build_model(bench_config(model_name), dev, name=model_name)
     # AB_BENCH_ENGINE=1: the engine as `hylo bench` sizes it (256 sequences, a 40k context, a 2.2M-token KV pool)
     big = os.environ.get("AB_BENCH_ENGINE") == "1"
     seqs = 256 if big else max(batches)
@@ -60,7 +60,7 @@ def child(batches: list[int]) -> None:
     print("AB_ROWS " + json.dumps(rows), flush=True)
 
 
-def child_prefill(tokens: int) -> None:
+def child_prefill(tokens: int, model_name: str) -> None:
     import torch
 
     from hylo.bench.run import build_model
@@ -69,8 +69,8 @@ def child_prefill(tokens: int) -> None:
     from hylo.config import EngineConfig
     from hylo.engine.engine import Engine
 
-    mc = bench_config("bench-6b")
-    lm = build_model(mc, torch.device("cuda"))
+    mc = bench_config(model_name)
+    lm = build_model(mc, torch.device("cuda"), name=model_name)
     ec = EngineConfig(enable_prefix_caching=False, max_num_seqs=1, kv_cache_tokens=tokens + 4096, chunk_size=tokens, cuda_graph_sizes=(1,),
                       max_model_len=tokens + 256, verbose=False)
     eng = Engine(lm, device="cuda", dtype="bfloat16", engine_config=ec)
@@ -88,10 +88,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--prefill", type=int, default=0, help="time the prefill of one prompt of this many tokens")
     ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--model-name", default="bench-6b", help="benchmark shape (hylo bench's names, -fp8 ones too)")
     ap.add_argument("--child", action="store_true")
     args = ap.parse_args()
     if args.child:
-        child_prefill(args.prefill) if args.prefill else child(args.bs)
+        child_prefill(args.prefill, args.model_name) if args.prefill else child(args.bs, args.model_name)
         return
     if not args.variant:
         ap.error("give at least one --variant")
@@ -113,11 +114,12 @@ def main() -> None:
 
     def save():  # after every variant, so that a call cut short by its time limit keeps what it measured
         with open(path, "w") as f:
-            json.dump({"variants": {n: e for n, e in variants}, "best": best, "rounds": every}, f, indent=1)
+            json.dump({"model": args.model_name, "variants": {n: e for n, e in variants}, "best": best, "rounds": every}, f, indent=1)
 
     for rnd in range(args.rounds):
         for name, env in variants:
-            cmd = [sys.executable, __file__, "--child", "--bs", *map(str, args.bs), "--prefill", str(args.prefill)]
+            cmd = [sys.executable, __file__, "--child", "--bs", *map(str, args.bs), "--prefill", str(args.prefill),
+                   "--model-name", args.model_name]
             proc = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": child_path, **env}, capture_output=True,
                                   text=True)
             line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("AB_ROWS ")), None)

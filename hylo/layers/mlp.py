@@ -34,7 +34,14 @@ class GroupedSigmoidMoE(nn.Module):
     one, projected back after), and a squared-ReLU shared expert on the block's input, added.
 
     The routing is plain torch (no host read, so CUDA graphs capture it); the experts go through ``ops.moe.fused_moe``
-    with ``gated=False``: the per-expert reference on the CPU, the pair and grouped Triton kernels on the GPU."""
+    with ``gated=False``: the per-expert reference on the CPU, the pair and grouped Triton kernels on the GPU.
+
+    Where the experts see the block's input (no latent projection) and the shared expert's width is a multiple of
+    theirs (Nemotron 3 Nano: 3712 = 2 x 1856), the shared expert is folded in as that many more experts, each a
+    slice of its intermediate channels (the squared ReLU acts channel by channel, and the down projection sums over
+    channels, so the slices' outputs add up to the shared expert's), routed to by every token with weight 1. The
+    block is then the router, one routing launch and the two expert launches, where the shared expert apart took
+    six launches at batch 1 (two GEMVs, the ReLU, the square, a cast and the add)."""
 
     def __init__(self, mc, dtype: torch.dtype, device=None):
         super().__init__()
@@ -47,19 +54,21 @@ class GroupedSigmoidMoE(nn.Module):
         f32 = dict(dtype=torch.float32, device=device)
         self.gate = nn.Parameter(torch.empty(experts, hidden, **f32), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(experts, **f32), requires_grad=False)
-        self.up = nn.Parameter(torch.empty(experts, inter, width, **kw), requires_grad=False)
-        self.down = nn.Parameter(torch.empty(experts, width, inter, **kw), requires_grad=False)
         latent = r.latent_size is not None
+        shared = mc.shared_expert_intermediate_size
+        self.folded = 0 if latent or not shared or shared % inter else shared // inter  # shared as experts
+        self.up = nn.Parameter(torch.empty(experts + self.folded, inter, width, **kw), requires_grad=False)
+        self.down = nn.Parameter(torch.empty(experts + self.folded, width, inter, **kw), requires_grad=False)
         self.fc1 = nn.Parameter(torch.empty(width, hidden, **kw), requires_grad=False) if latent else None
         self.fc2 = nn.Parameter(torch.empty(hidden, width, **kw), requires_grad=False) if latent else None
-        self.shared = SquaredReluMLP(hidden, mc.shared_expert_intermediate_size, dtype, device)
+        self.shared = None if self.folded else SquaredReluMLP(hidden, shared, dtype, device)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(float32 weights [T, k], expert ids [T, k]) for the tokens x [T, H]; the router in float32, as the
         reference."""
         r = self.spec
         return grouped_sigmoid_route(F.linear(x.float(), self.gate), self.bias, r.n_group, r.topk_group,
-                                     self.top_k, self.normalize, r.routed_scaling_factor)
+                                     self.top_k, self.normalize, r.routed_scaling_factor, self.folded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)
@@ -67,15 +76,24 @@ class GroupedSigmoidMoE(nn.Module):
         out = fused_moe(h, self.up, self.down, weights, ids, gated=False)  # summed in float32, as transformers
         if self.fc2 is not None:
             out = dense(out, self.fc2)
-        return out + self.shared(x)
+        return out if self.shared is None else out + self.shared(x)
 
     def load(self, r: TensorReader, prefix: str) -> None:
         e, i, w, h = self.num_experts, self.inter, self.width, self.hidden
         copy_into(self.gate, r.get(f"{prefix}.gate.weight", (e, h)))
         copy_into(self.bias, r.get(f"{prefix}.gate.e_score_correction_bias", (e,)))
-        copy_into(self.up, torch.stack([r.get(f"{prefix}.experts.{j}.up_proj.weight", (i, w)) for j in range(e)]))
-        copy_into(self.down, torch.stack([r.get(f"{prefix}.experts.{j}.down_proj.weight", (w, i)) for j in range(e)]))
+        for j in range(e):
+            copy_into(self.up[j], r.get(f"{prefix}.experts.{j}.up_proj.weight", (i, w)))
+            copy_into(self.down[j], r.get(f"{prefix}.experts.{j}.down_proj.weight", (w, i)))
         if self.fc1 is not None:
             copy_into(self.fc1, r.get(f"{prefix}.fc1_latent_proj.weight", (w, h)))
             copy_into(self.fc2, r.get(f"{prefix}.fc2_latent_proj.weight", (h, w)))
-        self.shared.load(r, f"{prefix}.shared_experts")
+        if self.shared is not None:
+            self.shared.load(r, f"{prefix}.shared_experts")
+            return
+        n = self.folded * i  # the shared expert, as experts e .. e + folded - 1: slices of its channels
+        up = r.get(f"{prefix}.shared_experts.up_proj.weight", (n, h))
+        down = r.get(f"{prefix}.shared_experts.down_proj.weight", (h, n))
+        for j in range(self.folded):
+            copy_into(self.up[e + j], up[j * i:(j + 1) * i])
+            copy_into(self.down[e + j], down[:, j * i:(j + 1) * i])

@@ -26,6 +26,25 @@ def block_scale(s_ptr, rows, row_mask, k0, SK: tl.constexpr, SBN: tl.constexpr, 
 
 
 @triton.jit
+def scaled_row_dot(prod, s_ptr, rows, row_mask, k0, SK: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr,
+                   BN: tl.constexpr, BK: tl.constexpr):
+    """The dot products of a one-row kernel's K tile: ``prod`` [BN, BK] holds the float32 products of weight rows
+    ``rows`` (FP8 values) and the input, columns ``k0 .. k0 + BK``; each column block's partial sums times that
+    block's scale, summed: [BN]. BK may span several column blocks (both powers of two): a one-row kernel streams
+    wide tiles, since the bytes in flight per program are what reach the bandwidth at batch 1, and an FP8 tile
+    kept inside one 128-column block holds a quarter of a bfloat16 tile's bytes (session 24's batch-1 FP8 decode
+    ran at 2.5x its byte floor)."""
+    if BK <= SBK:
+        return tl.sum(prod, 1) * block_scale(s_ptr, rows, row_mask, k0, SK, SBN, SBK)
+    NB: tl.constexpr = BK // SBK
+    part = tl.sum(tl.reshape(prod, (BN, NB, SBK)), 2)
+    kb = k0 // SBK + tl.arange(0, NB)
+    scale = tl.load(s_ptr + (rows // SBN)[:, None] * SK + kb[None, :], mask=row_mask[:, None] & (kb < SK)[None, :],
+                    other=0.0)
+    return tl.sum(part * scale, 1)
+
+
+@triton.jit
 def _fp8_matmul_kernel(x_ptr, q_ptr, s_ptr, b_ptr, y_ptr, M, N, K: tl.constexpr, stride_x, SK: tl.constexpr,
                        SBN: tl.constexpr, SBK: tl.constexpr, HAS_BIAS: tl.constexpr, BM: tl.constexpr,
                        BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):

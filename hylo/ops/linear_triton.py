@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .fp8_triton import block_scale
+from .fp8_triton import block_scale, scaled_row_dot
 from .triton_pdl import l2_prefetch, pdl_enter
 from .triton_utils import env_cfg, env_flag, env_int, next_pow2, pdl_launch, prefetch_args, sm_count
 
@@ -35,10 +35,11 @@ def _gemv_kernel(x_ptr, g_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, M, N, K: tl.constexp
     """Program (block of BN outputs, K split): BM rows (padded to 16 for the tensor cores), or with FMA one row
     (BM = 1) multiplied on the CUDA cores, a [BK] slice of x against the [BN, BK] tile of W. With NORM, each K
     block holds BK / D whole heads of D channels; with SWIGLU the input is silu(x) * g (g the up half). With FP8,
-    W is float8_e4m3fn with one float32 scale per [SBN, SBK] block (``ws_ptr``, SK scales a row; BK divides SBK,
-    so a tile's scales are one per output row): a tile's partial products are taken on the FP8 values (exact in
-    x's dtype) and scaled once per output row, as the MoE kernels and the W8A16 matmul do (until session 24 every
-    element was scaled and rounded as it was loaded: at batch 1 the FP8 model decoded slower than bfloat16)."""
+    W is float8_e4m3fn with one float32 scale per [SBN, SBK] block (``ws_ptr``, SK scales a row): a tile's
+    partial products are taken on the FP8 values (exact in x's dtype) and scaled once per output row and column
+    block, as the MoE kernels and the W8A16 matmul do (until session 24 every element was scaled and rounded as it
+    was loaded: at batch 1 the FP8 model decoded slower than bfloat16). On the tensor cores BK divides SBK; one
+    row's tile may span several column blocks (``fp8_triton.scaled_row_dot``: session 26)."""
     split = tl.program_id(1)
     offs_m = tl.arange(0, BM)
     offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
@@ -55,7 +56,10 @@ def _gemv_kernel(x_ptr, g_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, M, N, K: tl.constexp
         x = _input_block(x_ptr, g_ptr, nw, offs_m, offs_k, mm, mk, stride_x, stride_g, eps, BM, BK, D, NORM,
                          SWIGLU)
         w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
-        if FP8:  # the tile's products on the FP8 values (exact in x's dtype), then one scale per output row
+        if FP8 and FMA:  # one row: the tile may span several column blocks, each scaled after its sums
+            acc += scaled_row_dot(w.to(tl.float32) * x.to(tl.float32), ws_ptr, offs_n, mn, split * K_SPLIT + k0,
+                                  SK, SBN, SBK, BN, BK)[None, :]
+        elif FP8:  # the tile's products on the FP8 values (exact in x's dtype), then one scale per output row
             ws = block_scale(ws_ptr, offs_n, mn, split * K_SPLIT + k0, SK, SBN, SBK)
             part = _multiply(tl.zeros([BM, BN], dtype=tl.float32), w.to(x.dtype), x, FMA, PREC)
             acc += part * ws[None, :]
@@ -173,7 +177,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, gat
         bk = max(d, min(bk, GEMV_NORM_BK) // d * d)
     if fp8 is not None:
         sbk = fp8.block[1]
-        bk = min(bk, sbk)
+        if not fma:  # the tensor-core tile stays inside one column block (one rounding per block, as the matmul)
+            bk = min(bk, sbk)
         if norm and bk % d:
             raise ValueError(f"gemv: FP8 blocks of {sbk} columns cannot hold whole heads of {d}")
     k_split = triton.cdiv(k_split, bk) * bk

@@ -57,16 +57,18 @@ def route_topk(router_logits: torch.Tensor, top_k: int, normalize: bool):
 
 
 def grouped_sigmoid_route(logits: torch.Tensor, bias: torch.Tensor, n_group: int, topk_group: int, top_k: int,
-                          normalize: bool, scaling: float):
+                          normalize: bool, scaling: float, shared: int = 0):
     """Nemotron 3's (and DeepSeek-V3's) routing from float32 logits [T, E]: sigmoid scores; the correction bias
     added for the choice only; experts in ``n_group`` groups, each ranked by the sum of its two best biased scores,
     only the best ``topk_group`` groups eligible; the top ``top_k`` eligible experts by biased score, weighted by
-    their unbiased scores (renormalised with ``normalize``) times ``scaling``. Returns (float32 weights [T, k],
-    int64 ids [T, k]); on CUDA one Triton launch (``moe_route_triton.grouped_sigmoid_route``)."""
+    their unbiased scores (renormalised with ``normalize``) times ``scaling``; then ``shared`` more pairs, experts
+    E .. E + shared - 1 with weight 1 (a shared expert folded in as that many routed-size experts). Returns
+    (float32 weights [T, k + shared], int64 ids [T, k + shared]); on CUDA one Triton launch
+    (``moe_route_triton.grouped_sigmoid_route``)."""
     if use_triton(logits):
         from .moe_route_triton import grouped_sigmoid_route as route_triton
 
-        return route_triton(logits, bias, n_group, topk_group, top_k, normalize, scaling)
+        return route_triton(logits, bias, n_group, topk_group, top_k, normalize, scaling, shared)
     tokens, experts = logits.shape
     scores = logits.sigmoid()
     biased = scores + bias
@@ -80,7 +82,12 @@ def grouped_sigmoid_route(logits: torch.Tensor, bias: torch.Tensor, n_group: int
     weights = scores.gather(1, ids)
     if normalize:
         weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-    return weights * scaling, ids
+    weights = weights * scaling
+    if shared:
+        fixed = torch.arange(experts, experts + shared, device=ids.device).expand(tokens, shared)
+        ids = torch.cat([ids, fixed], 1)
+        weights = torch.cat([weights, weights.new_ones(tokens, shared)], 1)
+    return weights, ids
 
 
 def fused_moe(x: torch.Tensor, w13, w2, topk_weights: torch.Tensor,

@@ -100,11 +100,13 @@ def route(logits: torch.Tensor, num_experts: int, top_k: int, normalize: bool, s
 @triton.jit
 def _grouped_sigmoid_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, scaling, E: tl.constexpr, K: tl.constexpr,
                             BE: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, PG: tl.constexpr,
-                            TOPK_GROUP: tl.constexpr, NORM: tl.constexpr):
+                            TOPK_GROUP: tl.constexpr, NORM: tl.constexpr, SHARED: tl.constexpr = 0):
     """One program per token: sigmoid scores of the float32 logits [T, E], plus the correction bias for the
     choice; with G > 1 groups of PG experts, each group ranked by the sum of its two best biased scores and all but
     the best TOPK_GROUP groups left out; then the top K by biased score, weighted by their unbiased scores
-    (renormalised with NORM) times ``scaling``."""
+    (renormalised with NORM) times ``scaling``; then SHARED pairs of experts E, E + 1, ... with weight 1 (the
+    folded shared expert)."""
+    KP: tl.constexpr = K + SHARED
     t = tl.program_id(0)
     offs = tl.arange(0, BE)
     m = offs < E
@@ -132,24 +134,27 @@ def _grouped_sigmoid_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, scaling, E: tl
     for j in tl.static_range(K):
         _, idx = tl.max(biased, 0, return_indices=True, return_indices_tie_break_left=True)
         total += tl.sum(tl.where(offs == idx, scores, 0.0), 0)
-        tl.store(ids_ptr + t * K + j, idx.to(tl.int64))
+        tl.store(ids_ptr + t * KP + j, idx.to(tl.int64))
         rank = tl.where(offs == idx, j, rank)
         biased = tl.where(offs == idx, float("-inf"), biased)
     scale = scaling / (total + 1e-20) if NORM else scaling
-    tl.store(w_ptr + t * K + rank, (scores * scale).to(w_ptr.dtype.element_ty), mask=rank >= 0)
+    tl.store(w_ptr + t * KP + rank, (scores * scale).to(w_ptr.dtype.element_ty), mask=rank >= 0)
+    for j in tl.static_range(SHARED):
+        tl.store(ids_ptr + t * KP + K + j, E + j)
+        tl.store(w_ptr + t * KP + K + j, 1.0)
 
 
 def grouped_sigmoid_route(logits: torch.Tensor, bias: torch.Tensor, n_group: int, topk_group: int, top_k: int,
-                          normalize: bool, scaling: float):
+                          normalize: bool, scaling: float, shared: int = 0):
     """Nemotron 3's routing (``ops.moe.grouped_sigmoid_route``) in one launch: logits float32 [T, E], bias float32
-    [E]. Returns (float32 weights [T, k], int64 ids [T, k])."""
+    [E]. Returns (float32 weights [T, k + shared], int64 ids [T, k + shared])."""
     tokens, experts = logits.shape
     logits = logits.contiguous()
-    w = torch.empty(tokens, top_k, dtype=torch.float32, device=logits.device)
-    ids = torch.empty(tokens, top_k, dtype=torch.int64, device=logits.device)
+    w = torch.empty(tokens, top_k + shared, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(tokens, top_k + shared, dtype=torch.int64, device=logits.device)
     if tokens:
         _grouped_sigmoid_kernel[(tokens,)](logits, bias, w, ids, float(scaling), E=experts, K=top_k,
                                            BE=max(16, next_pow2(experts)), G=n_group, BG=max(2, next_pow2(n_group)),
                                            PG=experts // n_group,
-                                           TOPK_GROUP=topk_group, NORM=normalize, num_warps=1)
+                                           TOPK_GROUP=topk_group, NORM=normalize, SHARED=shared, num_warps=1)
     return w, ids

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .fp8_triton import block_scale, fp8_kernel_args
+from .fp8_triton import block_scale, fp8_kernel_args, scaled_row_dot
 from .pair_rows import SortedPairRows
 from .moe_grouped_mm import fused_moe_grouped_mm, grouped_mm_usable
 from .triton_pdl import l2_prefetch, pdl_enter
@@ -68,16 +68,16 @@ def _pair_gate_up_kernel(x_ptr, w13_ptr, ids_ptr, act_ptr, H: tl.constexpr, I: t
         x = tl.load(x_ptr + tok * H + offs_k, mask=mk, other=0.0).to(tl.float32)
         m2 = mn[:, None] & mk[None, :]
         wu = tl.load(w_base + (UP0 + offs_n)[:, None] * H + offs_k[None, :], mask=m2, other=0.0).to(tl.float32)
-        part_u = tl.sum(wu * x[None, :], 1)
-        if FP8:  # one scale per output row for this K tile
-            part_u *= block_scale(s_base, UP0 + offs_n, mn, k0, SK, SBN, SBK)
-        acc_u += part_u
+        if FP8:  # each column block's partial sums times its rows' scales
+            acc_u += scaled_row_dot(wu * x[None, :], s_base, UP0 + offs_n, mn, k0, SK, SBN, SBK, BN, BK)
+        else:
+            acc_u += tl.sum(wu * x[None, :], 1)
         if GATED:
             wg = tl.load(w_base + offs_n[:, None] * H + offs_k[None, :], mask=m2, other=0.0).to(tl.float32)
-            part_g = tl.sum(wg * x[None, :], 1)
             if FP8:
-                part_g *= block_scale(s_base, offs_n, mn, k0, SK, SBN, SBK)
-            acc_g += part_g
+                acc_g += scaled_row_dot(wg * x[None, :], s_base, offs_n, mn, k0, SK, SBN, SBK, BN, BK)
+            else:
+                acc_g += tl.sum(wg * x[None, :], 1)
     act = _activation(acc_g, acc_u, GATED)
     tl.store(act_ptr + pair * I + offs_n, act.to(act_ptr.dtype.element_ty), mask=mn)
 
@@ -102,13 +102,14 @@ def _pair_down_kernel(act_ptr, w2_ptr, ids_ptr, wts_ptr, out_ptr, H: tl.constexp
         offs_l = tl.minimum(tl.arange(0, PF_LINES) * PF_STRIDE, I - 1)
         l2_prefetch(w2_ptr + e * (H * I) + tl.minimum(offs_n, H - 1)[:, None] * I + offs_l[None, :])
     pdl_enter(PDL)
-    acc = _pair_down_row(act_ptr, w2_ptr, ids_ptr, pair, offs_n, mn, H, I, BK, s_ptr, S_E, SK, SBN, SBK, FP8)
+    acc = _pair_down_row(act_ptr, w2_ptr, ids_ptr, pair, offs_n, mn, H, I, BN, BK, s_ptr, S_E, SK, SBN, SBK, FP8)
     acc = acc * tl.load(wts_ptr + pair).to(tl.float32)
     tl.store(out_ptr + pair * H + offs_n, acc, mask=mn)
 
 
 @triton.jit
-def _pair_down_row(act_ptr, w2_ptr, ids_ptr, pair, offs_n, mn, H: tl.constexpr, I: tl.constexpr, BK: tl.constexpr,
+def _pair_down_row(act_ptr, w2_ptr, ids_ptr, pair, offs_n, mn, H: tl.constexpr, I: tl.constexpr, BN: tl.constexpr,
+                   BK: tl.constexpr,
                    s_ptr, S_E: tl.constexpr, SK: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr,
                    FP8: tl.constexpr):
     """Outputs ``offs_n`` of pair ``pair``'s down projection, unweighted, in float32: its activation row against
@@ -123,10 +124,10 @@ def _pair_down_row(act_ptr, w2_ptr, ids_ptr, pair, offs_n, mn, H: tl.constexpr, 
         a = tl.load(act_ptr + pair * I + offs_k, mask=mk, other=0.0).to(tl.float32)
         w = tl.load(w_base + offs_n[:, None] * I + offs_k[None, :], mask=mn[:, None] & mk[None, :],
                     other=0.0).to(tl.float32)
-        part = tl.sum(w * a[None, :], 1)
         if FP8:
-            part *= block_scale(s_base, offs_n, mn, k0, SK, SBN, SBK)
-        acc += part
+            acc += scaled_row_dot(w * a[None, :], s_base, offs_n, mn, k0, SK, SBN, SBK, BN, BK)
+        else:
+            acc += tl.sum(w * a[None, :], 1)
     return acc
 
 
@@ -145,7 +146,7 @@ def _pair_down_sum_kernel(act_ptr, w2_ptr, ids_ptr, wts_ptr, out_ptr, H: tl.cons
     acc = tl.zeros([BN], dtype=tl.float32)
     for p in tl.static_range(TOP_K):
         pair = tok * TOP_K + p
-        part = _pair_down_row(act_ptr, w2_ptr, ids_ptr, pair, offs_n, mn, H, I, BK, s_ptr, S_E, SK, SBN, SBK, FP8)
+        part = _pair_down_row(act_ptr, w2_ptr, ids_ptr, pair, offs_n, mn, H, I, BN, BK, s_ptr, S_E, SK, SBN, SBK, FP8)
         acc += part * tl.load(wts_ptr + pair).to(tl.float32)
     tl.store(out_ptr + tok * H + offs_n, acc, mask=mn)
 
@@ -298,6 +299,9 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int):
 # Gate/up from tune_kernels --only pairs (tune-pairs-20261204-1322.json: with 2 stages, as the one-row GEMV): 12.9 us
 # at 1 token (1.20x its bytes) and 56.9 at 8, against 13.7 and 59.9 with the previous (4, 256, 4, 1).
 PAIR_GATE_UP_CFG = env_cfg("HYLO_PAIR_GATE_UP_CFG", (4, 1024, 2, 2))
+# Non-gated experts (Nemotron 3's squared ReLU) load one weight tile per K step where gated ones load two: twice
+# the rows per program keeps the same bytes in flight (a first choice, A/B'd in session 26: HYLO_PAIR_UP_CFG).
+PAIR_UP_CFG = env_cfg("HYLO_PAIR_UP_CFG", (8, 1024, 2, 2))
 PAIR_DOWN_CFG = ((32, (8, 512, 2, 1)), (PAIR_GEMV_MAX_PAIRS, (16, 512, 2, 1)))
 # The down projections summed per token in the kernel (``_pair_down_sum_kernel``): the residual add that follows
 # reads one float32 row per token instead of top_k (11 on bench-6b: the add-norm kernel took 3.0 us a layer at
@@ -390,21 +394,22 @@ def _pair_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.T
     num_tokens, hidden = x.shape
     num_pairs, inter = ids.shape[0], w2.shape[-1]
     act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
-    bn, bk, warps, stages = PAIR_GATE_UP_CFG
+    # (an FP8 expert's K tiles may span several column blocks here: ``fp8_triton.scaled_row_dot``)
+    bn, bk, warps, stages = PAIR_GATE_UP_CFG if gated else PAIR_UP_CFG
     _pair_gate_up_kernel[(num_pairs, triton.cdiv(inter, bn))](
-        x, _q(w13), ids, act, hidden, inter, TOP_K=top_k, BN=bn, BK=_bk(min(bk, next_pow2(hidden)), w13),
+        x, _q(w13), ids, act, hidden, inter, TOP_K=top_k, BN=bn, BK=min(bk, next_pow2(hidden)),
         GATED=gated, num_warps=warps, num_stages=stages, **pdl_launch(x), **fp8_kernel_args(w13))
     if PAIR_DOWN_SUM:  # one float32 row per token, [T, 1, H]
         bn, bk, warps, stages = PAIR_DOWN_SUM_CFG
         out = torch.empty(num_tokens, hidden, dtype=torch.float32, device=x.device)
         _pair_down_sum_kernel[(num_tokens, triton.cdiv(hidden, bn))](
-            act, _q(w2), ids, wts, out, hidden, inter, TOP_K=top_k, BN=bn, BK=_bk(min(bk, next_pow2(inter)), w2),
+            act, _q(w2), ids, wts, out, hidden, inter, TOP_K=top_k, BN=bn, BK=min(bk, next_pow2(inter)),
             num_warps=warps, num_stages=stages, **pdl_launch(x), **fp8_kernel_args(w2))
         return out.to(x.dtype) if reduce else out.view(num_tokens, 1, hidden)
     bn, bk, warps, stages = next((cfg for limit, cfg in PAIR_DOWN_CFG if num_pairs <= limit), PAIR_DOWN_CFG[-1][1])
     out = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
     _pair_down_kernel[(num_pairs, triton.cdiv(hidden, bn))](
-        act, _q(w2), ids, wts, out, hidden, inter, BN=bn, BK=_bk(min(bk, next_pow2(inter)), w2),
+        act, _q(w2), ids, wts, out, hidden, inter, BN=bn, BK=min(bk, next_pow2(inter)),
         num_warps=warps, num_stages=stages, **prefetch_args(inter, _q(w2)), **pdl_launch(x), **fp8_kernel_args(w2))
     out = out.view(num_tokens, top_k, hidden)
     return out.sum(1, dtype=torch.float32).to(x.dtype) if reduce else out

@@ -43,10 +43,12 @@ def test_fp8_matmul_matches_the_dequantized_weight(dev, rows, n, k, block, bias)
     (1, 65, 2048, 1, (128, 128), True, None), (1, 2048, 4096, 4, (128, 128), True, None),
     (3, 100, 256, 2, (128, 128), False, None), (16, 40, 384, 3, (64, 128), False, None),
     (1, 48, 4 * 128, 4, (128, 128), True, "norm"), (5, 48, 2 * 128, 1, (128, 128), False, "norm"),
-    (1, 64, 256, 2, (128, 64), True, "swiglu"), (4, 30, 96, 1, (32, 32), False, "swiglu")])
+    (1, 64, 256, 2, (128, 64), True, "swiglu"), (4, 30, 96, 1, (32, 32), False, "swiglu"),
+    (1, 50, 300, 1, (32, 64), True, None), (1, 40, 1000, 2, (16, 128), True, None)])
 def test_fp8_gemv_matches_the_dequantized_weight(dev, rows, n, k, split, block, fma, mode):
-    """The decode GEMV on FP8 weights: one row on the CUDA cores and several on the tensor cores, K splits that
-    start on block boundaries, partial blocks, the GDN gated norm in the loads and the dense MLP's SwiGLU."""
+    """The decode GEMV on FP8 weights: one row on the CUDA cores (its K tiles spanning several column blocks, past
+    the last one too) and several on the tensor cores, K splits that start on block boundaries, partial blocks, the
+    GDN gated norm in the loads and the dense MLP's SwiGLU."""
     from hylo.ops.linear_triton import gemv
     from hylo.ops.linear import swiglu_ref
     from hylo.ops.norm import gated_rms_norm

@@ -77,25 +77,30 @@ def test_prefill_router_logits_through_padded_weight(dev):
     assert torch.equal(ids, rids) and torch.allclose(w, rw, atol=1e-5)
 
 
-@pytest.mark.parametrize("tokens,experts,n_group,topk_group,top_k,normalize",
-                         [(1, 128, 1, 1, 6, True), (9, 128, 8, 4, 8, True), (5, 8, 4, 2, 3, False),
-                          (33, 72, 3, 2, 5, True), (2, 40, 1, 1, 1, True)])
-def test_grouped_sigmoid_routing_matches_reference(dev, tokens, experts, n_group, topk_group, top_k, normalize):
+@pytest.mark.parametrize("tokens,experts,n_group,topk_group,top_k,normalize,shared",
+                         [(1, 128, 1, 1, 6, True, 2), (9, 128, 8, 4, 8, True, 0), (5, 8, 4, 2, 3, False, 1),
+                          (33, 72, 3, 2, 5, True, 0), (2, 40, 1, 1, 1, True, 3)])
+def test_grouped_sigmoid_routing_matches_reference(dev, tokens, experts, n_group, topk_group, top_k, normalize,
+                                                   shared):
     """Nemotron 3's routing kernel (sigmoid scores, the correction bias for the choice only, groups ranked by their
-    two best biased scores, top-k, renormalised and scaled) against the torch reference: the same experts per
-    token and their weights; groups of 24 and 9 experts (not powers of two) among them."""
+    two best biased scores, top-k, renormalised and scaled, then the folded shared expert's pairs) against the torch
+    reference: the same experts per token and their weights; groups of 24 and 9 experts (not powers of two) among
+    them."""
     from hylo.ops.moe import grouped_sigmoid_route
     from hylo.ops.moe_route_triton import grouped_sigmoid_route as route_triton
 
     g = torch.Generator().manual_seed(tokens * 7 + experts)
     logits = torch.randn(tokens, experts, generator=g)
     bias = torch.randn(experts, generator=g) * 0.3
-    rw, rids = grouped_sigmoid_route(logits, bias, n_group, topk_group, top_k, normalize, 2.5)
-    w, ids = route_triton(logits.to(dev), bias.to(dev), n_group, topk_group, top_k, normalize, 2.5)
-    assert w.dtype == torch.float32 and ids.dtype == torch.int64 and ids.shape == (tokens, top_k)
+    rw, rids = grouped_sigmoid_route(logits, bias, n_group, topk_group, top_k, normalize, 2.5, shared)
+    w, ids = route_triton(logits.to(dev), bias.to(dev), n_group, topk_group, top_k, normalize, 2.5, shared)
+    assert w.dtype == torch.float32 and ids.dtype == torch.int64 and ids.shape == (tokens, top_k + shared)
+    if shared:  # the shared expert's pairs last, whole weight
+        assert torch.equal(rids[:, top_k:], torch.arange(experts, experts + shared).expand(tokens, shared))
+        assert torch.equal(rw[:, top_k:], torch.ones(tokens, shared))
     order, rorder = ids.cpu().sort(1), rids.sort(1)
     assert torch.equal(order.values, rorder.values)
     torch.testing.assert_close(w.cpu().gather(1, order.indices), rw.gather(1, rorder.indices), rtol=1e-5, atol=1e-6)
     if n_group > 1:  # not vacuous: the group limit excludes experts the plain top-k would take
         plain = (logits.sigmoid() + bias).topk(top_k, dim=-1)[1].sort(1).values
-        assert not torch.equal(plain, rorder.values)
+        assert not torch.equal(plain, rids[:, :top_k].sort(1).values)
