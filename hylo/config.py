@@ -125,6 +125,8 @@ class ModelConfig:
     tie_word_embeddings: bool
     eos_token_ids: tuple[int, ...] = ()
     num_nextn_predict_layers: int = 1
+    # the MTP head's blocks in order where a family lists them (Nemotron-H's mtp_layers_block_type); else ()
+    mtp_layer_types: tuple[str, ...] = ()
     hidden_act: str = "silu"
     model_type: str = "qwen3_next"
     quantization: QuantConfig | None = None  # None: the weights are stored in a float dtype

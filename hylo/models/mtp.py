@@ -43,8 +43,9 @@ class MTPHead(nn.Module):
             for i in range(mc.num_nextn_predict_layers))
 
     @property
-    def layer_ids(self) -> list[int]:
-        return [self.config.num_hidden_layers + i for i in range(len(self.layers))]
+    def num_kv_layers(self) -> int:
+        """The extra KV layers the head's attention takes (after the target's)."""
+        return len(self.layers)
 
     def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch, backend) -> torch.Tensor:
         """input_ids: [T]; hidden: [T, H] (target or previous MTP output). Returns the MTP hidden [T, H] (normed).

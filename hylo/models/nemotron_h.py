@@ -4,8 +4,8 @@ Mamba2 (``M``), full attention without positional encoding (``*``), or a squared
 
 Nemotron 3's MoE blocks (``E``: grouped sigmoid routing, non-gated squared-ReLU experts, a latent projection, a
 shared expert; ``layers.mlp.GroupedSigmoidMoE``) run on the CPU and, through the expert kernels' non-gated mode, on
-the GPU. Refused by name: tensor parallelism. MTP layers a checkpoint
-may carry are not read (n-gram speculation serves these models meanwhile).
+the GPU. Refused by name: tensor parallelism. The MTP layers a checkpoint may carry (Nemotron 3 Super's) are the
+MTP drafter's model (``models.nemotron_mtp``).
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from .stack import LayerStack, mamba2_model_config
 MODEL_TYPES = ("nemotron_h",)
 PATTERN = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
 LEGACY = {"mamba": "linear_attention", "attention": "full_attention"}
-MTP_PREFIX = "mtp."
 
 
 def _block_types(cfg: dict[str, Any]) -> tuple[str, ...]:
@@ -46,6 +45,21 @@ def _block_types(cfg: dict[str, Any]) -> tuple[str, ...]:
     if unknown:
         raise ValueError(f"nemotron_h config: unknown block types {unknown}")
     return types
+
+
+def _mtp_block_types(cfg: dict[str, Any]) -> tuple[str, ...]:
+    """The MTP head's blocks (``mtp_layers_block_type``, or the older ``mtp_hybrid_override_pattern``), () when the
+    checkpoint has no MTP layers."""
+    if not cfg.get("num_nextn_predict_layers"):
+        return ()
+    types = cfg.get("mtp_layers_block_type")
+    if types is None:
+        pattern = cfg.get("mtp_hybrid_override_pattern", "*E")
+        unknown = sorted(set(pattern) - set(PATTERN))
+        if unknown:
+            raise ValueError(f"nemotron_h config: mtp_hybrid_override_pattern has unknown block letters {unknown}")
+        types = [PATTERN[c] for c in pattern]
+    return tuple(LEGACY.get(t, t) for t in types)
 
 
 def parse_config(cfg: dict[str, Any]) -> ModelConfig:
@@ -86,15 +100,17 @@ def parse_config(cfg: dict[str, Any]) -> ModelConfig:
         rms_norm_eps=cfg.get("layer_norm_epsilon", 1e-5),
         max_position_embeddings=cfg.get("max_position_embeddings", 4096),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)), eos_token_ids=eos_ids(cfg.get("eos_token_id")),
-        hidden_act="relu2", model_type=cfg.get("model_type", "nemotron_h"), **moe)
+        hidden_act="relu2", model_type=cfg.get("model_type", "nemotron_h"),
+        num_nextn_predict_layers=int(cfg.get("num_nextn_predict_layers") or 0), mtp_layer_types=_mtp_block_types(cfg),
+        **moe)
 
 
 class Block(nn.Module):
     """Pre-norm, one mixer, residual add (in the activations' dtype, as the reference does)."""
 
-    def __init__(self, mc: ModelConfig, layer_id: int, dtype: torch.dtype, device=None):
+    def __init__(self, mc: ModelConfig, layer_id: int, dtype: torch.dtype, device=None, kind: str | None = None):
         super().__init__()
-        self.kind = mc.layer_types[layer_id]
+        self.kind = kind or mc.layer_types[layer_id]  # (an MTP head's blocks name their kind)
         self.eps = mc.rms_norm_eps
         self.norm = nn.Parameter(torch.empty(mc.hidden_size, dtype=dtype, device=device), requires_grad=False)
         if self.kind == "linear_attention":

@@ -17,6 +17,7 @@ from ..config import ModelConfig, eos_ids, replace_fields
 from . import falcon_h1, granite_hybrid, nemotron_h, qwen3_5, qwen3_next
 from .hybrid import HybridForCausalLM
 from .mtp import MTPHead
+from .nemotron_mtp import NemotronMTPHead
 from .quant import parse_quantization
 
 
@@ -26,7 +27,7 @@ class Family:
     model_types: tuple[str, ...]
     parse: Callable[[dict[str, Any]], ModelConfig]  # config.json (as a dict) -> the text model's config
     model: type[HybridForCausalLM]  # model(config, dtype, device, tp)
-    mtp: type[MTPHead] | None  # mtp(config, target, dtype, device); None: no MTP head in this family
+    mtp: type[MTPHead | NemotronMTPHead] | None  # mtp(config, target, dtype, device); None: no MTP head here
     # checkpoint tensors the family never reads, with what they are (reported once at start-up)
     ignored: tuple[tuple[str, str], ...] = ()
 
@@ -35,8 +36,8 @@ FAMILIES = (
     Family("Qwen3-Next", ("qwen3_next",), qwen3_next.parse_config, qwen3_next.Qwen3NextForCausalLM, MTPHead),
     Family("Qwen3.5", qwen3_5.MULTIMODAL_TYPES + qwen3_5.TEXT_TYPES, qwen3_5.parse_config,
            qwen3_5.Qwen3_5ForCausalLM, MTPHead, ignored=((qwen3_5.VISION_PREFIX, "the vision tower"),)),
-    Family("Nemotron-H", nemotron_h.MODEL_TYPES, nemotron_h.parse_config, nemotron_h.NemotronHForCausalLM, None,
-           ignored=((nemotron_h.MTP_PREFIX, "the MTP layers (not yet used as a drafter)"),)),
+    Family("Nemotron-H", nemotron_h.MODEL_TYPES, nemotron_h.parse_config, nemotron_h.NemotronHForCausalLM,
+           NemotronMTPHead),
     Family("Granite-4.0-H", granite_hybrid.MODEL_TYPES, granite_hybrid.parse_config,
            granite_hybrid.GraniteMoeHybridForCausalLM, None),
     Family("Falcon-H1", falcon_h1.MODEL_TYPES, falcon_h1.parse_config, falcon_h1.FalconH1ForCausalLM, None),

@@ -27,7 +27,7 @@ class SpecSetup:
         self.mtp = build_mtp(loaded.shard_config, loaded.model, dtype, device)
         self.mtp.load(loaded.reader)
         self.mtp.eval()
-        return len(self.mtp.layers)
+        return self.mtp.num_kv_layers
 
     def wrap(self, worker: ModelWorker, ec: EngineConfig) -> SpecWorker:
         k = ec.num_speculative_tokens
