@@ -85,6 +85,15 @@ def nemotron3(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def nemotron_mtp(tmp_path_factory):
+    """(path, the target's transformers model, the MTP blocks' transformers model, the fusion weights) of a tiny
+    Nemotron 3 with MTP layers as Nemotron 3 Super names them."""
+    from helpers import make_nemotron3_mtp_checkpoint
+
+    return make_nemotron3_mtp_checkpoint(str(tmp_path_factory.mktemp("n3mtp") / "ckpt"))
+
+
+@pytest.fixture(scope="session")
 def granite_hybrid(tmp_path_factory):
     """(path, transformers model) of a tiny Granite-4.0-H (Mamba2 hybrid with MoE and muP multipliers)."""
     from helpers import make_granite_hybrid_checkpoint

@@ -3,8 +3,6 @@ checkpoint's MTP blocks are written here under the releases' names (Nemotron 3 S
 attention block with enorm / hnorm / eh_proj, ``mtp.layers.1`` the MoE block with final_layernorm) from a second
 transformers model whose blocks are those two; that model, fed the fused inputs, is the reference of the head."""
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -21,49 +19,6 @@ def _hf_norm(x, w, eps):
     """transformers' NemotronHRMSNorm: normalised in float32, the weight applied in float32."""
     xf = x.float()
     return (w.float() * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps))).to(x.dtype)
-
-
-@pytest.fixture(scope="module")
-def nemotron_mtp(tmp_path_factory):
-    """(checkpoint path, the target's transformers model, the MTP blocks' transformers model, the fusion weights)."""
-    import transformers
-    from safetensors.torch import load_file, save_file
-
-    path = str(tmp_path_factory.mktemp("n3mtp") / "ckpt")
-    pattern = dict(num_nextn_predict_layers=1, mtp_layers_block_type=["full_attention", "moe"], moe_latent_size=None,
-                   moe_shared_expert_intermediate_size=24)
-    path, hf = make_nemotron3_checkpoint(path, **pattern)
-    cfg = hf.config.to_dict()
-    cfg.update(layers_block_type=["attention", "moe"], num_hidden_layers=2, num_nextn_predict_layers=0)
-    for key in ("hybrid_override_pattern", "architectures", "model_type", "transformers_version"):
-        cfg.pop(key, None)
-    torch.manual_seed(11)
-    blocks = transformers.NemotronHModel(transformers.NemotronHConfig(**cfg)).eval()
-    H = hf.config.hidden_size
-    g = torch.Generator().manual_seed(12)
-    with torch.no_grad():
-        for name, p in blocks.named_parameters():
-            if p.dim() >= 2:
-                p.normal_(0, 0.15, generator=g)
-            elif "norm" in name:
-                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g))
-            elif "bias" in name:
-                p.normal_(0, 0.1, generator=g)
-        fusion = dict(enorm=1 + 0.2 * torch.randn(H, generator=g), hnorm=1 + 0.2 * torch.randn(H, generator=g),
-                      eh_proj=torch.randn(H, 2 * H, generator=g) * 0.15)
-    blocks_path = path + "-blocks"
-    blocks.save_pretrained(blocks_path)  # the names transformers writes (experts one by one)
-    tensors = load_file(os.path.join(path, "model.safetensors"))
-    for name, t in load_file(os.path.join(blocks_path, "model.safetensors")).items():
-        name = name.removeprefix("backbone.").removeprefix("model.")
-        if name.startswith("layers."):
-            tensors["mtp." + name] = t
-        elif name == "norm_f.weight":
-            tensors["mtp.layers.1.final_layernorm.weight"] = t
-    for key, t in fusion.items():
-        tensors[f"mtp.layers.0.{key}.weight"] = t
-    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-    return path, hf, blocks, fusion
 
 
 def _reference_drafts(hf, blocks, fusion, prompt, first_token, k):

@@ -39,7 +39,10 @@ CHECKPOINTS = {"a": "ckpt_a", "b": "ckpt_b", "a-mtp": "ckpt_a_mtp", "b-mtp": "ck
                # the fast path)
                "nemotron-h": "nemotron_h", "granite-h": "granite_hybrid", "falcon-h1": "falcon_h1",
                # Nemotron 3: MoE blocks of non-gated squared-ReLU experts (the expert kernels' gated=False mode)
-               "nemotron-3": "nemotron3"}
+               "nemotron-3": "nemotron3",
+               # with MTP layers as Nemotron 3 Super ships them (the MTP drafter on a Mamba2 family), the shared
+               # expert folded in as two more experts
+               "nemotron-3-mtp": "nemotron_mtp"}
 
 
 # block-FP8 copies (tools/quantize_fp8.py), kept FP8 in memory: the W8A16 kernels against the reference's
@@ -74,7 +77,7 @@ def fp8_copies(tmp_path_factory):
                                        ("q35-moe", "mtp"), ("a-mtp-fp8", None), ("a-mtp-fp8", "mtp"),
                                        ("q35-moe-fp8", "mtp"), ("nemotron-h", None), ("nemotron-h", "ngram"),
                                        ("granite-h", "ngram"), ("falcon-h1", "ngram"), ("nemotron-3", None),
-                                       ("nemotron-3", "ngram")])
+                                       ("nemotron-3", "ngram"), ("nemotron-3-mtp", "mtp")])
 def test_fast_path_on_other_shapes_matches_the_reference_ops(dev, name, spec, request, monkeypatch, fp8_copies):
     """Prompt logits (chunked prefill: 16-token chunks over a 37-token prompt) agree with the reference ops; a batch
     of three (padded to a captured 4 on a GPU) generates the reference's greedy tokens wherever the reference's
