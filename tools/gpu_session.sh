@@ -149,12 +149,12 @@ case "$phase" in
     timeout 170 python3 -m pytest -q -p no:cacheprovider $par tests/gpu -k "fp8 or grouped_sigmoid or non_gated \
       or nemotron or fused_moe" > "$out/gputests.txt" 2>&1
     echo "pytest rc=$?"; grep -E "passed|failed|FAILED|Error" "$out/gputests.txt" | tail -12
-    bench 0 --model-name nemotron-3-nano-30b-a3b --short; mv "$out/bench.txt" "$out/bench-nemotron.txt"
+    bench 150 --model-name nemotron-3-nano-30b-a3b --short; mv "$out/bench.txt" "$out/bench-nemotron.txt"
+    bench 150 --model-name qwen3.5-35b-a3b-fp8 --short; mv "$out/bench.txt" "$out/bench-fp8.txt"
+    timeout 80 python3 -m hylo bench --structured --out "$out" > "$out/structured.txt" 2>&1
+    echo "structured bench rc=$?"; grep "^\[bench\]" "$out/structured.txt"
     timeout 100 python3 tools/ab_decode.py --model-name nemotron-3-nano-30b-a3b --bs 1 8 --variant up8: \
       --variant up4:HYLO_PAIR_UP_CFG=4,1024,2,2 --out "$out" 2>&1 | tail -4
-    bench 0 --model-name qwen3.5-35b-a3b-fp8 --short; mv "$out/bench.txt" "$out/bench-fp8.txt"
-    timeout 100 python3 -m hylo bench --structured --out "$out" > "$out/structured.txt" 2>&1
-    echo "structured bench rc=$?"; grep "^\[bench\]" "$out/structured.txt"
     ;;
   *) echo "unknown phase $phase" >&2; exit 2 ;;
 esac
