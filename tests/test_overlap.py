@@ -17,14 +17,17 @@ def _engine(path, spec=None, **kw):
 
 
 def _model(request, model):
-    """A checkpoint path by model: Qwen3-Next (GDN, with an MTP head) or Nemotron-H (Mamba2)."""
-    return (request.getfixturevalue("ckpt_a_mtp") if model == "qwen3_next"
-            else request.getfixturevalue("nemotron_h")[0])
+    """A checkpoint path by model: Qwen3-Next (GDN, with an MTP head), Nemotron-H (Mamba2) or Nemotron 3 with MTP
+    layers (Mamba2, MoE blocks, the Nemotron MTP head)."""
+    if model == "qwen3_next":
+        return request.getfixturevalue("ckpt_a_mtp")
+    return request.getfixturevalue("nemotron_mtp" if model == "nemotron3_mtp" else "nemotron_h")[0]
 
 
 @pytest.mark.parametrize("model,spec,policy", [("qwen3_next", None, None), ("qwen3_next", "mtp", "fixed"),
                                                ("qwen3_next", "mtp", "adaptive"), ("qwen3_next", "ngram", "adaptive"),
-                                               ("nemotron_h", None, None), ("nemotron_h", "ngram", "adaptive")])
+                                               ("nemotron_h", None, None), ("nemotron_h", "ngram", "adaptive"),
+                                               ("nemotron3_mtp", "mtp", "adaptive")])
 def test_overlap_on_and_off_give_identical_outputs(request, model, spec, policy):
     """The adaptive policy's choices follow measured step times, so its verify and plain steps differ from run to
     run; the tokens may not."""
@@ -109,9 +112,11 @@ def _poison_on_free(eng):
     return counts
 
 
-@pytest.mark.parametrize("model,spec", [("qwen3_next", None), ("qwen3_next", "mtp"), ("nemotron_h", "ngram")])
+@pytest.mark.parametrize("model,spec", [("qwen3_next", None), ("qwen3_next", "mtp"), ("nemotron_h", "ngram"),
+                                        ("nemotron3_mtp", "mtp")])
 def test_stress_random_traffic_never_reads_freed_memory(request, model, spec):
-    """Qwen3-Next (GDN, plain and MTP) and Nemotron-H (Mamba2, n-gram)."""
+    """Qwen3-Next (GDN, plain and MTP), Nemotron-H (Mamba2, n-gram) and Nemotron 3 (Mamba2 and MoE, its MTP
+    head)."""
     ckpt_b_mtp = (request.getfixturevalue("ckpt_b_mtp") if model == "qwen3_next"
                   else _model(request, model))
     vocab = vocab_of(ckpt_b_mtp)
