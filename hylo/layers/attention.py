@@ -129,7 +129,8 @@ class Attention(nn.Module):
         self.o_proj = nn.Parameter(torch.empty(self.hidden, self.q_size, **kw), requires_grad=False)
         self.o_bias = nn.Parameter(torch.empty(self.hidden, **kw), requires_grad=False) if mc.attention_bias else None
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, backend) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, backend, reduce: bool = True) -> torch.Tensor:
+        """[T, hidden]; with ``reduce=False`` possibly unreduced rows [T, S, hidden] (see ``ops.linear``)."""
         n = x.shape[0]
         q, k, v = dense(x, self.qkv_proj, self.qkv_bias).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = q.reshape(n, self.num_heads, self.head_dim), k.reshape(n, self.num_kv_heads, self.head_dim)
@@ -137,7 +138,7 @@ class Attention(nn.Module):
             q, k = self.rotary(batch.positions, q, k)
         out = backend.attention(self.layer_id, q, k, v.reshape(n, self.num_kv_heads, self.head_dim), batch,
                                 self.scaling)
-        return out_proj(out.reshape(n, self.q_size), self.o_proj, self.o_bias)
+        return out_proj(out.reshape(n, self.q_size), self.o_proj, self.o_bias, reduce=reduce)
 
     def load(self, r: TensorReader, prefix: str) -> None:
         parts = [("q", self.q_size), ("k", self.kv_size), ("v", self.kv_size)]

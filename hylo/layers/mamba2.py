@@ -46,8 +46,9 @@ class Mamba2Mixer(nn.Module):
         return Mamba2Params(self.conv_weight, self.conv_bias, self.A_log, self.D, self.dt_bias, c.dt_limit,
                             c.chunk_size)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, backend) -> torch.Tensor:
-        """[T, hidden] -> [T, hidden]."""
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, backend, reduce: bool = True) -> torch.Tensor:
+        """[T, hidden] -> [T, hidden]; with ``reduce=False`` possibly the output projection's float32 split-K rows
+        [T, S, hidden] (``ops.linear.out_proj``), for the residual add that follows to sum."""
         s = self.cfg
         z, xbc, dt = dense(x, self.in_proj, self.in_proj_bias).split([s.inner, s.conv_dim, s.num_heads], dim=-1)
         y = backend.linear_attention(self.layer_id, xbc, dt, self.params(), s, batch)  # [T, H, P] float32
@@ -65,7 +66,7 @@ class Mamba2Mixer(nn.Module):
             y = norm_then_gate_ref(y, z, self.norm_weight, group, s.norm_eps)
         else:
             y = y * F.silu(z)
-        return out_proj(y.to(x.dtype), self.out_proj, self.out_proj_bias)
+        return out_proj(y.to(x.dtype), self.out_proj, self.out_proj_bias, reduce=reduce)
 
     def load(self, r: TensorReader, prefix: str) -> None:
         s = self.cfg

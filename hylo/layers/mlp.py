@@ -20,8 +20,9 @@ class SquaredReluMLP(nn.Module):
         self.up_proj = nn.Parameter(torch.empty(inter, hidden, **kw), requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(hidden, inter, **kw), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return out_proj(torch.square(F.relu(dense(x, self.up_proj))), self.down_proj)
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        """[T, hidden]; with ``reduce=False`` possibly split-K rows [T, S, hidden] (``ops.linear.out_proj``)."""
+        return out_proj(torch.square(F.relu(dense(x, self.up_proj))), self.down_proj, reduce=reduce)
 
     def load(self, r: TensorReader, prefix: str) -> None:
         copy_into(self.up_proj, r.get(f"{prefix}.up_proj.weight", (self.inter, self.hidden)))
@@ -70,10 +71,15 @@ class GroupedSigmoidMoE(nn.Module):
         return grouped_sigmoid_route(F.linear(x.float(), self.gate), self.bias, r.n_group, r.topk_group,
                                      self.top_k, self.normalize, r.routed_scaling_factor, self.folded)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        """[T, hidden]; with ``reduce=False`` and nothing to add after the experts (no latent projection, the
+        shared expert folded in) possibly their unreduced rows (``ops.moe.fused_moe``), which the residual add
+        that follows sums."""
         weights, ids = self.route(x)
         h = x if self.fc1 is None else dense(x, self.fc1)
-        out = fused_moe(h, self.up, self.down, weights, ids, gated=False)  # summed in float32, as transformers
+        # summed in float32, as transformers
+        out = fused_moe(h, self.up, self.down, weights, ids, gated=False,
+                        reduce=reduce or self.fc2 is not None or self.shared is not None)
         if self.fc2 is not None:
             out = dense(out, self.fc2)
         return out if self.shared is None else out + self.shared(x)

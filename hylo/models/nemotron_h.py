@@ -21,7 +21,7 @@ from ..layers.attention import Attention
 from ..layers.mamba2 import Mamba2Mixer
 from ..layers.mlp import GroupedSigmoidMoE, SquaredReluMLP
 from ..layers.weights import TensorReader, copy_into
-from ..ops.norm import rms_norm_plain
+from ..ops.norm import add_rms_norm, rms_norm_plain
 from .stack import LayerStack, mamba2_model_config
 
 MODEL_TYPES = ("nemotron_h",)
@@ -123,9 +123,14 @@ class Block(nn.Module):
             self.mixer = SquaredReluMLP(mc.hidden_size, mc.intermediate_size, dtype, device)
 
     def forward(self, h: torch.Tensor, batch: ForwardBatch, backend) -> torch.Tensor:
-        x = rms_norm_plain(h, self.norm, self.eps)
-        out = self.mixer(x) if self.kind in ("mlp", "moe") else self.mixer(x, batch, backend)
-        return h + out
+        return h + self.mix(rms_norm_plain(h, self.norm, self.eps), batch, backend)
+
+    def mix(self, x: torch.Tensor, batch: ForwardBatch, backend, reduce: bool = True) -> torch.Tensor:
+        """The mixer on the normed input; ``reduce=False``: its output may come as rows for the residual add to
+        sum (``ops.norm.add_rms_norm``)."""
+        if self.kind in ("mlp", "moe"):
+            return self.mixer(x, reduce=reduce)
+        return self.mixer(x, batch, backend, reduce=reduce)
 
     def load(self, r: TensorReader, prefix: str) -> None:
         copy_into(self.norm, r.get(f"{prefix}.norm.weight", tuple(self.norm.shape)))
@@ -139,3 +144,15 @@ class NemotronHForCausalLM(LayerStack):
 
     def make_layer(self, mc, layer_id, dtype, device):
         return Block(mc, layer_id, dtype, device)
+
+    def forward(self, batch: ForwardBatch, backend) -> torch.Tensor:
+        """``LayerStack.forward`` with each residual add done by the next block's norm (one launch for both on the
+        GPU, which also sums the mixers' unreduced output rows: no reduction or cast launch of their own)."""
+        h, delta, eps = self.embed_tokens(batch.input_ids), None, self.config.rms_norm_eps
+        for layer in self.layers:
+            if delta is None:
+                x = rms_norm_plain(h, layer.norm, eps)
+            else:
+                h, x = add_rms_norm(h, delta, layer.norm, eps, plain=True)
+            delta = layer.mix(x, batch, backend, reduce=False)
+        return add_rms_norm(h, delta, self.norm, eps, plain=True)[1]

@@ -17,21 +17,23 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return rms_norm_ref(x, weight, eps)
 
 
-def add_rms_norm(x: torch.Tensor, delta, weight: torch.Tensor, eps: float):
+def add_rms_norm(x: torch.Tensor, delta, weight: torch.Tensor, eps: float, plain: bool = False):
     """The residual stream step: ``(x + delta, rms_norm(x + delta))`` (one kernel on CUDA). A ``delta`` with one
-    more dimension than ``x`` ([..., J, N]: unreduced MoE pair outputs) adds the sum of its J rows, in float32; so
-    does an ``ops.pair_rows.SortedPairRows`` (a large chunk's MoE rows in expert order), gathered by the kernel."""
+    more dimension than ``x`` ([..., J, N]: unreduced MoE pair outputs, or a projection's split-K rows) adds the sum
+    of its J rows, in float32; so does an ``ops.pair_rows.SortedPairRows`` (a large chunk's MoE rows in expert
+    order), gathered by the kernel. ``plain``: the norm of ``rms_norm_plain`` (a plain weight applied in float32,
+    the Mamba2 families'), else the zero-centred one."""
     if use_triton(x):
         from .norm_triton import add_rms_norm as add_rms_norm_triton
 
-        return add_rms_norm_triton(x, delta, weight, eps)
+        return add_rms_norm_triton(x, delta, weight, eps, plain)
     if not isinstance(delta, torch.Tensor):  # SortedPairRows
         delta = delta.reduce().view(*x.shape[:-1], 1, x.shape[-1])
     if delta.dim() == x.dim() + 1:
         res = (x.float() + delta.float().sum(-2)).to(x.dtype)
     else:
         res = x + delta
-    return res, rms_norm_ref(res, weight, eps)
+    return res, rms_norm_plain(res, weight, eps) if plain else rms_norm_ref(res, weight, eps)
 
 
 def rms_norm_plain(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_in_float32: bool = True) -> torch.Tensor:

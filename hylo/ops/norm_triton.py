@@ -89,8 +89,8 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, plain: bo
     return y.view(x.shape)
 
 
-def add_rms_norm(x: torch.Tensor, delta, weight: torch.Tensor, eps: float):
-    """(x + delta, rms_norm(x + delta)) in one pass; ``delta`` [..., J, N] (one more dimension than ``x``) adds
+def add_rms_norm(x: torch.Tensor, delta, weight: torch.Tensor, eps: float, plain: bool = False):
+    """(x + delta, rms_norm(x + delta)) in one pass (``plain``: the plain weight); ``delta`` [..., J, N] (one more dimension than ``x``) adds
     the sum of its J rows; a :class:`ops.pair_rows.SortedPairRows` adds each row's weighted sum of its pairs' rows,
     gathered here."""
     x2, n = _rows(x.contiguous())
@@ -106,7 +106,7 @@ def add_rms_norm(x: torch.Tensor, delta, weight: torch.Tensor, eps: float):
         d2, gather = _rows(delta.contiguous())[0], {}
     if x2.shape[0]:
         _run(x2.shape[0], n, (x2, d2, weight, res, y, x2, x2.shape[0], n, eps), per_row, ADD=True, GATED=False,
-             J=per_row, **gather, **pdl_launch(x2))
+             J=per_row, PLAIN=plain, **gather, **pdl_launch(x2))
     return res.view(x.shape), y.view(x.shape)
 
 

@@ -80,18 +80,22 @@ def test_gemv_refuses_a_gate_without_the_norm(dev):
         gemv(x, torch.randn(8, 32).to(dev, _dtype(dev)), gate=x)
 
 
-@pytest.mark.parametrize("rows,j,dim", [(1, 11, 2048), (5, 4, 48), (3, 1, 20)])
-def test_add_rms_norm_sums_unreduced_rows(dev, rows, j, dim):
+@pytest.mark.parametrize("rows,j,dim,plain", [(1, 11, 2048, False), (5, 4, 48, False), (3, 1, 20, False),
+                                             (1, 4, 2688, True), (6, 1, 40, True)])
+def test_add_rms_norm_sums_unreduced_rows(dev, rows, j, dim, plain):
+    """Zero-centred (Qwen's) and plain (the Mamba2 families') weights."""
+    from hylo.ops.norm import rms_norm_plain
     from hylo.ops.norm_triton import add_rms_norm as add_rms_norm_triton
 
     g = torch.Generator().manual_seed(13)
     x, parts = torch.randn(rows, dim, generator=g), torch.randn(rows, j, dim, generator=g)
     w = torch.randn(dim, generator=g)
-    res, y = add_rms_norm_triton(x.to(dev), parts.to(dev), w.to(dev), 1e-6)
+    res, y = add_rms_norm_triton(x.to(dev), parts.to(dev), w.to(dev), 1e-6, plain)
     ref_res = x + parts.sum(1)
+    norm = rms_norm_plain if plain else rms_norm_ref
     assert torch.allclose(res.cpu(), ref_res, atol=1e-5)
-    assert torch.allclose(y.cpu(), rms_norm_ref(ref_res, w, 1e-6), atol=1e-4)
-    ref_res2, ref_y2 = add_rms_norm(x, parts, w, 1e-6)  # the CPU reference takes the same shapes
+    assert torch.allclose(y.cpu(), norm(ref_res, w, 1e-6), atol=1e-4)
+    ref_res2, ref_y2 = add_rms_norm(x, parts, w, 1e-6, plain)  # the CPU reference takes the same shapes
     assert torch.allclose(ref_res2, ref_res, atol=1e-5) and torch.allclose(ref_y2, y.cpu(), atol=1e-4)
 
 
