@@ -152,13 +152,13 @@ case "$phase" in
     echo "pytest rc=$?"; grep -E "passed|failed|FAILED|Error" "$out/gputests.txt" | tail -12
     big=$(python3 -c "import torch; print(int(torch.cuda.get_device_properties(0).total_memory > 100 * 2 ** 30))")
     if [ "$big" = 1 ]; then fp8=qwen3-next-80b-fp8; else fp8=qwen3.5-35b-a3b-fp8; fi
-    bench 170 --model-name $fp8 --short; mv "$out/bench.txt" "$out/bench-fp8.txt"
     bench 110 --model-name nemotron-3-nano-30b-a3b --short; mv "$out/bench.txt" "$out/bench-nemotron.txt"
-    timeout 60 python3 -m hylo bench --structured --out "$out" > "$out/structured.txt" 2>&1
-    echo "structured bench rc=$?"; grep "^\[bench\]" "$out/structured.txt"
+    bench 170 --model-name $fp8 --short; mv "$out/bench.txt" "$out/bench-fp8.txt"
     timeout 80 python3 tools/profile_step.py --graphs --bs 1 --model-name nemotron-3-nano-30b-a3b --out "$out" \
       > "$out/prof_nemotron.txt" 2>&1
     grep -A14 "^== decode_bs1" "$out/prof_nemotron.txt"
+    timeout 60 python3 -m hylo bench --structured --out "$out" > "$out/structured.txt" 2>&1
+    echo "structured bench rc=$?"; grep "^\[bench\]" "$out/structured.txt"
     ;;
   *) echo "unknown phase $phase" >&2; exit 2 ;;
 esac
