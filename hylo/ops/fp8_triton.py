@@ -102,6 +102,30 @@ def fp8_matmul(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Te
     return y
 
 
+@triton.jit
+def _dequantize_kernel(q_ptr, s_ptr, y_ptr, N, K, SK: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr,
+                       BN: tl.constexpr, BK: tl.constexpr):
+    """Program (block of BN rows, block of BK columns): y = q * its block's scale, rounded to y's dtype."""
+    offs_n = tl.program_id(0).to(tl.int64) * BN + tl.arange(0, BN)
+    offs_k = tl.program_id(1) * BK + tl.arange(0, BK)
+    m = (offs_n < N)[:, None] & (offs_k < K)[None, :]
+    q = tl.load(q_ptr + offs_n[:, None] * K + offs_k[None, :], mask=m, other=0.0).to(tl.float32)
+    s = tl.load(s_ptr + (offs_n // SBN)[:, None] * SK + (offs_k // SBK)[None, :], mask=m, other=0.0)
+    tl.store(y_ptr + offs_n[:, None] * K + offs_k[None, :], (q * s).to(y_ptr.dtype.element_ty), mask=m)
+
+
+def dequantize(w, dtype: torch.dtype) -> torch.Tensor:
+    """A 2-D FP8 weight in ``dtype``, [N, K]: ``Fp8Weight.dequantize`` in one pass (each value times its block's
+    scale in float32, rounded once)."""
+    n, k = w.q.shape
+    y = torch.empty(n, k, dtype=dtype, device=w.q.device)
+    bn, bk = 32, 256
+    _dequantize_kernel[(triton.cdiv(n, bn), triton.cdiv(k, bk))](w.q, w.scale, y, n, k, SK=w.scale.shape[-1],
+                                                               SBN=w.block[0], SBK=w.block[1], BN=bn, BK=bk,
+                                                               num_warps=4)
+    return y
+
+
 def fp8_kernel_args(w, prefix: str = "") -> dict:
     """The launch arguments that give a kernel an FP8 weight's scales (none for a plain tensor): per leading-dim
     entry (expert) S_E scales, SK a row of blocks, blocks [SBN, SBK]."""

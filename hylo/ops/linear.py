@@ -24,14 +24,24 @@ def _few_rows(x: torch.Tensor, w) -> bool:
     return x.shape[0] <= GEMV_MAX_ROWS and x.stride(-1) == 1
 
 
+# From this many rows (a prefill chunk) an FP8 projection is dequantized whole, in one Triton pass, and multiplied
+# by cuBLAS: the dequantization's bytes (1 read, 2 written, 2 read again per weight) are a few percent of such a
+# GEMM's time at 8192 rows, where the W8A16 Triton matmul ran the Qwen3.5-35B-A3B prefill at 4.65x its compute
+# floor against bfloat16's 2.29x (session 24, H100). HYLO_FP8_DEQUANT_ROWS=0 keeps the W8A16 matmul for every size.
+FP8_DEQUANT_ROWS = env_int("HYLO_FP8_DEQUANT_ROWS", 512)
+
+
 def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` of a weight tensor or of a block-FP8 weight (the W8A16 matmul where it runs, else the whole
-    weight dequantized: the reference)."""
+    """``F.linear`` of a weight tensor or of a block-FP8 weight: the W8A16 matmul for fewer rows than
+    ``FP8_DEQUANT_ROWS``, else the weight dequantized in one pass and cuBLAS; on the CPU the reference's whole
+    weight dequantized."""
     if isinstance(w, torch.Tensor):
         return F.linear(x, w, bias)
-    if use_triton(x):
-        from .fp8_triton import fp8_matmul, fp8_matmul_ok
+    if use_triton(x) and w.q.dim() == 2:
+        from .fp8_triton import dequantize, fp8_matmul, fp8_matmul_ok
 
+        if 0 < FP8_DEQUANT_ROWS <= x.shape[0]:
+            return F.linear(x, dequantize(w, x.dtype), bias)
         if fp8_matmul_ok(w):
             return fp8_matmul(x, w, bias)
     return F.linear(x, w.dequantize(x.dtype), bias)

@@ -94,3 +94,19 @@ def test_fp8_fused_moe_matches_the_dequantized_experts(dev, tokens, experts, top
                         weights.double(), ids)
     out = fused_moe(x.to(dev), w13, w2, weights.to(dev, dt), ids.to(dev))
     _close(out, ref, dt)
+
+
+@pytest.mark.parametrize("n,k,block", [(300, 200, (128, 128)), (96, 512, (16, 32))])
+def test_fp8_prefill_projection_dequantizes_the_weight_in_one_pass(dev, n, k, block):
+    """At prefill sizes (``FP8_DEQUANT_ROWS`` rows and more) the projection is the weight dequantized by the Triton
+    pass, bit for bit ``Fp8Weight.dequantize`` (partial blocks at both edges), times x by the BLAS."""
+    from hylo.ops.fp8_triton import dequantize
+    from hylo.ops.linear import FP8_DEQUANT_ROWS, linear
+
+    g = torch.Generator().manual_seed(24)
+    dt = _dtype(dev)
+    w = _fp8(torch.randn(n, k, generator=g) / k ** 0.5, block, dev)
+    assert torch.equal(dequantize(w, dt), w.dequantize(dt))
+    x = torch.randn(max(FP8_DEQUANT_ROWS, 1), k, generator=g).to(dt)
+    ref = F.linear(x.double(), w.dequantize(dt).double().cpu())
+    _close(linear(x.to(dev), w), ref, dt)
