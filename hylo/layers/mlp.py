@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops.linear import dense, out_proj
-from ..ops.moe import fused_moe, grouped_sigmoid_route
+from ..ops.moe import fused_moe, grouped_sigmoid_route, router_logits_f32
 from .weights import TensorReader, copy_into
 
 
@@ -68,7 +68,7 @@ class GroupedSigmoidMoE(nn.Module):
         """(float32 weights [T, k], expert ids [T, k]) for the tokens x [T, H]; the router in float32, as the
         reference."""
         r = self.spec
-        return grouped_sigmoid_route(F.linear(x.float(), self.gate), self.bias, r.n_group, r.topk_group,
+        return grouped_sigmoid_route(router_logits_f32(x, self.gate), self.bias, r.n_group, r.topk_group,
                                      self.top_k, self.normalize, r.routed_scaling_factor, self.folded)
 
     def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:

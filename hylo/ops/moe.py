@@ -56,19 +56,35 @@ def route_topk(router_logits: torch.Tensor, top_k: int, normalize: bool):
     return weights.to(router_logits.dtype), ids
 
 
+def router_logits_f32(x: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
+    """The float32 router logits of x [T, H] (the model's dtype) against a float32 router [E, H]: [T, E]; on the
+    GPU at one token the one-row GEMV's float32 split-K rows [1, S, E] instead (the products of x's values, exact
+    in float32, summed in float32), which ``grouped_sigmoid_route`` sums: no cast of x and no cuBLAS launch."""
+    if x.shape[0] == 1 and use_triton(x) and x.stride(-1) == 1:
+        from .linear_triton import SPLIT_GEMV_CFG, choose_split, gemv
+
+        split = choose_split(router.shape[0], router.shape[1], SPLIT_GEMV_CFG[0], SPLIT_GEMV_CFG[1])
+        if split > 1:  # (one split would come back in x's dtype)
+            return gemv(x, router, split=split, fma=True)
+    return F.linear(x.float(), router)
+
+
 def grouped_sigmoid_route(logits: torch.Tensor, bias: torch.Tensor, n_group: int, topk_group: int, top_k: int,
                           normalize: bool, scaling: float, shared: int = 0):
     """Nemotron 3's (and DeepSeek-V3's) routing from float32 logits [T, E]: sigmoid scores; the correction bias
     added for the choice only; experts in ``n_group`` groups, each ranked by the sum of its two best biased scores,
     only the best ``topk_group`` groups eligible; the top ``top_k`` eligible experts by biased score, weighted by
     their unbiased scores (renormalised with ``normalize``) times ``scaling``; then ``shared`` more pairs, experts
-    E .. E + shared - 1 with weight 1 (a shared expert folded in as that many routed-size experts). Returns
+    E .. E + shared - 1 with weight 1 (a shared expert folded in as that many routed-size experts). ``logits`` may
+    come as float32 partial rows [T, S, E] whose sum is the logits (``router_logits_f32``). Returns
     (float32 weights [T, k + shared], int64 ids [T, k + shared]); on CUDA one Triton launch
     (``moe_route_triton.grouped_sigmoid_route``)."""
     if use_triton(logits):
         from .moe_route_triton import grouped_sigmoid_route as route_triton
 
         return route_triton(logits, bias, n_group, topk_group, top_k, normalize, scaling, shared)
+    if logits.dim() == 3:
+        logits = logits.sum(1)
     tokens, experts = logits.shape
     scores = logits.sigmoid()
     biased = scores + bias

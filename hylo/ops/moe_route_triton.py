@@ -100,17 +100,20 @@ def route(logits: torch.Tensor, num_experts: int, top_k: int, normalize: bool, s
 @triton.jit
 def _grouped_sigmoid_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, scaling, E: tl.constexpr, K: tl.constexpr,
                             BE: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, PG: tl.constexpr,
-                            TOPK_GROUP: tl.constexpr, NORM: tl.constexpr, SHARED: tl.constexpr = 0):
+                            TOPK_GROUP: tl.constexpr, NORM: tl.constexpr, SHARED: tl.constexpr = 0,
+                            SPLIT: tl.constexpr = 1):
     """One program per token: sigmoid scores of the float32 logits [T, E], plus the correction bias for the
     choice; with G > 1 groups of PG experts, each group ranked by the sum of its two best biased scores and all but
     the best TOPK_GROUP groups left out; then the top K by biased score, weighted by their unbiased scores
     (renormalised with NORM) times ``scaling``; then SHARED pairs of experts E, E + 1, ... with weight 1 (the
-    folded shared expert)."""
+    folded shared expert). SPLIT > 1: the logits are the sum of a token's SPLIT float32 partial rows."""
     KP: tl.constexpr = K + SHARED
     t = tl.program_id(0)
     offs = tl.arange(0, BE)
     m = offs < E
-    scores = tl.load(logits_ptr + t * E + offs, mask=m, other=0.0).to(tl.float32)
+    scores = tl.load(logits_ptr + t * SPLIT * E + offs, mask=m, other=0.0).to(tl.float32)
+    for s in tl.static_range(1, SPLIT):
+        scores += tl.load(logits_ptr + (t * SPLIT + s) * E + offs, mask=m, other=0.0)
     scores = 1.0 / (1.0 + tl.exp(-scores))
     bias = tl.load(bias_ptr + offs, mask=m, other=0.0).to(tl.float32)
     biased = tl.where(m, scores + bias, float("-inf"))
@@ -146,9 +149,11 @@ def _grouped_sigmoid_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, scaling, E: tl
 
 def grouped_sigmoid_route(logits: torch.Tensor, bias: torch.Tensor, n_group: int, topk_group: int, top_k: int,
                           normalize: bool, scaling: float, shared: int = 0):
-    """Nemotron 3's routing (``ops.moe.grouped_sigmoid_route``) in one launch: logits float32 [T, E], bias float32
-    [E]. Returns (float32 weights [T, k + shared], int64 ids [T, k + shared])."""
-    tokens, experts = logits.shape
+    """Nemotron 3's routing (``ops.moe.grouped_sigmoid_route``) in one launch: logits float32 [T, E] (or partial
+    rows [T, S, E], summed here), bias float32 [E]. Returns (float32 weights [T, k + shared], int64 ids
+    [T, k + shared])."""
+    tokens, experts = logits.shape[0], logits.shape[-1]
+    split = logits.shape[1] if logits.dim() == 3 else 1
     logits = logits.contiguous()
     w = torch.empty(tokens, top_k + shared, dtype=torch.float32, device=logits.device)
     ids = torch.empty(tokens, top_k + shared, dtype=torch.int64, device=logits.device)
@@ -156,5 +161,6 @@ def grouped_sigmoid_route(logits: torch.Tensor, bias: torch.Tensor, n_group: int
         _grouped_sigmoid_kernel[(tokens,)](logits, bias, w, ids, float(scaling), E=experts, K=top_k,
                                            BE=max(16, next_pow2(experts)), G=n_group, BG=max(2, next_pow2(n_group)),
                                            PG=experts // n_group,
-                                           TOPK_GROUP=topk_group, NORM=normalize, SHARED=shared, num_warps=1)
+                                           TOPK_GROUP=topk_group, NORM=normalize, SHARED=shared, SPLIT=split,
+                                           num_warps=1)
     return w, ids

@@ -93,7 +93,11 @@ def test_grouped_sigmoid_routing_matches_reference(dev, tokens, experts, n_group
     logits = torch.randn(tokens, experts, generator=g)
     bias = torch.randn(experts, generator=g) * 0.3
     rw, rids = grouped_sigmoid_route(logits, bias, n_group, topk_group, top_k, normalize, 2.5, shared)
-    w, ids = route_triton(logits.to(dev), bias.to(dev), n_group, topk_group, top_k, normalize, 2.5, shared)
+    given = logits
+    if shared:  # the logits as split-K partial rows whose sum they are (the one-row router GEMV's output)
+        parts = torch.randn(tokens, 3, experts, generator=g)
+        given = torch.cat([parts, (logits - parts.sum(1))[:, None]], 1)
+    w, ids = route_triton(given.to(dev), bias.to(dev), n_group, topk_group, top_k, normalize, 2.5, shared)
     assert w.dtype == torch.float32 and ids.dtype == torch.int64 and ids.shape == (tokens, top_k + shared)
     if shared:  # the shared expert's pairs last, whole weight
         assert torch.equal(rids[:, top_k:], torch.arange(experts, experts + shared).expand(tokens, shared))
@@ -104,3 +108,25 @@ def test_grouped_sigmoid_routing_matches_reference(dev, tokens, experts, n_group
     if n_group > 1:  # not vacuous: the group limit excludes experts the plain top-k would take
         plain = (logits.sigmoid() + bias).topk(top_k, dim=-1)[1].sort(1).values
         assert not torch.equal(plain, rids[:, :top_k].sort(1).values)
+
+
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_router_logits_in_float32_from_the_models_dtype(dev, tokens):
+    """Nemotron 3's float32 router on activations in the model's dtype: at one token the one-row GEMV's float32
+    partial rows (their sum the float32 product), else the float32 matmul; the routing takes either."""
+    from hylo.ops.moe import grouped_sigmoid_route, router_logits_f32
+
+    g = torch.Generator().manual_seed(31)
+    dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    x, gate = torch.randn(tokens, 2688, generator=g).to(dt), torch.randn(128, 2688, generator=g) * 0.02
+    ref = x.float() @ gate.T
+    out = router_logits_f32(x.to(dev), gate.to(dev))
+    if tokens == 1:
+        assert out.dim() == 3 and out.shape[1] > 1
+    got = out.sum(1) if out.dim() == 3 else out
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.cpu(), ref, rtol=1e-5, atol=1e-5)
+    bias = torch.randn(128, generator=g) * 0.1
+    _, ids = grouped_sigmoid_route(out, bias.to(dev), 1, 1, 6, True, 2.5, 2)
+    _, ref_ids = grouped_sigmoid_route(ref, bias, 1, 1, 6, True, 2.5, 2)
+    assert torch.equal(ids.cpu().sort(1).values, ref_ids.sort(1).values)
