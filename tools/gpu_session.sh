@@ -147,13 +147,13 @@ case "$phase" in
     ;;
   s26)  # session 26: FP8 one-row tiles over several blocks, Nemotron 3's folded shared expert and MTP, the 80B FP8
         # shape where the card holds it (an H200), else Qwen3.5-35B's in FP8; the structured bench; a profile
-    timeout 170 python3 -m pytest -q -p no:cacheprovider $par tests/gpu -k "fp8 or grouped_sigmoid or non_gated or add_rms_norm \
+    timeout 150 python3 -m pytest -q -p no:cacheprovider $par tests/gpu -k "fp8 or grouped_sigmoid or non_gated or add_rms_norm \
       or nemotron or fused_moe" > "$out/gputests.txt" 2>&1
     echo "pytest rc=$?"; grep -E "passed|failed|FAILED|Error" "$out/gputests.txt" | tail -12
     big=$(python3 -c "import torch; print(int(torch.cuda.get_device_properties(0).total_memory > 100 * 2 ** 30))")
     if [ "$big" = 1 ]; then fp8=qwen3-next-80b-fp8; else fp8=qwen3.5-35b-a3b-fp8; fi
     bench 110 --model-name nemotron-3-nano-30b-a3b --short; mv "$out/bench.txt" "$out/bench-nemotron.txt"
-    bench 170 --model-name $fp8 --short; mv "$out/bench.txt" "$out/bench-fp8.txt"
+    bench 160 --model-name $fp8 --short; mv "$out/bench.txt" "$out/bench-fp8.txt"
     timeout 80 python3 tools/profile_step.py --graphs --bs 1 --model-name nemotron-3-nano-30b-a3b --out "$out" \
       > "$out/prof_nemotron.txt" 2>&1
     grep -A14 "^== decode_bs1" "$out/prof_nemotron.txt"
