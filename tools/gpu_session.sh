@@ -18,7 +18,7 @@
 # (.whl holds outlines-core for several Pythons: pip picks the one that fits)
 # ($PWD too: the tools run as scripts import hylo from the checkout).
 set -u
-phase=${1:?tests, tests-host, tests-bench, check, tune-bench, bench, bench-first, bench-short, fma, changed, model, prefix, mamba2, structured, s25, s26 or s20}
+phase=${1:?tests, tests-host, tests-bench, check, tune-bench, bench, bench-first, bench-short, fma, changed, model, prefix, mamba2, structured, s25, s26, s26-min or s20}
 out=${2:?output folder}
 mkdir -p "$out"
 # The GPU tests run in parallel workers where pytest-xdist is installed (the device image has it), so that a fresh
@@ -159,6 +159,12 @@ case "$phase" in
     grep -A14 "^== decode_bs1" "$out/prof_nemotron.txt"
     timeout 60 python3 -m hylo bench --structured --out "$out" > "$out/structured.txt" 2>&1
     echo "structured bench rc=$?"; grep "^\[bench\]" "$out/structured.txt"
+    ;;
+  s26-min)  # s26 for a short device budget: the GPU tests of what changed, then Nemotron 3 Nano's records
+    timeout ${S26_TESTS_S:-130} python3 -m pytest -q -p no:cacheprovider $par tests/gpu -k "fp8 or grouped_sigmoid \
+      or non_gated or add_rms_norm or router_logits or nemotron or fused_moe" > "$out/gputests.txt" 2>&1
+    echo "pytest rc=$?"; grep -E "passed|failed|FAILED|Error" "$out/gputests.txt" | tail -12
+    bench 0 --model-name nemotron-3-nano-30b-a3b --short
     ;;
   *) echo "unknown phase $phase" >&2; exit 2 ;;
 esac
