@@ -167,14 +167,18 @@ def test_falcon_with_its_gated_norm_matches_transformers(tmp_path):
         assert out.token_ids == hf_greedy(hf, prompt, 8)
 
 
-@pytest.mark.parametrize("latent,shared,folded", [(16, 20, 0), (None, 20, 0), (None, 36, 3)])
-def test_nemotron3_moe_blocks_match_transformers_on_the_cpu(tmp_path, latent, shared, folded):
+@pytest.mark.parametrize("latent,shared,folded", [(16, 20, 0), (None, 20, 0), (None, 36, 3), (None, 36, "off")])
+def test_nemotron3_moe_blocks_match_transformers_on_the_cpu(tmp_path, monkeypatch, latent, shared, folded):
     """Nemotron 3's MoE blocks (grouped sigmoid routing with a correction bias, non-gated squared-ReLU experts on a
     latent projection or not, a shared expert: apart, or folded in as three more experts where its width is three
     times theirs): prompt logits, greedy batches through chunked prefill and n-gram speculation as transformers
     5.24 computes them."""
     from helpers import make_nemotron3_checkpoint
+    from hylo.layers import mlp
 
+    if folded == "off":  # HYLO_NEMOTRON_FOLD_SHARED=0: the shared expert kept apart where it could fold
+        monkeypatch.setattr(mlp, "FOLD_SHARED", False)
+        folded = 0
     path, hf = make_nemotron3_checkpoint(str(tmp_path / "n3"), moe_latent_size=latent,
                                          moe_shared_expert_intermediate_size=shared)
     eng = Engine(path, device="cpu", dtype="float32", engine_config=EngineConfig(chunk_size=7, verbose=False))

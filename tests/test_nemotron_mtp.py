@@ -60,8 +60,8 @@ def test_drafts_match_the_heads_function_built_from_transformers_blocks(nemotron
     path, hf, blocks, fusion = nemotron_mtp
     k = 3
     eng = Engine(path, device="cpu", dtype="float32", spec_setup=SpecSetup("mtp"),
-                 engine_config=EngineConfig(speculative="mtp", num_speculative_tokens=k, spec_policy="fixed", overlap=False,
-                                            enable_prefix_caching=False, verbose=False))
+                 engine_config=EngineConfig(speculative="mtp", num_speculative_tokens=k, spec_policy="fixed",
+                                            overlap=False, enable_prefix_caching=False, verbose=False))
     drafter = eng.worker.drafter
     for prompt in random_prompts(hf.config.vocab_size, [9, 17], seed=21):
         rid = eng.add_request(prompt, SamplingParams(max_tokens=6, temperature=0))

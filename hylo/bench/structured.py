@@ -4,9 +4,9 @@ On a benchmark shape's random weights, with a synthetic byte-level vocabulary of
 then pieces of lowercase letters and spaces: a JSON string's inside allows nearly every token, its quote is one
 byte-token, so a random model stays in its string fields as a model writing free text does): the compile time of
 a JSON schema (cold, then cached), then per batch size the time per generated token of the same batch with no
-constraint (before and after, the better kept) and with half of its requests under the schema, greedy and sampled, and the blocking host reads per
-steady step of the constrained batch (the overlap loop's one read of the step's tokens, one step late, is not
-blocking; a host matcher would add one per step).
+constraint (timed before and after, the better kept) and with half of its requests under the schema, greedy and
+sampled, and the blocking host reads per steady step of the constrained batch (the overlap loop's one read of the
+step's tokens, one step late, is not blocking; a host matcher would add one per step).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_utils import env_cfg, next_pow2
+from .triton_utils import env_cfg, env_flag, next_pow2
 
 
 @triton.jit
@@ -23,6 +23,17 @@ def block_scale(s_ptr, rows, row_mask, k0, SK: tl.constexpr, SBN: tl.constexpr, 
     a tile's partial dot products by it instead of every loaded element (``s_ptr``: SK scales a row of blocks).
     The expert kernels of ``moe_triton`` use it."""
     return tl.load(s_ptr + (rows // SBN) * SK + k0 // SBK, mask=row_mask, other=0.0)
+
+
+# The one-row kernels' FP8 tiles may span several column blocks (``scaled_row_dot``, session 26; not yet measured on
+# a GPU). HYLO_FP8_WIDE_TILES=0 keeps them inside one block, as before, for an A/B.
+FP8_WIDE_TILES = env_flag("HYLO_FP8_WIDE_TILES", True)
+
+
+def row_tile(bk: int, w) -> int:
+    """A one-row kernel's K tile for weight ``w``: ``bk``, or inside one column block of an FP8 weight without
+    ``FP8_WIDE_TILES``."""
+    return bk if isinstance(w, torch.Tensor) or FP8_WIDE_TILES else min(bk, w.block[1])
 
 
 @triton.jit

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .fp8_triton import block_scale, scaled_row_dot
+from .fp8_triton import block_scale, row_tile, scaled_row_dot
 from .triton_pdl import l2_prefetch, pdl_enter
 from .triton_utils import env_cfg, env_flag, env_int, next_pow2, pdl_launch, prefetch_args, sm_count
 
@@ -179,6 +179,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, gat
         sbk = fp8.block[1]
         if not fma:  # the tensor-core tile stays inside one column block (one rounding per block, as the matmul)
             bk = min(bk, sbk)
+        else:
+            bk = row_tile(bk, fp8)
         if norm and bk % d:
             raise ValueError(f"gemv: FP8 blocks of {sbk} columns cannot hold whole heads of {d}")
     k_split = triton.cdiv(k_split, bk) * bk

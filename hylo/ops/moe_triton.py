@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .fp8_triton import block_scale, fp8_kernel_args, scaled_row_dot
+from .fp8_triton import block_scale, fp8_kernel_args, row_tile, scaled_row_dot
 from .pair_rows import SortedPairRows
 from .moe_grouped_mm import fused_moe_grouped_mm, grouped_mm_usable
 from .triton_pdl import l2_prefetch, pdl_enter
@@ -397,19 +397,19 @@ def _pair_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.T
     # (an FP8 expert's K tiles may span several column blocks here: ``fp8_triton.scaled_row_dot``)
     bn, bk, warps, stages = PAIR_GATE_UP_CFG if gated else PAIR_UP_CFG
     _pair_gate_up_kernel[(num_pairs, triton.cdiv(inter, bn))](
-        x, _q(w13), ids, act, hidden, inter, TOP_K=top_k, BN=bn, BK=min(bk, next_pow2(hidden)),
+        x, _q(w13), ids, act, hidden, inter, TOP_K=top_k, BN=bn, BK=row_tile(min(bk, next_pow2(hidden)), w13),
         GATED=gated, num_warps=warps, num_stages=stages, **pdl_launch(x), **fp8_kernel_args(w13))
     if PAIR_DOWN_SUM:  # one float32 row per token, [T, 1, H]
         bn, bk, warps, stages = PAIR_DOWN_SUM_CFG
         out = torch.empty(num_tokens, hidden, dtype=torch.float32, device=x.device)
         _pair_down_sum_kernel[(num_tokens, triton.cdiv(hidden, bn))](
-            act, _q(w2), ids, wts, out, hidden, inter, TOP_K=top_k, BN=bn, BK=min(bk, next_pow2(inter)),
+            act, _q(w2), ids, wts, out, hidden, inter, TOP_K=top_k, BN=bn, BK=row_tile(min(bk, next_pow2(inter)), w2),
             num_warps=warps, num_stages=stages, **pdl_launch(x), **fp8_kernel_args(w2))
         return out.to(x.dtype) if reduce else out.view(num_tokens, 1, hidden)
     bn, bk, warps, stages = next((cfg for limit, cfg in PAIR_DOWN_CFG if num_pairs <= limit), PAIR_DOWN_CFG[-1][1])
     out = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
     _pair_down_kernel[(num_pairs, triton.cdiv(hidden, bn))](
-        act, _q(w2), ids, wts, out, hidden, inter, BN=bn, BK=min(bk, next_pow2(inter)),
+        act, _q(w2), ids, wts, out, hidden, inter, BN=bn, BK=row_tile(min(bk, next_pow2(inter)), w2),
         num_warps=warps, num_stages=stages, **prefetch_args(inter, _q(w2)), **pdl_launch(x), **fp8_kernel_args(w2))
     out = out.view(num_tokens, top_k, hidden)
     return out.sum(1, dtype=torch.float32).to(x.dtype) if reduce else out
