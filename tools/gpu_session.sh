@@ -18,7 +18,7 @@
 # (.whl holds outlines-core for several Pythons: pip picks the one that fits)
 # ($PWD too: the tools run as scripts import hylo from the checkout).
 set -u
-phase=${1:?tests, tests-host, tests-bench, check, tune-bench, bench, bench-first, bench-short, fma, changed, model, prefix, mamba2, structured, s25, s26, s26-min or s20}
+phase=${1:?tests, tests-host, tests-bench, check, tune-bench, bench, bench-first, bench-short, fma, changed, model, prefix, mamba2, structured, s25, s26, s26-min, s27-nemotron, s27-fp8 or s20}
 out=${2:?output folder}
 mkdir -p "$out"
 # The GPU tests run in parallel workers where pytest-xdist is installed (the device image has it), so that a fresh
@@ -165,6 +165,31 @@ case "$phase" in
       or non_gated or add_rms_norm or router_logits or nemotron or fused_moe" > "$out/gputests.txt" 2>&1
     echo "pytest rc=$?"; grep -E "passed|failed|FAILED|Error" "$out/gputests.txt" | tail -12
     bench 0 --model-name nemotron-3-nano-30b-a3b --short
+    ;;
+  s27-nemotron)  # session 26's Nemotron 3 changes checked and A/B'd on the GPU: the folded shared expert (decode and
+                 # prefill) and the non-gated pair tile, then the records
+    timeout 150 python3 -m pytest -q -p no:cacheprovider $par tests/gpu -k "grouped_sigmoid or non_gated \
+      or add_rms_norm or router_logits or nemotron or fused_moe" > "$out/gputests.txt" 2>&1
+    echo "pytest rc=$?"; grep -E "passed|failed|FAILED|Error" "$out/gputests.txt" | tail -12
+    n3=nemotron-3-nano-30b-a3b
+    timeout 150 python3 tools/ab_decode.py --model-name $n3 --bs 1 8 --variant new: \
+      --variant apart:HYLO_NEMOTRON_FOLD_SHARED=0 --variant up4:HYLO_PAIR_UP_CFG=4,1024,2,2 --out "$out" 2>&1 | tail -5
+    timeout 90 python3 tools/ab_decode.py --model-name $n3 --prefill 8192 --variant new: \
+      --variant apart:HYLO_NEMOTRON_FOLD_SHARED=0 --out "$out" 2>&1 | tail -3
+    bench 150 --model-name $n3 --short
+    ;;
+  s27-fp8)  # session 26's FP8 changes checked and A/B'd: one-row tiles over several blocks, the dequantized prefill;
+            # then the 80B FP8 records where the card holds them (an H200), else Qwen3.5-35B's
+    timeout 120 python3 -m pytest -q -p no:cacheprovider $par tests/gpu -k "fp8" > "$out/gputests.txt" 2>&1
+    echo "pytest rc=$?"; grep -E "passed|failed|FAILED|Error" "$out/gputests.txt" | tail -12
+    q=qwen3.5-35b-a3b-fp8
+    timeout 120 python3 tools/ab_decode.py --model-name $q --bs 1 8 --variant wide: \
+      --variant narrow:HYLO_FP8_WIDE_TILES=0 --out "$out" 2>&1 | tail -4
+    timeout 90 python3 tools/ab_decode.py --model-name $q --prefill 8192 --variant dequant: \
+      --variant w8a16:HYLO_FP8_DEQUANT_ROWS=0 --out "$out" 2>&1 | tail -3
+    big=$(python3 -c "import torch; print(int(torch.cuda.get_device_properties(0).total_memory > 100 * 2 ** 30))")
+    if [ "$big" = 1 ]; then q=qwen3-next-80b-fp8; fi
+    bench 0 --model-name $q --short
     ;;
   *) echo "unknown phase $phase" >&2; exit 2 ;;
 esac
