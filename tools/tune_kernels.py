@@ -21,6 +21,7 @@ import triton
 
 from hylo.bench.floors import measure_matmul_rate
 from hylo.ops import moe_grouped_mm as G
+from hylo.ops import moe_pairs_triton as MP
 from hylo.ops import moe_triton as M
 from tune_common import COPY_TBPS, E, H, I, LAYERS, TOP_K, kernel_split, sweep, time_eager
 from tune_gdn import time_sampling, tune_conv_prefill, tune_steps
@@ -119,7 +120,7 @@ def tune_moe(dev, dt, results):
 
             def fn():
                 for layer in range(LAYERS):
-                    M._pair_gate_up_kernel[(P, triton.cdiv(I, bn))](x, w13[layer], ids[layer], act, H, I,
+                    MP._pair_gate_up_kernel[(P, triton.cdiv(I, bn))](x, w13[layer], ids[layer], act, H, I,
                                                                     TOP_K=TOP_K + 1, BN=bn, BK=bk,
                                                                     num_warps=warps, num_stages=stages)
             return fn
@@ -129,7 +130,7 @@ def tune_moe(dev, dt, results):
 
             def fn():
                 for layer in range(LAYERS):
-                    M._pair_down_kernel[(P, triton.cdiv(H, bn))](act, w2[layer], ids[layer], wts, out, H, I,
+                    MP._pair_down_kernel[(P, triton.cdiv(H, bn))](act, w2[layer], ids[layer], wts, out, H, I,
                                                                  BN=bn, BK=bk, num_warps=warps, num_stages=stages)
             return fn
 
@@ -173,7 +174,7 @@ def tune_pairs(dev, dt, results):
 
             def fn():
                 for layer in range(LAYERS):
-                    M._pair_gate_up_kernel[(P, triton.cdiv(I, bn))](x, w13[layer], ids[layer], act, H, I,
+                    MP._pair_gate_up_kernel[(P, triton.cdiv(I, bn))](x, w13[layer], ids[layer], act, H, I,
                                                                     TOP_K=TOP_K + 1, BN=bn, BK=bk,
                                                                     num_warps=warps, num_stages=stages)
             return fn
@@ -184,17 +185,17 @@ def tune_pairs(dev, dt, results):
             def fn():
                 for layer in range(LAYERS):
                     if summed:
-                        M._pair_down_sum_kernel[(tokens, triton.cdiv(H, bn))](
+                        MP._pair_down_sum_kernel[(tokens, triton.cdiv(H, bn))](
                             act, w2[layer], ids[layer], wts, out, H, I, TOP_K=TOP_K + 1, BN=bn, BK=bk,
                             num_warps=warps, num_stages=stages)
                     else:
-                        M._pair_down_kernel[(P, triton.cdiv(H, bn))](act, w2[layer], ids[layer], wts, out, H, I,
+                        MP._pair_down_kernel[(P, triton.cdiv(H, bn))](act, w2[layer], ids[layer], wts, out, H, I,
                                                                      BN=bn, BK=bk, num_warps=warps,
                                                                      num_stages=stages)
             return fn
-        gu_cfgs = [M.PAIR_GATE_UP_CFG] + list(itertools.product((2, 4, 8), (512, 1024), (2, 4), (2,)))
+        gu_cfgs = [MP.PAIR_GATE_UP_CFG] + list(itertools.product((2, 4, 8), (512, 1024), (2, 4), (2,)))
         sweep(f"pair_gate_up2_t{tokens}", gu_cfgs, gate_up, uniq * 2 * I * H * 2 / COPY_TBPS / 1e6, results)
-        per_pair = next(cfg for limit, cfg in M.PAIR_DOWN_CFG if P <= limit) + (0,)
+        per_pair = next(cfg for limit, cfg in MP.PAIR_DOWN_CFG if P <= limit) + (0,)
         cfgs = [per_pair] + [c + (1,) for c in itertools.product((1, 2, 4, 8), (256, 512), (1, 2, 4), (1,))]
         sweep(f"pair_down_sum_t{tokens}", cfgs, down, uniq * I * H * 2 / COPY_TBPS / 1e6, results)
 

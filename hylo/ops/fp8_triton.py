@@ -137,6 +137,11 @@ def dequantize(w, dtype: torch.dtype) -> torch.Tensor:
     return y
 
 
+def weight_values(w) -> torch.Tensor:
+    """The stored values of a weight: the tensor, or an FP8 weight's float8 values (its scales go separately)."""
+    return w if isinstance(w, torch.Tensor) else w.q
+
+
 def fp8_kernel_args(w, prefix: str = "") -> dict:
     """The launch arguments that give a kernel an FP8 weight's scales (none for a plain tensor): per leading-dim
     entry (expert) S_E scales, SK a row of blocks, blocks [SBN, SBK]."""

@@ -80,10 +80,10 @@ def test_fp8_fused_moe_matches_the_dequantized_experts(dev, tokens, experts, top
                                                        monkeypatch):
     """The pair kernels (few pairs) and the grouped kernels (many pairs) on FP8 experts, per-expert scales, partial
     blocks."""
-    from hylo.ops import moe_triton
+    from hylo.ops import moe_pairs_triton
     from hylo.ops.moe_triton import fused_moe
 
-    monkeypatch.setattr(moe_triton, "PAIR_DOWN_SUM", summed)
+    monkeypatch.setattr(moe_pairs_triton, "PAIR_DOWN_SUM", summed)
     g = torch.Generator().manual_seed(23)
     dt = _dtype(dev)
     x = torch.randn(tokens, hidden, generator=g).to(dt)

@@ -104,11 +104,11 @@ def test_add_rms_norm_sums_unreduced_rows(dev, rows, j, dim, plain):
 def test_unreduced_moe_rows_sum_to_the_reduced_output(dev, tokens, top_k, summed, monkeypatch):
     """The unreduced MoE output: per pair (the grouped kernels, or the pair kernels with HYLO_PAIR_DOWN_SUM=0) or
     per token (the pair kernels' summing down projection); either way its rows sum to the reduced output."""
-    from hylo.ops import moe_triton
+    from hylo.ops import moe_pairs_triton, moe_triton
     from hylo.ops.moe import fused_moe_ref, route_topk
     from hylo.ops.moe_triton import fused_moe
 
-    monkeypatch.setattr(moe_triton, "PAIR_DOWN_SUM", summed)
+    monkeypatch.setattr(moe_pairs_triton, "PAIR_DOWN_SUM", summed)
 
     g = torch.Generator().manual_seed(14)
     experts, hidden, inter = 16, 64, 40

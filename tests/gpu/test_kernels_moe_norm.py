@@ -30,10 +30,10 @@ def _assert_close_to(out, ref):
                                                                 (70, 8, 3, 40, 24), (2, 513, 11, 64, 32)])
 @pytest.mark.parametrize("summed", [True, False])
 def test_fused_moe_matches_reference(dev, tokens, experts, top_k, hidden, inter, summed, monkeypatch):
-    from hylo.ops import moe_triton
+    from hylo.ops import moe_pairs_triton
     from hylo.ops.moe_triton import fused_moe
 
-    monkeypatch.setattr(moe_triton, "PAIR_DOWN_SUM", summed)
+    monkeypatch.setattr(moe_pairs_triton, "PAIR_DOWN_SUM", summed)
     args, ref = _moe_case(dev, 3, tokens, experts, top_k, hidden, inter)
     _assert_close_to(fused_moe(*args), ref)
 
