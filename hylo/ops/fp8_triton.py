@@ -45,14 +45,18 @@ def scaled_row_dot(prod, s_ptr, rows, row_mask, k0, SK: tl.constexpr, SBN: tl.co
     wide tiles, since the bytes in flight per program are what reach the bandwidth at batch 1, and an FP8 tile
     kept inside one 128-column block holds a quarter of a bfloat16 tile's bytes (session 24's batch-1 FP8 decode
     ran at 2.5x its byte floor)."""
+    # (one return, after a constexpr if / else: the compiler generates the code after an early return too, and a
+    # tile narrower than a block would reshape to zero blocks there; the interpreter does not catch that)
     if BK <= SBK:
-        return tl.sum(prod, 1) * block_scale(s_ptr, rows, row_mask, k0, SK, SBN, SBK)
-    NB: tl.constexpr = BK // SBK
-    part = tl.sum(tl.reshape(prod, (BN, NB, SBK)), 2)
-    kb = k0 // SBK + tl.arange(0, NB)
-    scale = tl.load(s_ptr + (rows // SBN)[:, None] * SK + kb[None, :], mask=row_mask[:, None] & (kb < SK)[None, :],
-                    other=0.0)
-    return tl.sum(part * scale, 1)
+        out = tl.sum(prod, 1) * block_scale(s_ptr, rows, row_mask, k0, SK, SBN, SBK)
+    else:
+        NB: tl.constexpr = BK // SBK
+        part = tl.sum(tl.reshape(prod, (BN, NB, SBK)), 2)
+        kb = k0 // SBK + tl.arange(0, NB)
+        scale = tl.load(s_ptr + (rows // SBN)[:, None] * SK + kb[None, :],
+                        mask=row_mask[:, None] & (kb < SK)[None, :], other=0.0)
+        out = tl.sum(part * scale, 1)
+    return out
 
 
 @triton.jit
