@@ -9,7 +9,9 @@ Catches what the interpreter cannot: register / shared-memory limits, layouts, G
 
 Usage (needs the ``triton`` package, no GPU):
     python tools/compile_check.py [--checkpoint DIR] [--spec mtp] [--arch 90]
-The default checkpoint is the embedded random model; pass a checkpoint of the production shapes (for example one
+An FP8 checkpoint's kernels are recorded only with ``HYLO_FP8_WEIGHTS=keep`` (on the CPU its weights are otherwise
+dequantized at load: no FP8 launch to record). The default checkpoint is the embedded random model; pass a checkpoint
+of the production shapes (for example one
 written by ``random_checkpoint`` with bench-6b's sizes and fewer layers) to check the launch configurations that
 matter.
 """
