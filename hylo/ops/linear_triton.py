@@ -97,10 +97,14 @@ def _input_block(x_ptr, g_ptr, nw, offs_m, offs_k, mm, mk, stride_x, stride_g, e
 
 @triton.jit
 def _multiply(acc, w, x, FMA: tl.constexpr, PREC: tl.constexpr):
-    """acc [BM, BN] += x [BM, BK] W [BN, BK]^T: on the CUDA cores for one row (FMA), else on the tensor cores."""
+    """acc [BM, BN] += x [BM, BK] W [BN, BK]^T: on the CUDA cores for one row (FMA), else on the tensor cores.
+    (if / else with one return: the compiler generates the code after an early return too, and a dot of a bfloat16
+    x with a float32 W, which the FMA form takes (Nemotron 3's router), does not compile.)"""
     if FMA:
-        return acc + tl.sum(w.to(tl.float32) * x.to(tl.float32), 1)[None, :]
-    return acc + tl.dot(x, tl.trans(w), input_precision=PREC)
+        out = acc + tl.sum(w.to(tl.float32) * x.to(tl.float32), 1)[None, :]
+    else:
+        out = acc + tl.dot(x, tl.trans(w), input_precision=PREC)
+    return out
 
 
 # (BN, BK, warps, stages) measured on the H200 (tools/tune_kernels.py, bench/results/tune-decode*-20261202.json):
