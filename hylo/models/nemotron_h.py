@@ -29,17 +29,21 @@ PATTERN = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe
 LEGACY = {"mamba": "linear_attention", "attention": "full_attention"}
 
 
+def _pattern_types(pattern: str, key: str) -> list[str]:
+    """The block types a pattern's letters name (config key ``key``); an unknown letter is refused by name."""
+    unknown = sorted(set(pattern) - set(PATTERN))
+    if unknown:
+        raise ValueError(f"nemotron_h config: {key} has unknown block letters {unknown} (known: {', '.join(PATTERN)})")
+    return [PATTERN[c] for c in pattern]
+
+
 def _block_types(cfg: dict[str, Any]) -> tuple[str, ...]:
     types = cfg.get("layers_block_type") or cfg.get("layer_types")
     if types is None:
         pattern = cfg.get("hybrid_override_pattern")
         if not pattern:
             raise ValueError("nemotron_h config: neither layers_block_type nor hybrid_override_pattern is set")
-        unknown = sorted(set(pattern) - set(PATTERN))
-        if unknown:
-            raise ValueError(f"nemotron_h config: hybrid_override_pattern has unknown block letters {unknown} "
-                             f"(known: {', '.join(PATTERN)})")
-        types = [PATTERN[c] for c in pattern]
+        types = _pattern_types(pattern, "hybrid_override_pattern")
     types = tuple(LEGACY.get(t, t) for t in types)
     unknown = sorted(set(types) - set(PATTERN.values()))
     if unknown:
@@ -54,11 +58,7 @@ def _mtp_block_types(cfg: dict[str, Any]) -> tuple[str, ...]:
         return ()
     types = cfg.get("mtp_layers_block_type")
     if types is None:
-        pattern = cfg.get("mtp_hybrid_override_pattern", "*E")
-        unknown = sorted(set(pattern) - set(PATTERN))
-        if unknown:
-            raise ValueError(f"nemotron_h config: mtp_hybrid_override_pattern has unknown block letters {unknown}")
-        types = [PATTERN[c] for c in pattern]
+        types = _pattern_types(cfg.get("mtp_hybrid_override_pattern", "*E"), "mtp_hybrid_override_pattern")
     return tuple(LEGACY.get(t, t) for t in types)
 
 

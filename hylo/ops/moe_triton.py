@@ -242,10 +242,12 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
         grid_blocks = block_expert.shape[0]
         _grouped_gate_up_kernel[(grid_blocks, triton.cdiv(inter, bn))](
-            x, weight_values(w13), sorted_pairs, block_expert, act, hidden, inter, num_pairs, TOP_K=top_k, BM=bm, BN=bn, BK=_bk(bk, w13),
+            x, weight_values(w13), sorted_pairs, block_expert, act, hidden, inter, num_pairs, TOP_K=top_k, BM=bm,
+            BN=bn, BK=_bk(bk, w13),
             PREC=prec, GATED=gated, num_warps=warps, num_stages=stages, **fp8_kernel_args(w13))
         _grouped_down_kernel[(grid_blocks, triton.cdiv(hidden, dbn))](
-            act, weight_values(w2), sorted_pairs, block_expert, wts, out, hidden, inter, num_pairs, BM=bm, BN=dbn, BK=_bk(dbk, w2),
+            act, weight_values(w2), sorted_pairs, block_expert, wts, out, hidden, inter, num_pairs, BM=bm, BN=dbn,
+            BK=_bk(dbk, w2),
             PREC=prec, num_warps=dwarps, num_stages=dstages, **fp8_kernel_args(w2))
     out = out.view(num_tokens, top_k, hidden)
     return out.sum(1, dtype=torch.float32).to(x.dtype) if reduce else out
