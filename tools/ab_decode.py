@@ -10,7 +10,8 @@ percent across a call. The rows go to stdout and to DIR/ab-decode-<time>.json. `
 prefill of one N-token prompt instead (best of four after a first, compiling one), on a one-request engine sized
 for the prompt (the bench's prefill row runs on its larger decode engine: 4 graph sizes, a 40k context), and
 writes DIR/ab-prefill-<time>.json. A variant's ``HYLO_ABLATE`` leaves pieces of the step out (``tools/ablate.py``:
-what-if timing); ``AB_BENCH_ENGINE=1`` sizes its engine as ``hylo bench`` does.
+what-if timing); ``AB_BENCH_ENGINE=1`` sizes its engine as ``hylo bench`` does; ``AB_MODEL=NAME`` runs that variant
+on another shape (``--variant bf16:AB_MODEL=bench-6b --variant fp8:AB_MODEL=bench-6b-fp8``: FP8 against bfloat16).
 """
 
 from __future__ import annotations
@@ -119,7 +120,7 @@ def main() -> None:
     for rnd in range(args.rounds):
         for name, env in variants:
             cmd = [sys.executable, __file__, "--child", "--bs", *map(str, args.bs), "--prefill", str(args.prefill),
-                   "--model-name", args.model_name]
+                   "--model-name", env.get("AB_MODEL", args.model_name)]
             proc = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": child_path, **env}, capture_output=True,
                                   text=True)
             line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("AB_ROWS ")), None)

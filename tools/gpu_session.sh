@@ -178,18 +178,19 @@ case "$phase" in
       --variant apart:HYLO_NEMOTRON_FOLD_SHARED=0 --out "$out" 2>&1 | tail -3
     bench 150 --model-name $n3 --short
     ;;
-  s27-fp8)  # session 26's FP8 changes checked and A/B'd: one-row tiles over several blocks, the dequantized prefill;
-            # then the 80B FP8 records where the card holds them (an H200), else Qwen3.5-35B's
+  s27-fp8)  # session 26's FP8 changes checked and A/B'd: one-row tiles over several blocks, the dequantized prefill,
+            # and FP8 against bfloat16 at bench-6b's shape (issue 37's batch-1 target); the records of the real sizes
+            # follow in their own call: `model OUT qwen3-next-80b-fp8` on an H200, `qwen3.5-35b-a3b-fp8` on an H100
     timeout 120 python3 -m pytest -q -p no:cacheprovider $par tests/gpu -k "fp8" > "$out/gputests.txt" 2>&1
     echo "pytest rc=$?"; grep -E "passed|failed|FAILED|Error" "$out/gputests.txt" | tail -12
     q=qwen3.5-35b-a3b-fp8
-    timeout 120 python3 tools/ab_decode.py --model-name $q --bs 1 8 --variant wide: \
+    timeout 130 python3 tools/ab_decode.py --model-name $q --bs 1 8 --variant wide: \
       --variant narrow:HYLO_FP8_WIDE_TILES=0 --out "$out" 2>&1 | tail -4
-    timeout 90 python3 tools/ab_decode.py --model-name $q --prefill 8192 --variant dequant: \
+    timeout 100 python3 tools/ab_decode.py --model-name $q --prefill 8192 --variant dequant: \
       --variant w8a16:HYLO_FP8_DEQUANT_ROWS=0 --out "$out" 2>&1 | tail -3
-    big=$(python3 -c "import torch; print(int(torch.cuda.get_device_properties(0).total_memory > 100 * 2 ** 30))")
-    if [ "$big" = 1 ]; then q=qwen3-next-80b-fp8; fi
-    bench 0 --model-name $q --short
+    timeout 120 python3 tools/ab_decode.py --bs 1 8 64 --variant bf16:AB_MODEL=bench-6b \
+      --variant fp8:AB_MODEL=bench-6b-fp8 --variant fp8-narrow:AB_MODEL=bench-6b-fp8,HYLO_FP8_WIDE_TILES=0 \
+      --out "$out" 2>&1 | tail -4
     ;;
   *) echo "unknown phase $phase" >&2; exit 2 ;;
 esac
