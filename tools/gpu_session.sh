@@ -177,6 +177,9 @@ case "$phase" in
     timeout 90 python3 tools/ab_decode.py --model-name $n3 --prefill 8192 --variant new: \
       --variant apart:HYLO_NEMOTRON_FOLD_SHARED=0 --out "$out" 2>&1 | tail -3
     bench 150 --model-name $n3 --short
+    timeout 90 python3 tools/profile_step.py --graphs --launches --bs 1 --model-name $n3 --out "$out" \
+      > "$out/prof_step.txt" 2>&1  # where batch 1's remaining gap goes (last: the one a full call cuts)
+    grep -E "^==|launches," "$out/prof_step.txt"
     ;;
   s27-fp8)  # session 26's FP8 changes checked and A/B'd: one-row tiles over several blocks, the dequantized prefill,
             # and FP8 against bfloat16 at bench-6b's shape (issue 37's batch-1 target); the records of the real sizes
