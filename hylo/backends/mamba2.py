@@ -69,7 +69,9 @@ class Mamba2Backend(Backend):
     def forward(self, layer: int, xbc: torch.Tensor, dt: torch.Tensor, params: Mamba2Params, shape: Mamba2Spec,
                 batch: ForwardBatch) -> torch.Tensor:
         """xbc: [T, conv_dim] (before the conv); dt: [T, H] raw. ``layer`` indexes the linear layers only.
-        Returns y [T, H, P] in float32 (the D skip included, before the gated norm)."""
+        Returns y [T, H, P] (the D skip included, before the gated norm): in float32 for a prefill; a decode or
+        verify step's in float32 from the references, in xbc's dtype from the Triton kernel (rounded at its store,
+        as the mixer rounds the references' output)."""
         conv_pool = self.state_pool.conv[layer]
         rec_pool = self.state_pool.recurrent[layer]
         if batch.mode.is_extend:
@@ -146,7 +148,7 @@ class Mamba2Backend(Backend):
 
         return mamba2_steps(x, dt, params.A_log, params.D, params.dt_bias, rec_pool, batch.state_slots,
                             shape.num_heads, shape.head_dim, shape.n_groups, shape.state_size,
-                            batch.tokens_per_row, verify)
+                            batch.tokens_per_row, verify, out_dtype=x.dtype)
 
     def commit_verified(self, state_slots: torch.Tensor, accepted: torch.Tensor) -> None:
         """After a verify: each row's conv window and state at its last accepted step into its slot."""

@@ -60,7 +60,7 @@ def _mamba2_steps_kernel(x_ptr, dt_ptr, A_log_ptr, D_ptr, dt_bias_ptr, pool_ptr,
         Cv = tl.load(x_ptr + tok * stride_x + INNER + G * N + g * N + offs_n, mask=mn, other=0.0).to(tl.float32)
         state = state * tl.exp(dt * A) + (dt * x)[:, None] * Bv[None, :]
         y = tl.sum(state * Cv[None, :], 1) + Dh * x
-        tl.store(y_ptr + (tok * H + h) * P + offs_p, y, mask=mp)
+        tl.store(y_ptr + (tok * H + h) * P + offs_p, y.to(y_ptr.dtype.element_ty), mask=mp)
         if VERIFY:
             tl.store(verify_ptr + row * stride_vrow + s * stride_vstep + state_off,
                      state.to(verify_ptr.dtype.element_ty), mask=m2)
@@ -70,14 +70,16 @@ def _mamba2_steps_kernel(x_ptr, dt_ptr, A_log_ptr, D_ptr, dt_bias_ptr, pool_ptr,
 
 def mamba2_steps(xbc: torch.Tensor, dt: torch.Tensor, A_log: torch.Tensor, D: torch.Tensor, dt_bias: torch.Tensor,
                  pool: torch.Tensor, slots: torch.Tensor, num_heads: int, head_dim: int, n_groups: int,
-                 state_size: int, steps: int = 1, verify: torch.Tensor | None = None) -> torch.Tensor:
+                 state_size: int, steps: int = 1, verify: torch.Tensor | None = None,
+                 out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """xbc: [B * steps, conv_dim] (the conv's output: x | B | C, unit stride along channels); dt: [B * steps, H]
     raw (unit stride along heads); pool: [slots, H, P, N] (one layer, contiguous per slot); slots: [B];
     verify: None (decode: the slot is updated) or [max_B, steps, H, P, N] (one layer: every step's state, the slot
-    untouched). Returns y [B * steps, H, P] in float32."""
+    untouched). Returns y [B * steps, H, P] in ``out_dtype`` (computed in float32, rounded once at the store: the
+    step's rounding to the activations' dtype without a launch of its own)."""
     num_tokens = xbc.shape[0]
     batch = num_tokens // steps
-    y = torch.empty(num_tokens, num_heads, head_dim, dtype=torch.float32, device=xbc.device)
+    y = torch.empty(num_tokens, num_heads, head_dim, dtype=out_dtype, device=xbc.device)
     if batch == 0:
         return y
     assert xbc.stride(-1) == 1 and dt.stride(-1) == 1 and pool[0].is_contiguous()

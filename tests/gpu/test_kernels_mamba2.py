@@ -46,6 +46,15 @@ def test_mamba2_steps_match_the_references(dev, heads, head_dim, groups, state, 
         assert torch.equal(p.cpu(), pool)  # a verify writes no slot
         assert torch.allclose(y.cpu().view(batch, steps, heads, head_dim), want_y, atol=1e-4, rtol=1e-4)
         assert torch.allclose(verify[:batch].cpu(), want_states, atol=1e-4, rtol=1e-4)
+        # the engine's form: y stored in the activations' dtype, the float32 result rounded once at the store
+        y16 = mamba2_steps(xbc.to(dev), dt.to(dev), *args, p, slots.to(dev), heads, head_dim, groups, state, steps,
+                           verify, out_dtype=torch.bfloat16)
+        assert y16.dtype == torch.bfloat16
+        want16 = y.to(torch.bfloat16)
+        if dev.type == "cuda":
+            assert torch.equal(y16, want16)
+        else:  # Triton's interpreter casts to bfloat16 by truncation: within one unit of the last place
+            assert torch.allclose(y16.float(), want16.float(), rtol=2 ** -7, atol=0)
 
 
 @pytest.mark.parametrize("heads,head_dim,groups,state", [(6, 5, 3, 7), (4, 64, 1, 128), (8, 40, 2, 16)])
