@@ -22,6 +22,7 @@ from hylo.bench.steps import clear, fake_prefill, graph_alone_ms, overlap_profil
 from hylo.config import EngineConfig
 from hylo.core import SamplingParams
 from hylo.engine.engine import Engine
+from hylo.models.registry import has_mtp_head
 from hylo.spec.setup import SpecSetup
 
 
@@ -51,13 +52,14 @@ def main():
         with open(os.path.join(args.out, f"profile_prefill_{args.prefill}.json"), "w") as f:
             json.dump(report, f, indent=1)
         return
+    method = "mtp" if has_mtp_head(lm.config) else "ngram"
     for spec in (False, True):
-        kw = (dict(speculative="mtp", num_speculative_tokens=3, simulate_accept_length=3.0, spec_policy="fixed")
+        kw = (dict(speculative=method, num_speculative_tokens=3, simulate_accept_length=3.0, spec_policy="fixed")
               if spec else {})
         ec = EngineConfig(enable_prefix_caching=False, max_num_seqs=max(args.bs), kv_cache_tokens=max(args.bs) * 1200, cuda_graphs=args.graphs,
                           max_model_len=1100, verbose=False, **kw)
         eng = Engine(lm, device="cuda", dtype="bfloat16", engine_config=ec,
-                     spec_setup=SpecSetup("mtp") if spec else None)
+                     spec_setup=SpecSetup(method) if spec else None)
         for bs in args.bs:
             rids = fake_prefill(eng, bs, 1024)
             for _ in range(3):

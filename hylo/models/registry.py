@@ -56,6 +56,11 @@ def family_of(model_type: str | None) -> Family:
     return _BY_TYPE[model_type]
 
 
+def has_mtp_head(mc: ModelConfig) -> bool:
+    """Whether ``mc`` carries an MTP head hylo can draft with: its family has one and this checkpoint's layers."""
+    return family_of(mc.model_type).mtp is not None and mc.num_nextn_predict_layers > 0
+
+
 def parse_config(cfg: dict[str, Any]) -> ModelConfig:
     """A ``config.json``'s contents as hylo's ModelConfig, checked (an unsupported family, shape or quantization is
     a ValueError naming it)."""
