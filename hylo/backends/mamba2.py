@@ -11,8 +11,9 @@ State slot -1 marks a padded row: it reads zeros and writes nothing. The pool's 
 is ``[H, P, N]`` (heads, head channels, state size) where a GDN layer's is ``[Hv, Dk, Dv]``.
 
 On CUDA a step is two Triton launches per layer: the conv with its bias (``ops.conv1d_triton``'s ``conv_steps``,
-or ``conv_prefill`` for a prefill's rows) and the recurrence (``ops/mamba2_triton.py``: ``mamba2_steps`` for decode
-and verify, ``mamba2_scan`` for a prefill's rows).
+or ``conv_prefill`` for a prefill's rows) and the recurrence (``ops/mamba2_triton.py``'s ``mamba2_steps`` for decode
+and verify); a prefill's rows go through ``ops/mamba2_scan_triton.py``'s ``mamba2_scan`` (long rows cut into
+segments that scan side by side: one launch more).
 As in transformers and the released kernels, prefill clamps dt to the config's limit and a decode step does not.
 """
 
@@ -60,6 +61,21 @@ class Mamba2Backend(Backend):
     def __init__(self, state_pool: StatePool):
         self.state_pool = state_pool
         self.fast = use_triton(state_pool.recurrent)  # every mode's conv and recurrence in Triton (module docstring)
+        self._plan = None  # (batch, its prefill scan's segments): built by the first Mamba2 layer of a prefill
+
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        self._plan = None
+
+    def _scan_plan(self, batch: ForwardBatch, shape: Mamba2Spec):
+        """The prefill's rows cut into scan segments, once per batch (every Mamba2 layer of a model has one
+        shape)."""
+        if self._plan is None or self._plan[0] is not batch:
+            from ..ops.mamba2_scan_triton import SCAN_CHUNK, ScanPlan, channel_block
+
+            per_segment = shape.num_heads * -(-shape.head_dim // channel_block(shape.head_dim))
+            self._plan = (batch, ScanPlan.build(batch.extend_lens_cpu, self.state_pool.recurrent.device, per_segment,
+                                                SCAN_CHUNK))
+        return self._plan[1]
 
     def init_forward_metadata_replay(self, batch: ForwardBatch) -> None:
         """Padded rows get state slot -1: they read zeros and write nothing (only their own verify rows)."""
@@ -99,12 +115,12 @@ class Mamba2Backend(Backend):
         launch each for all rows, elsewhere the references row by row."""
         if self.fast:
             from ..ops.conv1d_triton import conv_prefill
-            from ..ops.mamba2_triton import mamba2_scan
+            from ..ops.mamba2_scan_triton import mamba2_scan
 
             x = conv_prefill(xbc, params.conv_weight, conv_pool, batch.state_slots, batch.query_start_loc,
                              batch.extend_lens_cpu, batch.token_rows, bias=params.conv_bias)
             return mamba2_scan(x, dt, params.A_log, params.D, params.dt_bias, rec_pool, batch.state_slots,
-                               batch.query_start_loc, shape.num_heads, shape.head_dim, shape.n_groups,
+                               self._scan_plan(batch, shape), shape.num_heads, shape.head_dim, shape.n_groups,
                                shape.state_size, params.dt_limit)
         A = -torch.exp(params.A_log.float())
         out = torch.empty(xbc.shape[0], shape.num_heads, shape.head_dim, dtype=torch.float32, device=xbc.device)

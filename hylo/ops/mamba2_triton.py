@@ -1,6 +1,6 @@
-"""Triton kernels for Mamba2's recurrence: the prefill's chunked scan (``mamba2_scan``, below) and the decode and
-verify steps (``ops.mamba2.ssd_decode_ref`` / ``ssd_verify_ref`` in one launch): a program holds a [BP, N] block of one head's state of one row in registers across the row's S steps,
-and for each step computes dt = softplus(dt_raw + dt_bias) (no clamp, as in the reference's steps), the decay
+"""Triton kernels for Mamba2's decode and verify steps (``ops.mamba2.ssd_decode_ref`` / ``ssd_verify_ref`` in one
+launch) and its gated group norm; the prefill's chunked scan is ``ops/mamba2_scan_triton.py``'s. A step's program
+holds a [BP, N] block of one head's state of one row in registers across the row's S steps, and for each step computes dt = softplus(dt_raw + dt_bias) (no clamp, as in the reference's steps), the decay
 exp(dt * A), the update ``S = S * decay + (dt * x) (outer) B``, and ``y = S C + D x``. Decode writes the state
 back to the row's slot; a verify writes each step's state to the verify buffer instead and never the slot. A row
 with state slot -1 (padding) starts from zeros and writes nothing but its own verify rows.
@@ -91,76 +91,6 @@ def mamba2_steps(xbc: torch.Tensor, dt: torch.Tensor, A_log: torch.Tensor, D: to
         verify.stride(0) if verify is not None else 0, verify.stride(1) if verify is not None else 0,
         H=num_heads, P=head_dim, N=state_size, G=n_groups, INNER=num_heads * head_dim, S=steps, BP=bp,
         BN=next_pow2(state_size), VERIFY=verify is not None, num_warps=4)
-    return y
-
-
-@triton.jit
-def _mamba2_scan_kernel(x_ptr, dt_ptr, A_log_ptr, D_ptr, dt_bias_ptr, pool_ptr, slots_ptr, qsl_ptr, y_ptr,
-                        stride_x, stride_dt, stride_pool, dt_min, dt_max,
-                        H: tl.constexpr, P: tl.constexpr, N: tl.constexpr, G: tl.constexpr, INNER: tl.constexpr,
-                        BT: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, CLAMP: tl.constexpr,
-                        PREC: tl.constexpr):
-    """One row's prefill for one head and block of BP channels: the row's tokens in chunks of BT, the state [BP, N]
-    carried across chunks in registers (``ops.mamba2.ssd_chunk_scan_ref``'s chunk formulas), from the slot's state
-    to the slot (-1: from zeros, nothing written)."""
-    row, h, offs_p, offs_n, mp, mn, m2, valid, addr, state, A, Dh, bias = _load_head(
-        pool_ptr, slots_ptr, A_log_ptr, D_ptr, dt_bias_ptr, stride_pool, P, N, BP, BN)
-    offs_t = tl.arange(0, BT)
-    first = tl.load(qsl_ptr + row)
-    end = tl.load(qsl_ptr + row + 1)
-    g = h // (H // G)
-    causal = offs_t[:, None] >= offs_t[None, :]
-    t0 = first
-    while t0 < end:
-        toks = (t0 + offs_t).to(tl.int64)
-        mt = toks < end
-        raw = tl.load(dt_ptr + toks * stride_dt + h, mask=mt, other=0.0).to(tl.float32) + bias
-        dt = _softplus(raw)
-        if CLAMP:
-            dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
-        dt = tl.where(mt, dt, 0.0)  # past the row's end: no decay, no input
-        x = tl.load(x_ptr + toks[:, None] * stride_x + h * P + offs_p[None, :], mask=mt[:, None] & mp[None, :],
-                    other=0.0).to(tl.float32)  # [BT, BP]
-        Bm = tl.load(x_ptr + toks[:, None] * stride_x + INNER + g * N + offs_n[None, :],
-                     mask=mt[:, None] & mn[None, :], other=0.0).to(tl.float32)  # [BT, BN]
-        Cm = tl.load(x_ptr + toks[:, None] * stride_x + INNER + G * N + g * N + offs_n[None, :],
-                     mask=mt[:, None] & mn[None, :], other=0.0).to(tl.float32)
-        cum = tl.cumsum(dt * A, 0)  # [BT]
-        last = tl.sum(tl.where(offs_t == BT - 1, cum, 0.0), 0)
-        decay = tl.where(causal, tl.exp(tl.where(causal, cum[:, None] - cum[None, :], 0.0)), 0.0)
-        scores = tl.dot(Cm, tl.trans(Bm), input_precision=PREC) * decay  # [BT, BT]
-        xdt = x * dt[:, None]
-        y = tl.dot(scores, xdt, input_precision=PREC)
-        y += tl.dot(Cm, tl.trans(state), input_precision=PREC) * tl.exp(cum)[:, None]
-        y += Dh * x
-        tl.store(y_ptr + (toks[:, None] * H + h) * P + offs_p[None, :], y, mask=mt[:, None] & mp[None, :])
-        to_end = tl.exp(last - cum) * dt  # [BT]
-        state = state * tl.exp(last) + tl.dot(tl.trans(x * to_end[:, None]), Bm, input_precision=PREC)
-        t0 += BT
-    tl.store(addr, state.to(pool_ptr.dtype.element_ty), mask=m2 & valid)
-
-
-def mamba2_scan(xbc: torch.Tensor, dt: torch.Tensor, A_log: torch.Tensor, D: torch.Tensor, dt_bias: torch.Tensor,
-                pool: torch.Tensor, slots: torch.Tensor, query_start_loc: torch.Tensor, num_heads: int, head_dim: int,
-                n_groups: int, state_size: int, dt_limit: tuple[float, float], chunk: int = 64) -> torch.Tensor:
-    """Prefill of a varlen batch: xbc [T, conv_dim] (the conv's output, packed by row), dt [T, H] raw, rows given
-    by ``query_start_loc`` [B + 1] and their state ``slots`` [B] (-1: from zeros, nothing written); each row starts
-    from its slot's state and leaves its final state there. Returns y [T, H, P] in float32 (the D skip included)."""
-    num_tokens = xbc.shape[0]
-    batch = slots.shape[0]
-    y = torch.empty(num_tokens, num_heads, head_dim, dtype=torch.float32, device=xbc.device)
-    if batch == 0 or num_tokens == 0:
-        return y
-    assert xbc.stride(-1) == 1 and dt.stride(-1) == 1 and pool[0].is_contiguous()
-    bp = max(16, min(next_pow2(head_dim), 64))  # tl.dot takes tiles of 16 and more
-    lo, hi = dt_limit
-    clamp = lo > 0.0 or hi != float("inf")
-    _mamba2_scan_kernel[(batch, num_heads, triton.cdiv(head_dim, bp))](
-        xbc, dt, A_log, D, dt_bias, pool, slots, query_start_loc, y, xbc.stride(0), dt.stride(0), pool.stride(0),
-        float(lo), float(hi) if hi != float("inf") else 3.0e38,
-        H=num_heads, P=head_dim, N=state_size, G=n_groups, INNER=num_heads * head_dim, BT=chunk, BP=bp,
-        BN=max(16, next_pow2(state_size)), CLAMP=clamp, PREC="ieee" if xbc.dtype == torch.float32 else "tf32",
-        num_warps=4)
     return y
 
 

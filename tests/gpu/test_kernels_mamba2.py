@@ -59,21 +59,23 @@ def test_mamba2_steps_match_the_references(dev, heads, head_dim, groups, state, 
 
 @pytest.mark.parametrize("heads,head_dim,groups,state", [(6, 5, 3, 7), (4, 64, 1, 128), (8, 40, 2, 16)])
 @pytest.mark.parametrize("limit", [(0.0, float("inf")), (0.3, 2.0)])
-def test_mamba2_scan_matches_the_reference(dev, heads, head_dim, groups, state, limit):
+@pytest.mark.parametrize("segment", [None, 32, 32 * 10 ** 4])
+def test_mamba2_scan_matches_the_reference(dev, heads, head_dim, groups, state, limit, segment):
     """A varlen prefill: rows longer than a chunk, shorter than one, of one token, a padded row (-1: from zeros,
-    nothing written); each from its slot's state to its slot; the dt clamp where the config has one."""
-    from hylo.ops.mamba2_triton import mamba2_scan
+    nothing written); each from its slot's state to its slot; the dt clamp where the config has one. Rows cut into
+    segments as the engine cuts them (None), into segments of one chunk each, and whole."""
+    from hylo.ops.mamba2_scan_triton import ScanPlan, channel_block, mamba2_scan
 
     g = torch.Generator().manual_seed(heads + int(limit[0] * 10))
-    lens = [70, 9, 1, 20]
-    slots = torch.tensor([3, 1, 5, -1])
+    lens = [150, 9, 1, 20, 97]
+    slots = torch.tensor([3, 1, 5, -1, 6])
     inner = heads * head_dim
     conv_dim = inner + 2 * groups * state
     T = sum(lens)
     xbc = torch.randn(T, conv_dim, generator=g)
     dt = torch.randn(T, heads, generator=g)
     A_log, D, dt_bias = (torch.randn(heads, generator=g) for _ in range(3))
-    pool = torch.randn(7, heads, head_dim, state, generator=g)
+    pool = torch.randn(8, heads, head_dim, state, generator=g)
     qsl = torch.tensor([0] + lens).cumsum(0)
     A = -torch.exp(A_log)
     want_y, want_pool = [], pool.clone()
@@ -89,8 +91,12 @@ def test_mamba2_scan_matches_the_reference(dev, heads, head_dim, groups, state, 
         if s >= 0:
             want_pool[s] = final
     dpool = pool.to(dev)
+    plan = ScanPlan.build(lens, dev, heads * -(-head_dim // channel_block(head_dim)), 32,
+                          segment)
+    if segment is None:  # the engine's cut: here (few programs per segment) every long row is cut
+        assert plan.num_segments > len(lens) and plan.num_inner == plan.num_segments - len(lens)
     out = mamba2_scan(xbc.to(dev), dt.to(dev), A_log.to(dev), D.to(dev), dt_bias.to(dev), dpool, slots.to(dev),
-                      qsl.to(dev), heads, head_dim, groups, state, limit, chunk=32)
+                      plan, heads, head_dim, groups, state, limit, chunk=32)
     assert torch.allclose(out.cpu(), torch.cat(want_y), atol=2e-4, rtol=2e-4)
     assert torch.allclose(dpool.cpu(), want_pool, atol=2e-4, rtol=2e-4)
 
