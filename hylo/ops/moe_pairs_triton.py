@@ -141,9 +141,10 @@ def _pair_down_sum_kernel(act_ptr, w2_ptr, ids_ptr, wts_ptr, out_ptr, H: tl.cons
 # Gate/up from tune_kernels --only pairs (tune-pairs-20261204-1322.json: with 2 stages, as the one-row GEMV): 12.9 us
 # at 1 token (1.20x its bytes) and 56.9 at 8, against 13.7 and 59.9 with the previous (4, 256, 4, 1).
 PAIR_GATE_UP_CFG = env_cfg("HYLO_PAIR_GATE_UP_CFG", (4, 1024, 2, 2))
-# Non-gated experts (Nemotron 3's squared ReLU) load one weight tile per K step where gated ones load two: twice
-# the rows per program keeps the same bytes in flight (a first choice, A/B'd in session 26: HYLO_PAIR_UP_CFG).
-PAIR_UP_CFG = env_cfg("HYLO_PAIR_UP_CFG", (8, 1024, 2, 2))
+# Non-gated experts (Nemotron 3's squared ReLU) load one weight tile per K step where gated ones load two. Twice
+# the rows per program (8, the same bytes in flight) lost to these 4 rows in session 27's A/B on an H100
+# (ab-decode-nemotron-3-nano-20261206-183548: 2.952 against 2.913 ms at batch 1, 7.990 against 7.956 at 8).
+PAIR_UP_CFG = env_cfg("HYLO_PAIR_UP_CFG", (4, 1024, 2, 2))
 PAIR_DOWN_CFG = ((32, (8, 512, 2, 1)), (PAIR_GEMV_MAX_PAIRS, (16, 512, 2, 1)))
 # The down projections summed per token in the kernel (``_pair_down_sum_kernel``): the residual add that follows
 # reads one float32 row per token instead of top_k (11 on bench-6b: the add-norm kernel took 3.0 us a layer at
