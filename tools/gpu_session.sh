@@ -197,7 +197,7 @@ case "$phase" in
     ;;
   s27-scan)  # the segmented Mamba2 prefill scan checked and A/B'd on Nemotron 3 Nano's 8192-token prefill; then the
              # 80B FP8 records where the card holds them (an H200), else Nemotron 3 Nano's with the new scan
-    timeout 150 python3 -m pytest -q -p no:cacheprovider $par tests/gpu -k "scan or mamba2 or nemotron" \
+    timeout 120 python3 -m pytest -q -p no:cacheprovider $par tests/gpu -k "${HYLO_TESTS_K:-scan or mamba2 or nemotron}" \
       > "$out/gputests.txt" 2>&1
     echo "pytest rc=$?"; grep -E "passed|failed|FAILED|Error" "$out/gputests.txt" | tail -12
     timeout 150 python3 tools/ab_decode.py --model-name nemotron-3-nano-30b-a3b --prefill 8192 --variant segments: \
