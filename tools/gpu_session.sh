@@ -18,7 +18,7 @@
 # (.whl holds outlines-core for several Pythons: pip picks the one that fits)
 # ($PWD too: the tools run as scripts import hylo from the checkout).
 set -u
-phase=${1:?tests, tests-host, tests-bench, check, tune-bench, bench, bench-first, bench-short, fma, changed, model, prefix, mamba2, structured, s25, s26, s26-min, s27-nemotron, s27-fp8, s27-scan or s20}
+phase=${1:?tests, tests-host, tests-bench, check, tune-bench, bench, bench-first, bench-short, fma, changed, model, prefix, mamba2, structured, s25, s26, s26-min, s27-nemotron, s27-fp8, s27-scan, s27-last or s20}
 out=${2:?output folder}
 mkdir -p "$out"
 # The GPU tests run in parallel workers where pytest-xdist is installed (the device image has it), so that a fresh
@@ -209,6 +209,14 @@ case "$phase" in
         --out "$out" > "$out/prof_step.txt" 2>&1  # where FP8's batch-1 time goes
       grep -E "^==|launches," "$out/prof_step.txt"; grep -A12 "== decode_bs1" "$out/prof_step.txt" | cut -c1-90
     else bench 0 --model-name nemotron-3-nano-30b-a3b --short; fi
+    ;;
+  s27-last)  # what session 27's last device time could hold: the scan's kernel tests and A/B, FP8 tiles widened
+    timeout 70 python3 -m pytest -q -p no:cacheprovider $par tests/gpu/test_kernels_mamba2.py > "$out/gputests.txt" 2>&1
+    echo "pytest rc=$?"; grep -E "passed|failed|FAILED|Error" "$out/gputests.txt" | tail -5
+    timeout 140 python3 tools/ab_decode.py --model-name nemotron-3-nano-30b-a3b --prefill 8192 --variant segments: \
+      --variant whole:HYLO_MAMBA2_SEGMENTS=0 --out "$out" 2>&1 | tail -3
+    timeout 100 python3 tools/ab_decode.py --model-name bench-6b-fp8 --bs 1 8 --variant w1: \
+      --variant w2:HYLO_FP8_ROW_WIDEN=2 --out "$out" 2>&1 | tail -3
     ;;
   *) echo "unknown phase $phase" >&2; exit 2 ;;
 esac

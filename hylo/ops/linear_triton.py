@@ -184,7 +184,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, gat
         if not fma:  # the tensor-core tile stays inside one column block (one rounding per block, as the matmul)
             bk = min(bk, sbk)
         else:
-            bk = row_tile(bk, fp8)
+            bk = row_tile(bk, fp8, k_split)
         if norm and bk % d:
             raise ValueError(f"gemv: FP8 blocks of {sbk} columns cannot hold whole heads of {d}")
     k_split = triton.cdiv(k_split, bk) * bk

@@ -165,18 +165,18 @@ def pair_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Te
     bn, bk, warps, stages = PAIR_GATE_UP_CFG if gated else PAIR_UP_CFG
     _pair_gate_up_kernel[(num_pairs, triton.cdiv(inter, bn))](
         x, weight_values(w13), ids, act, hidden, inter, TOP_K=top_k, BN=bn,
-        BK=row_tile(min(bk, next_pow2(hidden)), w13), GATED=gated, num_warps=warps, num_stages=stages, **pdl_launch(x), **fp8_kernel_args(w13))
+        BK=row_tile(min(bk, next_pow2(hidden)), w13, hidden), GATED=gated, num_warps=warps, num_stages=stages, **pdl_launch(x), **fp8_kernel_args(w13))
     if PAIR_DOWN_SUM:  # one float32 row per token, [T, 1, H]
         bn, bk, warps, stages = PAIR_DOWN_SUM_CFG
         out = torch.empty(num_tokens, hidden, dtype=torch.float32, device=x.device)
         _pair_down_sum_kernel[(num_tokens, triton.cdiv(hidden, bn))](
             act, weight_values(w2), ids, wts, out, hidden, inter, TOP_K=top_k, BN=bn,
-            BK=row_tile(min(bk, next_pow2(inter)), w2), num_warps=warps, num_stages=stages, **pdl_launch(x), **fp8_kernel_args(w2))
+            BK=row_tile(min(bk, next_pow2(inter)), w2, inter), num_warps=warps, num_stages=stages, **pdl_launch(x), **fp8_kernel_args(w2))
         return out.to(x.dtype) if reduce else out.view(num_tokens, 1, hidden)
     bn, bk, warps, stages = next((cfg for limit, cfg in PAIR_DOWN_CFG if num_pairs <= limit), PAIR_DOWN_CFG[-1][1])
     out = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
     _pair_down_kernel[(num_pairs, triton.cdiv(hidden, bn))](
-        act, weight_values(w2), ids, wts, out, hidden, inter, BN=bn, BK=row_tile(min(bk, next_pow2(inter)), w2),
+        act, weight_values(w2), ids, wts, out, hidden, inter, BN=bn, BK=row_tile(min(bk, next_pow2(inter)), w2, inter),
         num_warps=warps, num_stages=stages, **prefetch_args(inter, weight_values(w2)), **pdl_launch(x),
         **fp8_kernel_args(w2))
     out = out.view(num_tokens, top_k, hidden)

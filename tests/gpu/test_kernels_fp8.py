@@ -45,11 +45,18 @@ def test_fp8_matmul_matches_the_dequantized_weight(dev, rows, n, k, block, bias)
     (1, 48, 4 * 128, 4, (128, 128), True, "norm"), (5, 48, 2 * 128, 1, (128, 128), False, "norm"),
     (1, 64, 256, 2, (128, 64), True, "swiglu"), (4, 30, 96, 1, (32, 32), False, "swiglu"),
     (1, 50, 300, 1, (32, 64), True, None), (1, 40, 1000, 2, (16, 128), True, None)])
-def test_fp8_gemv_matches_the_dequantized_weight(dev, rows, n, k, split, block, fma, mode):
+@pytest.mark.parametrize("widen", [1, 2])
+def test_fp8_gemv_matches_the_dequantized_weight(dev, rows, n, k, split, block, fma, mode, widen, monkeypatch):
     """The decode GEMV on FP8 weights: one row on the CUDA cores (its K tiles spanning several column blocks, past
-    the last one too) and several on the tensor cores, K splits that start on block boundaries, partial blocks, the
-    GDN gated norm in the loads and the dense MLP's SwiGLU."""
+    the last one too; as wide as bfloat16's, and twice: ``HYLO_FP8_ROW_WIDEN``) and several on the tensor cores, K
+    splits that start on block boundaries, partial blocks, the GDN gated norm in the loads and the dense MLP's
+    SwiGLU."""
+    from hylo.ops import fp8_triton
     from hylo.ops.linear_triton import gemv
+
+    if widen > 1 and not fma:
+        pytest.skip("the tensor-core GEMV's tiles stay inside a block")
+    monkeypatch.setattr(fp8_triton, "FP8_ROW_WIDEN", widen)
     from hylo.ops.linear import swiglu_ref
     from hylo.ops.norm import gated_rms_norm
 
