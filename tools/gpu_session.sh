@@ -210,13 +210,18 @@ case "$phase" in
       grep -E "^==|launches," "$out/prof_step.txt"; grep -A12 "== decode_bs1" "$out/prof_step.txt" | cut -c1-90
     else bench 0 --model-name nemotron-3-nano-30b-a3b --short; fi
     ;;
-  s27-last)  # what session 27's last device time could hold: the scan's kernel tests and A/B, FP8 tiles widened
+  s27-last)  # session 27's unmeasured changes, in one call: the scan's kernel tests and its A/B on Nemotron 3 Nano's
+             # 8192-token prefill, the FP8 one-row tiles widened (bench-6b-fp8); then, on an H200, the 80B FP8
+             # records (issue 37), else Nemotron 3 Nano's with the new scan (issue 36)
     timeout 70 python3 -m pytest -q -p no:cacheprovider $par tests/gpu/test_kernels_mamba2.py > "$out/gputests.txt" 2>&1
     echo "pytest rc=$?"; grep -E "passed|failed|FAILED|Error" "$out/gputests.txt" | tail -5
     timeout 140 python3 tools/ab_decode.py --model-name nemotron-3-nano-30b-a3b --prefill 8192 --variant segments: \
       --variant whole:HYLO_MAMBA2_SEGMENTS=0 --out "$out" 2>&1 | tail -3
     timeout 100 python3 tools/ab_decode.py --model-name bench-6b-fp8 --bs 1 8 --variant w1: \
       --variant w2:HYLO_FP8_ROW_WIDEN=2 --out "$out" 2>&1 | tail -3
+    big=$(python3 -c "import torch; print(int(torch.cuda.get_device_properties(0).total_memory > 100 * 2 ** 30))")
+    if [ "$big" = 1 ]; then bench 0 --model-name qwen3-next-80b-fp8 --short
+    else bench 0 --model-name nemotron-3-nano-30b-a3b --short; fi
     ;;
   *) echo "unknown phase $phase" >&2; exit 2 ;;
 esac

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .mamba2_triton import _softplus
+from .mamba2_triton import _load_head, _softplus
 from .triton_utils import env_flag, next_pow2, sm_count
 
 SEGMENTS = env_flag("HYLO_MAMBA2_SEGMENTS", True)
@@ -147,30 +147,19 @@ def _scan_kernel(x_ptr, dt_ptr, A_log_ptr, D_ptr, dt_bias_ptr, pool_ptr, slots_p
     """One segment, one head, BP channels: the state at the segment's start (the slot's, the earlier segments
     folded in), the segment's outputs chunk by chunk, and at the row's end the slot's new state."""
     seg = tl.program_id(0)
-    h = tl.program_id(1)
-    offs_p = tl.program_id(2) * BP + tl.arange(0, BP)
-    offs_n = tl.arange(0, BN)
-    mp, mn = offs_p < P, offs_n < N
-    m2 = mp[:, None] & mn[None, :]
-    row = tl.load(seg_ptr + seg * 5)
+    row, h, offs_p, offs_n, mp, mn, m2, valid, addr, state, A, Dh, bias = _load_head(
+        tl.load(seg_ptr + seg * 5), pool_ptr, slots_ptr, A_log_ptr, D_ptr, dt_bias_ptr, stride_pool, P, N, BP, BN)
     t0 = tl.load(seg_ptr + seg * 5 + 1)
     end = tl.load(seg_ptr + seg * 5 + 2)
     first = tl.load(seg_ptr + seg * 5 + 3)
     is_last = tl.load(seg_ptr + seg * 5 + 4) != 0
-    slot = tl.load(slots_ptr + row)
-    valid = slot >= 0
     head_off = h * P * N + offs_p[:, None] * N + offs_n[None, :]
-    addr = pool_ptr + tl.where(valid, slot, 0).to(tl.int64) * stride_pool + head_off
-    state = tl.load(addr, mask=m2 & valid, other=0.0).to(tl.float32)
     j = first
     while j < seg:  # the row's earlier segments, in order
         dec = tl.exp(tl.load(decay_ptr + j * H + h).to(tl.float32))
         loc = tl.load(local_ptr + (j.to(tl.int64) * H) * P * N + head_off, mask=m2, other=0.0)
         state = state * dec + loc.to(tl.float32)
         j += 1
-    A = -tl.exp(tl.load(A_log_ptr + h).to(tl.float32))
-    Dh = tl.load(D_ptr + h).to(tl.float32)
-    bias = tl.load(dt_bias_ptr + h).to(tl.float32)
     offs_t = tl.arange(0, BT)
     causal = offs_t[:, None] >= offs_t[None, :]
     while t0 < end:

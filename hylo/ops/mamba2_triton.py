@@ -22,11 +22,11 @@ def _softplus(v):
 
 
 @triton.jit
-def _load_head(pool_ptr, slots_ptr, A_log_ptr, D_ptr, dt_bias_ptr, stride_pool, P: tl.constexpr, N: tl.constexpr,
-               BP: tl.constexpr, BN: tl.constexpr):
-    """The program's (row, head, channel block): its channels and state indices, the row's slot (-1: zeros, nothing
-    written), the [BP, BN] block of the state in float32, and the head's A, D and dt bias."""
-    row = tl.program_id(0)
+def _load_head(row, pool_ptr, slots_ptr, A_log_ptr, D_ptr, dt_bias_ptr, stride_pool, P: tl.constexpr,
+               N: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr):
+    """Row ``row`` of the program's (head, channel block) = program ids 1 and 2: its channels and state indices, the
+    row's slot (-1: zeros, nothing written), the [BP, BN] block of the state in float32, and the head's A, D and dt
+    bias."""
     h = tl.program_id(1)
     offs_p = tl.program_id(2) * BP + tl.arange(0, BP)
     offs_n = tl.arange(0, BN)
@@ -48,7 +48,7 @@ def _mamba2_steps_kernel(x_ptr, dt_ptr, A_log_ptr, D_ptr, dt_bias_ptr, pool_ptr,
                          H: tl.constexpr, P: tl.constexpr, N: tl.constexpr, G: tl.constexpr, INNER: tl.constexpr,
                          S: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, VERIFY: tl.constexpr):
     row, h, offs_p, offs_n, mp, mn, m2, valid, addr, state, A, Dh, bias = _load_head(
-        pool_ptr, slots_ptr, A_log_ptr, D_ptr, dt_bias_ptr, stride_pool, P, N, BP, BN)
+        tl.program_id(0), pool_ptr, slots_ptr, A_log_ptr, D_ptr, dt_bias_ptr, stride_pool, P, N, BP, BN)
     state_off = h * P * N + offs_p[:, None] * N + offs_n[None, :]
     g = h // (H // G)  # the group whose B and C this head reads
     for s in range(S):
