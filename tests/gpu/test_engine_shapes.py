@@ -115,3 +115,39 @@ def test_fast_path_on_other_shapes_matches_the_reference_ops(dev, name, spec, re
         assert torch.equal(top2.indices[:, 0][clear], torch.tensor(o)[clear]), o
         checked += int(clear.sum())
     assert checked >= 0.5 * 3 * 10, checked  # not vacuous
+
+
+def test_long_mamba2_prefill_cut_into_segments_matches_the_reference(dev, nemotron_h, monkeypatch):
+    """A prompt long enough for the Mamba2 scan to cut its rows into segments (``ops/mamba2_scan_triton.py``), over
+    two prefill chunks (the second continues the slots' states): the prompt's logits agree with the reference ops,
+    and the cut did happen."""
+    from hylo.ops import mamba2_scan_triton
+
+    path = nemotron_h[0] if isinstance(nemotron_h, tuple) else nemotron_h
+    plans = []
+    build = mamba2_scan_triton.ScanPlan.build.__func__
+
+    def spy(cls, *args, **kwargs):
+        plans.append(build(cls, *args, **kwargs))
+        return plans[-1]
+
+    monkeypatch.setattr(mamba2_scan_triton.ScanPlan, "build", classmethod(spy))
+    prompt = random_prompts(vocab_of(path), [700], seed=4)[0]
+
+    def engine():
+        return Engine(path, device=dev, dtype="float32",
+                      engine_config=EngineConfig(verbose=False, max_num_seqs=1, cuda_graph_sizes=(1,),
+                                                 chunk_size=512, max_model_len=1024))
+
+    logits = engine().prompt_logits(prompt).cpu()
+    assert len(plans) == 2 and plans[0].num_inner >= 1, [(p.num_segments, p.num_inner) for p in plans]
+    # against the same kernels with every row whole: equal up to the order of the float32 sums (a segment's start
+    # state folded wrong moves the logits by about 2e-3 of their norm)
+    monkeypatch.setattr(mamba2_scan_triton, "SEGMENTS", False)
+    whole = engine().prompt_logits(prompt).cpu()
+    assert plans[-1].num_inner == 0
+    assert (logits - whole).norm() / whole.norm() < 1e-4, (logits - whole).abs().max().item()
+    monkeypatch.setenv("HYLO_DISABLE_TRITON", "1")
+    ref_logits = engine().prompt_logits(prompt).cpu()
+    tol = 2e-2 if dev.type == "cuda" else 1e-4
+    assert (logits - ref_logits).norm() / ref_logits.norm() < tol, (logits - ref_logits).abs().max().item()
