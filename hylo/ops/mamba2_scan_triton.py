@@ -71,15 +71,17 @@ class ScanPlan:
 
 
 def _segment_tokens(lens: list[int], device: torch.device, programs_per_segment: int, chunk: int) -> int:
+    """One length for every row's segments, so that the batch's tokens make about PROGRAMS_PER_SM programs per SM:
+    a long row beside short ones is cut as finely as a long row alone (each segment a program's share of the work),
+    many rows of moderate length stay whole."""
     longest = max(lens, default=0)
     whole = max(chunk, triton.cdiv(max(longest, 1), chunk) * chunk)
-    wanted = PROGRAMS_PER_SM * sm_count(device)
-    base = len(lens) * programs_per_segment
-    if not SEGMENTS or base >= wanted:
+    if not SEGMENTS:
         return whole
-    per_row = triton.cdiv(wanted, base)
+    segments = max(1, PROGRAMS_PER_SM * sm_count(device) // programs_per_segment)
+    share = triton.cdiv(triton.cdiv(sum(lens), segments), chunk) * chunk
     # at least 4 chunks a segment: a shorter one would spend more on folding states than on its own tokens
-    return min(whole, max(4 * chunk, triton.cdiv(triton.cdiv(longest, per_row), chunk) * chunk))
+    return min(whole, max(4 * chunk, share))
 
 
 @triton.jit
