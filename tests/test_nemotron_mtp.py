@@ -96,3 +96,18 @@ def test_a_checkpoint_without_mtp_layers_refuses_mtp_by_name(tmp_path):
     with pytest.raises(ValueError, match="num_nextn_predict_layers=0.*ngram"):
         Engine(path, device="cpu", dtype="float32", spec_setup=SpecSetup("mtp"),
                engine_config=EngineConfig(speculative="mtp", verbose=False))
+
+
+def test_which_shapes_draft_with_mtp(nemotron_mtp, tmp_path):
+    """``has_mtp_head`` (the bench's and the profiler's choice of drafter): a family with a head and a checkpoint
+    with its layers; Nemotron 3 Nano's release and the Nemotron-H shapes (the family has a head, the checkpoints
+    none) fall back to n-gram."""
+    from hylo.bench.shapes import bench_config
+    from hylo.models.registry import has_mtp_head, read_config
+
+    path, _ = make_nemotron3_checkpoint(str(tmp_path / "n3"))
+    assert has_mtp_head(read_config(nemotron_mtp[0] if isinstance(nemotron_mtp, tuple) else nemotron_mtp))
+    assert not has_mtp_head(read_config(path))
+    assert has_mtp_head(bench_config("bench-6b")) and has_mtp_head(bench_config("qwen3-next-80b-fp8"))
+    assert not has_mtp_head(bench_config("nemotron-3-nano-30b-a3b"))
+    assert not has_mtp_head(bench_config("nemotron-h-8b"))

@@ -160,8 +160,9 @@ def run_bench(model_name: str = "bench-6b", vs_hf: bool = False, quick: bool = F
     spec_batches = [1, 8] if quick else [1, 8, 64]
     accepts = (3.0,) if short else (2.0, 3.0, 4.0)
     if not has_mtp_head(mc):
-        # a family or a shape without an MTP head (Nemotron 3 Nano: the family has one, this release none): n-gram speculation's verify step at the same simulated accept lengths (its
-        # drafts come from the host's token history, no weights read); the Mamba2 states commit by checkpoints
+        # a family or a shape without an MTP head (Nemotron 3 Nano: its family has one, this release none): n-gram
+        # speculation's verify step at the same simulated accept lengths (its drafts come from the host's token
+        # history, no weights read); the Mamba2 states commit by checkpoints
         _spec_records(lm, spec_batches, accepts, "checkpoints", k, copy_rate, steps, plain_ms, records, save,
                       method="ngram")
         save()
