@@ -106,7 +106,7 @@ def test_which_shapes_draft_with_mtp(nemotron_mtp, tmp_path):
     from hylo.models.registry import has_mtp_head, read_config
 
     path, _ = make_nemotron3_checkpoint(str(tmp_path / "n3"))
-    assert has_mtp_head(read_config(nemotron_mtp[0] if isinstance(nemotron_mtp, tuple) else nemotron_mtp))
+    assert has_mtp_head(read_config(nemotron_mtp[0]))
     assert not has_mtp_head(read_config(path))
     assert has_mtp_head(bench_config("bench-6b")) and has_mtp_head(bench_config("qwen3-next-80b-fp8"))
     assert not has_mtp_head(bench_config("nemotron-3-nano-30b-a3b"))

@@ -18,7 +18,7 @@
 # (.whl holds outlines-core for several Pythons: pip picks the one that fits)
 # ($PWD too: the tools run as scripts import hylo from the checkout).
 set -u
-phase=${1:?tests, tests-host, tests-bench, check, tune-bench, bench, bench-first, bench-short, fma, changed, model, prefix, mamba2, structured, s25, s26, s26-min, s27-nemotron, s27-fp8, s27-scan, s27-last or s20}
+phase=${1:?tests, tests-host, tests-bench, check, tune-bench, bench, bench-first, bench-short, fma, changed, model, prefix, mamba2, structured, s25, s26, s27-nemotron, s27-fp8, s27-last or s20}
 out=${2:?output folder}
 mkdir -p "$out"
 # The GPU tests run in parallel workers where pytest-xdist is installed (the device image has it), so that a fresh
@@ -160,12 +160,6 @@ case "$phase" in
     timeout 60 python3 -m hylo bench --structured --out "$out" > "$out/structured.txt" 2>&1
     echo "structured bench rc=$?"; grep "^\[bench\]" "$out/structured.txt"
     ;;
-  s26-min)  # s26 for a short device budget: the GPU tests of what changed, then Nemotron 3 Nano's records
-    timeout ${S26_TESTS_S:-130} python3 -m pytest -q -p no:cacheprovider $par tests/gpu -k "fp8 or grouped_sigmoid \
-      or non_gated or add_rms_norm or router_logits or nemotron or fused_moe" > "$out/gputests.txt" 2>&1
-    echo "pytest rc=$?"; grep -E "passed|failed|FAILED|Error" "$out/gputests.txt" | tail -12
-    bench 0 --model-name nemotron-3-nano-30b-a3b --short
-    ;;
   s27-nemotron)  # session 26's Nemotron 3 changes checked and A/B'd on the GPU: the folded shared expert (decode and
                  # prefill) and the non-gated pair tile, then the records
     timeout 150 python3 -m pytest -q -p no:cacheprovider $par tests/gpu -k "grouped_sigmoid or non_gated \
@@ -194,21 +188,6 @@ case "$phase" in
     timeout 120 python3 tools/ab_decode.py --bs 1 8 64 --variant bf16:AB_MODEL=bench-6b \
       --variant fp8:AB_MODEL=bench-6b-fp8 --variant fp8-narrow:AB_MODEL=bench-6b-fp8,HYLO_FP8_WIDE_TILES=0 \
       --out "$out" 2>&1 | tail -4
-    ;;
-  s27-scan)  # the segmented Mamba2 prefill scan checked and A/B'd on Nemotron 3 Nano's 8192-token prefill; then the
-             # 80B FP8 records where the card holds them (an H200), else Nemotron 3 Nano's with the new scan
-    timeout 120 python3 -m pytest -q -p no:cacheprovider $par tests/gpu -k "${HYLO_TESTS_K:-scan or mamba2 or nemotron}" \
-      > "$out/gputests.txt" 2>&1
-    echo "pytest rc=$?"; grep -E "passed|failed|FAILED|Error" "$out/gputests.txt" | tail -12
-    timeout 150 python3 tools/ab_decode.py --model-name nemotron-3-nano-30b-a3b --prefill 8192 --variant segments: \
-      --variant whole:HYLO_MAMBA2_SEGMENTS=0 --out "$out" 2>&1 | tail -3
-    big=$(python3 -c "import torch; print(int(torch.cuda.get_device_properties(0).total_memory > 100 * 2 ** 30))")
-    if [ "$big" = 1 ]; then
-      bench 330 --model-name qwen3-next-80b-fp8 --short
-      timeout 120 python3 tools/profile_step.py --graphs --launches --bs 1 --model-name qwen3-next-80b-fp8 \
-        --out "$out" > "$out/prof_step.txt" 2>&1  # where FP8's batch-1 time goes
-      grep -E "^==|launches," "$out/prof_step.txt"; grep -A12 "== decode_bs1" "$out/prof_step.txt" | cut -c1-90
-    else bench 0 --model-name nemotron-3-nano-30b-a3b --short; fi
     ;;
   s27-last)  # session 27's unmeasured changes, in one call: the scan's kernel tests and its A/B on Nemotron 3 Nano's
              # 8192-token prefill, the FP8 one-row tiles widened (bench-6b-fp8); then, on an H200, the 80B FP8

@@ -26,21 +26,21 @@ import torch
 import triton
 import triton.language as tl
 
+from ..core import to_device
 from .mamba2_triton import _load_head, _softplus
 from .triton_utils import env_flag, next_pow2, sm_count
 
 SEGMENTS = env_flag("HYLO_MAMBA2_SEGMENTS", True)
 SCAN_CHUNK = 64  # tokens a chunk of the scan (its tl.dot tiles are [SCAN_CHUNK, SCAN_CHUNK])
 PROGRAMS_PER_SM = 4  # segments are cut until the scan has about this many programs per SM
-# segment table columns: row, first token, end token, the row's first segment, 1 if the row's last segment
-_ROW, _START, _END, _FIRST, _LAST = range(5)
 
 
 @dataclass
 class ScanPlan:
     """A varlen prefill's rows cut into segments (built on the host from the rows' lengths, once per batch)."""
 
-    table: torch.Tensor  # [S, 5] int32 on the device (the columns above)
+    # [S, 5] int32 on the device: row, first token, end token, the row's first segment, 1 if the row's last one
+    table: torch.Tensor
     inner: torch.Tensor  # [I] int32: the segments whose final state a later segment needs (not last of their row)
     num_segments: int
     num_inner: int
@@ -63,9 +63,7 @@ class ScanPlan:
                     inner.append(len(rows))
                 rows.append((row, a, start + n if last else a + segment_tokens, first, int(last)))
             start += n
-        flat = torch.tensor([v for r in rows for v in r] + inner, dtype=torch.int32)
-        flat = flat.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else \
-            flat.to(device)
+        flat = to_device(torch.tensor([v for r in rows for v in r] + inner, dtype=torch.int32), device)
         table = flat[:5 * len(rows)].view(len(rows), 5)
         return cls(table, flat[5 * len(rows):], len(rows), len(inner))
 

@@ -123,7 +123,7 @@ def test_long_mamba2_prefill_cut_into_segments_matches_the_reference(dev, nemotr
     and the cut did happen."""
     from hylo.ops import mamba2_scan_triton
 
-    path = nemotron_h[0] if isinstance(nemotron_h, tuple) else nemotron_h
+    path = nemotron_h[0]
     plans = []
     build = mamba2_scan_triton.ScanPlan.build.__func__
 

@@ -52,13 +52,13 @@ def test_fp8_gemv_matches_the_dequantized_weight(dev, rows, n, k, split, block, 
     splits that start on block boundaries, partial blocks, the GDN gated norm in the loads and the dense MLP's
     SwiGLU."""
     from hylo.ops import fp8_triton
+    from hylo.ops.linear import swiglu_ref
     from hylo.ops.linear_triton import gemv
+    from hylo.ops.norm import gated_rms_norm
 
     if widen > 1 and not fma:
         pytest.skip("the tensor-core GEMV's tiles stay inside a block")
     monkeypatch.setattr(fp8_triton, "FP8_ROW_WIDEN", widen)
-    from hylo.ops.linear import swiglu_ref
-    from hylo.ops.norm import gated_rms_norm
 
     g = torch.Generator().manual_seed(22)
     dt = _dtype(dev)
