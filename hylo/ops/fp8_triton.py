@@ -31,6 +31,8 @@ def block_scale(s_ptr, rows, row_mask, k0, SK: tl.constexpr, SBN: tl.constexpr, 
 # same bytes in flight (not yet measured: the default keeps bfloat16's columns).
 FP8_WIDE_TILES = env_flag("HYLO_FP8_WIDE_TILES", True)
 FP8_ROW_WIDEN = env_int("HYLO_FP8_ROW_WIDEN", 1)
+if FP8_ROW_WIDEN & (FP8_ROW_WIDEN - 1):  # a tile's columns stay a power of two
+    raise ValueError(f"HYLO_FP8_ROW_WIDEN={FP8_ROW_WIDEN}: expected a power of two (1, 2, 4, ...)")
 
 
 def row_tile(bk: int, w, k: int) -> int:

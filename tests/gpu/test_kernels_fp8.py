@@ -117,3 +117,15 @@ def test_fp8_prefill_projection_dequantizes_the_weight_in_one_pass(dev, n, k, bl
     x = torch.randn(max(FP8_DEQUANT_ROWS, 1), k, generator=g).to(dt)
     ref = F.linear(x.double(), w.dequantize(dt).double().cpu())
     _close(linear(x.to(dev), w), ref, dt)
+
+
+def test_a_row_widening_that_is_not_a_power_of_two_is_refused_by_name(dev):
+    """``HYLO_FP8_ROW_WIDEN`` multiplies a tile's columns, which stay a power of two: 3 is refused at import."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run([sys.executable, "-c", "import hylo.ops.fp8_triton"], capture_output=True, text=True,
+                          env={**os.environ, "HYLO_FP8_ROW_WIDEN": "3", "PYTHONPATH": root})
+    assert proc.returncode != 0 and "HYLO_FP8_ROW_WIDEN=3: expected a power of two" in proc.stderr
