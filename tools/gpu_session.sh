@@ -18,7 +18,7 @@
 # (.whl holds outlines-core for several Pythons: pip picks the one that fits)
 # ($PWD too: the tools run as scripts import hylo from the checkout).
 set -u
-phase=${1:?tests, tests-host, tests-bench, check, tune-bench, bench, bench-first, bench-short, fma, changed, model, prefix, mamba2, structured, s25, s26, s27-nemotron, s27-fp8, s27-last, s28 or s20}
+phase=${1:?tests, tests-host, tests-bench, check, tune-bench, bench, bench-first, bench-short, fma, changed, model, prefix, mamba2, structured, s25, s26, s27-nemotron, s27-fp8, s27-last, s28, s28b or s20}
 out=${2:?output folder}
 mkdir -p "$out"
 # The GPU tests run in parallel workers where pytest-xdist is installed (the device image has it), so that a fresh
@@ -212,6 +212,17 @@ case "$phase" in
     big=$(python3 -c "import torch; print(int(torch.cuda.get_device_properties(0).total_memory > 100 * 2 ** 30))")
     if [ "$big" = 1 ]; then bench 330 --model-name qwen3-next-80b-fp8 --short
     else bench 330 --model-name nemotron-3-nano-30b-a3b --short; fi
+    ;;
+  s28b)  # session 28's second call: the FP8 one-row tiles widened (A/B on bench-6b-fp8), then one graph-replayed
+         # batch-1 step of bench-6b-fp8 and of bench-6b kernel by kernel (which FP8 kernels fall short of their bytes)
+    timeout 100 python3 tools/ab_decode.py --model-name bench-6b-fp8 --bs 1 8 --variant w1: \
+      --variant w2:HYLO_FP8_ROW_WIDEN=2 --out "$out" 2>&1 | tail -3
+    for m in bench-6b-fp8 bench-6b; do
+      mkdir -p "$out/$m"
+      timeout 110 python3 tools/profile_step.py --graphs --launches --bs 1 --model-name $m --out "$out/$m" \
+        > "$out/$m/prof_step.txt" 2>&1
+      grep -E "^==|launches,|^ +[0-9.]+ ms" "$out/$m/prof_step.txt" | head -24
+    done
     ;;
   *) echo "unknown phase $phase" >&2; exit 2 ;;
 esac
