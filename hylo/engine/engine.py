@@ -22,7 +22,7 @@ from ..constrain.automaton import AutomatonCache
 from ..constrain.host import write_host_masks
 from ..config import EngineConfig
 from ..core import ForwardMode, Req, RequestOutput, SamplingParams, SpecStats
-from ..models.default import TRAINED_DEFAULT_NAME
+from ..models.default import DEFAULT_MODEL_NAME, TRAINED_DEFAULT_NAME
 from ..models.registry import family_of
 from ..parallel.group import SINGLE, TPGroup
 from ..ops.triton_utils import use_triton
@@ -114,9 +114,13 @@ class Engine:
         self.host_syncs = 0  # blocking reads for host-matched constraints (constrain.host)
         self.load_seconds = time.perf_counter() - t0
         if self.ec.verbose:
-            kind = ("embedded default, RANDOM WEIGHTS (output is noise)" if self.is_random else
-                    "embedded default, trained on the Python standard library" if self.model_name ==
-                    TRAINED_DEFAULT_NAME else "checkpoint")
+            if self.is_random:  # the embedded default untrained, or a benchmark shape
+                kind = ("embedded default, " if self.model_name == DEFAULT_MODEL_NAME else "") + \
+                    "RANDOM WEIGHTS (output is noise)"
+            elif self.model_name == TRAINED_DEFAULT_NAME:
+                kind = "embedded default, trained on the Python standard library"
+            else:
+                kind = "checkpoint"
             weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
             print(f"[hylo] model {self.model_name} ({kind}) on {self.device} in {str(self.dtype)[6:]}, "
                   f"weights {weights / 2**30:.2f} GiB, loaded in {self.load_seconds:.1f}s", file=sys.stderr, flush=True)
