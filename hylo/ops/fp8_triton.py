@@ -27,10 +27,11 @@ def block_scale(s_ptr, rows, row_mask, k0, SK: tl.constexpr, SBN: tl.constexpr, 
 
 # The one-row kernels' FP8 tiles may span several column blocks (``scaled_row_dot``, session 26; on an H100 in
 # session 27 the 35B shape's batch-1 step went from 2.47x to 2.06x its byte floor). HYLO_FP8_WIDE_TILES=0 keeps them
-# inside one block, as before, for an A/B. HYLO_FP8_ROW_WIDEN=2 gives them twice the bfloat16 tile's columns, the
-# same bytes in flight (not yet measured: the default keeps bfloat16's columns).
+# inside one block, as before, for an A/B. They take twice the bfloat16 tile's columns (HYLO_FP8_ROW_WIDEN, default
+# 2: the same bytes in flight as bfloat16's): bench-6b-fp8 at batch 8 3.487 against 3.618 ms with bfloat16's
+# columns (1), batch 1 even (1.477 / 1.476; session 28, H100, ab-decode-bench-6b-fp8-widen-20261206-211301.json).
 FP8_WIDE_TILES = env_flag("HYLO_FP8_WIDE_TILES", True)
-FP8_ROW_WIDEN = env_int("HYLO_FP8_ROW_WIDEN", 1)
+FP8_ROW_WIDEN = env_int("HYLO_FP8_ROW_WIDEN", 2)
 if FP8_ROW_WIDEN & (FP8_ROW_WIDEN - 1):  # a tile's columns stay a power of two
     raise ValueError(f"HYLO_FP8_ROW_WIDEN={FP8_ROW_WIDEN}: expected a power of two (1, 2, 4, ...)")
 
