@@ -18,7 +18,7 @@
 # (.whl holds outlines-core for several Pythons: pip picks the one that fits)
 # ($PWD too: the tools run as scripts import hylo from the checkout).
 set -u
-phase=${1:?tests, tests-host, tests-bench, check, tune-bench, bench, bench-first, bench-short, fma, changed, model, prefix, mamba2, structured, s25, s26, s27-nemotron, s27-fp8, s27-last, s28, s28b or s20}
+phase=${1:?tests, tests-host, tests-bench, check, tune-bench, bench, bench-first, bench-short, fma, changed, model, prefix, mamba2, structured, s25, s26, s27-nemotron, s27-fp8, s27-last, s28, s28b, s28c or s20}
 out=${2:?output folder}
 mkdir -p "$out"
 # The GPU tests run in parallel workers where pytest-xdist is installed (the device image has it), so that a fresh
@@ -223,6 +223,16 @@ case "$phase" in
         > "$out/$m/prof_step.txt" 2>&1
       grep -E "^==|launches,|^ +[0-9.]+ ms" "$out/$m/prof_step.txt" | head -24
     done
+    ;;
+  s28c)  # session 28's last call: the FP8 GPU tests with the b / a rows in the FP8 GEMV's launch, its A/B on
+         # bench-6b-fp8; then on an H200 the 80B FP8 records (issue 37), else the 35B FP8 ones
+    timeout 100 python3 -m pytest -q -p no:cacheprovider $par tests/gpu -k fp8 > "$out/gputests.txt" 2>&1
+    echo "pytest rc=$?"; grep -E "passed|failed|FAILED|Error" "$out/gputests.txt" | tail -8
+    timeout 100 python3 tools/ab_decode.py --model-name bench-6b-fp8 --bs 1 8 --variant tail: \
+      --variant apart:HYLO_FP8_TAIL_ROWS=0 --out "$out" 2>&1 | tail -3
+    big=$(python3 -c "import torch; print(int(torch.cuda.get_device_properties(0).total_memory > 100 * 2 ** 30))")
+    if [ "$big" = 1 ]; then bench 230 --model-name qwen3-next-80b-fp8 --short
+    else bench 230 --model-name qwen3.5-35b-a3b-fp8 --short; fi
     ;;
   *) echo "unknown phase $phase" >&2; exit 2 ;;
 esac

@@ -14,7 +14,7 @@ from torch import nn
 from ..backends.gdn import GDNParams, GDNShape
 from ..config import ModelConfig
 from ..core import ForwardBatch
-from ..ops.linear import dense, norm_out_proj
+from ..ops.linear import dense, dense_pair, norm_out_proj
 from .weights import TensorReader, copy_into, fp8_block_of, load_proj, proj_weight
 
 
@@ -51,12 +51,13 @@ class GatedDeltaNet(nn.Module):
         """[T, hidden]; with ``reduce=False`` possibly unreduced rows [T, S, hidden] (see ``ops.linear``)."""
         num_tokens = x.shape[0]
         s = self.shape
-        proj = dense(x, self.in_proj)
         if self.in_proj_ba is None:
+            proj = dense(x, self.in_proj)
             mixed_qkv, z, b, a = proj.split([self.conv_dim, self.value_dim, s.num_v_heads, s.num_v_heads], dim=-1)
         else:
+            proj, ba = dense_pair(x, self.in_proj, self.in_proj_ba)
             mixed_qkv, z = proj.split([self.conv_dim, self.value_dim], dim=-1)
-            b, a = dense(x, self.in_proj_ba).split([s.num_v_heads, s.num_v_heads], dim=-1)
+            b, a = ba.split([s.num_v_heads, s.num_v_heads], dim=-1)
         core = backend.linear_attention(self.layer_id, mixed_qkv, a, b, self.params(), s, batch)  # [T, Hv, Dv]
         return norm_out_proj(core.to(x.dtype), z.reshape(num_tokens, s.num_v_heads, s.head_v_dim), self.norm_weight,
                              self.eps, self.out_proj, reduce=reduce)

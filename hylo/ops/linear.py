@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from .norm import gated_rms_norm
-from .triton_utils import env_int, use_triton
+from .triton_utils import env_flag, env_int, use_triton
 
 
 def _few_rows(x: torch.Tensor, w) -> bool:
@@ -54,6 +54,24 @@ def dense(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
 
         return gemv(x, w, bias=bias)
     return linear(x, w, bias)
+
+
+# The GDN input projection of an FP8 checkpoint is an FP8 weight (q, k, v, z) and a plain one (b, a: the releases
+# keep those rows unquantized). On the few-row path both run in one GEMV launch, as bfloat16's single fused weight
+# does; until session 28 the b / a rows were a second GEMV of 8 programs on every GDN layer's critical path (18
+# launches of a bench-6b-fp8 batch-1 step). HYLO_FP8_TAIL_ROWS=0 launches them apart again.
+FP8_TAIL_ROWS = env_flag("HYLO_FP8_TAIL_ROWS", True)
+
+
+def dense_pair(x: torch.Tensor, w, tail: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x W^T, x T^T) for a wide projection W (plain or FP8) and a plain ``tail`` T of the same inputs: on the
+    few-row path one launch, its outputs [M, N] and [M, NT] views of one [M, N + NT] row; elsewhere two."""
+    if FP8_TAIL_ROWS and _few_rows(x, w) and _few_rows(x, tail) and tail.is_contiguous():
+        from .linear_triton import gemv
+
+        y = gemv(x, w, tail=tail)
+        return y[:, :-tail.shape[0]], y[:, -tail.shape[0]:]
+    return dense(x, w), dense(x, tail)
 
 
 def narrow(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

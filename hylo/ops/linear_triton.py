@@ -31,7 +31,8 @@ def _gemv_kernel(x_ptr, g_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, M, N, K: tl.constexp
                  BK: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr, PREC: tl.constexpr,
                  FMA: tl.constexpr = False, PF_LINES: tl.constexpr = 0, PF_STRIDE: tl.constexpr = 64,
                  D: tl.constexpr = 1, SWIGLU: tl.constexpr = False, PDL: tl.constexpr = False, ws_ptr=None,
-                 SK: tl.constexpr = 1, SBN: tl.constexpr = 1, SBK: tl.constexpr = 1, FP8: tl.constexpr = False):
+                 SK: tl.constexpr = 1, SBN: tl.constexpr = 1, SBK: tl.constexpr = 1, FP8: tl.constexpr = False,
+                 t_ptr=None, NT=0, TAIL: tl.constexpr = False, TBK: tl.constexpr = 1):
     """Program (block of BN outputs, K split): BM rows (padded to 16 for the tensor cores), or with FMA one row
     (BM = 1) multiplied on the CUDA cores, a [BK] slice of x against the [BN, BK] tile of W. With NORM, each K
     block holds BK / D whole heads of D channels; with SWIGLU the input is silu(x) * g (g the up half). With FP8,
@@ -39,15 +40,43 @@ def _gemv_kernel(x_ptr, g_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, M, N, K: tl.constexp
     partial products are taken on the FP8 values (exact in x's dtype) and scaled once per output row and column
     block, as the MoE kernels and the W8A16 matmul do (until session 24 every element was scaled and rounded as it
     was loaded: at batch 1 the FP8 model decoded slower than bfloat16). On the tensor cores BK divides SBK; one
-    row's tile may span several column blocks (``fp8_triton.scaled_row_dot``: session 26)."""
-    split = tl.program_id(1)
-    offs_m = tl.arange(0, BM)
-    offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
+    row's tile may span several column blocks (``fp8_triton.scaled_row_dot``: session 26).
+    With TAIL, NT more output rows follow W's N from a plain weight ``t_ptr`` [NT, K] (the GDN input projection's
+    b / a rows, which the FP8 releases keep unquantized), taken by the programs past W's blocks with K tiles of
+    TBK: y is [M, SPLIT, N + NT] and one launch does both."""
+    pid_n, split = tl.program_id(0), tl.program_id(1)
+    ny = N + NT if TAIL else N
     if PDL and PF_LINES > 0:  # this program's slice of W does not depend on the previous kernel: start fetching it now
         offs_l = tl.minimum(split * K_SPLIT + tl.arange(0, PF_LINES) * PF_STRIDE, K - 1)
-        l2_prefetch(w_ptr + tl.minimum(offs_n, N - 1)[:, None] * K + offs_l[None, :])
-    mm, mn = offs_m < M, offs_n < N
+        offs_p = tl.minimum(pid_n * BN + tl.arange(0, BN), N - 1)
+        l2_prefetch(w_ptr + offs_p[:, None] * K + offs_l[None, :])
     pdl_enter(PDL)
+    if TAIL:
+        nb = tl.cdiv(N, BN)
+        if pid_n >= nb:  # a block of the plain tail rows
+            _gemv_block(x_ptr, g_ptr, nw_ptr, t_ptr, b_ptr, y_ptr + N, pid_n - nb, split, M, NT, ny, K, stride_x,
+                        stride_g, eps, K_SPLIT, SPLIT, BM, BN, TBK, NORM, False, PREC, FMA, D, SWIGLU, ws_ptr, SK,
+                        SBN, SBK, False)
+        else:
+            _gemv_block(x_ptr, g_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, pid_n, split, M, N, ny, K, stride_x, stride_g,
+                        eps, K_SPLIT, SPLIT, BM, BN, BK, NORM, HAS_BIAS, PREC, FMA, D, SWIGLU, ws_ptr, SK, SBN, SBK,
+                        FP8)
+    else:
+        _gemv_block(x_ptr, g_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, pid_n, split, M, N, ny, K, stride_x, stride_g, eps,
+                    K_SPLIT, SPLIT, BM, BN, BK, NORM, HAS_BIAS, PREC, FMA, D, SWIGLU, ws_ptr, SK, SBN, SBK, FP8)
+
+
+@triton.jit
+def _gemv_block(x_ptr, g_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, pid_n, split, M, N, NY, K: tl.constexpr, stride_x,
+                stride_g, eps, K_SPLIT: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                BK: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr, PREC: tl.constexpr, FMA: tl.constexpr,
+                D: tl.constexpr, SWIGLU: tl.constexpr, ws_ptr, SK: tl.constexpr, SBN: tl.constexpr,
+                SBK: tl.constexpr, FP8: tl.constexpr):
+    """One program's work of ``_gemv_kernel``: outputs ``pid_n * BN ..`` of W's N, K split ``split``, written to
+    rows of NY outputs (N, or more where tail rows follow)."""
+    offs_m = tl.arange(0, BM)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    mm, mn = offs_m < M, offs_n < N
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     nw = tl.load(nw_ptr + tl.arange(0, BK) % D).to(tl.float32) if NORM else None
     for k0 in range(0, K_SPLIT, BK):
@@ -67,7 +96,7 @@ def _gemv_kernel(x_ptr, g_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, M, N, K: tl.constexp
             acc = _multiply(acc, w, x, FMA, PREC)
     if HAS_BIAS:
         acc += tl.where(split == 0, tl.load(b_ptr + offs_n, mask=mn, other=0.0).to(tl.float32), 0.0)[None, :]
-    tl.store(y_ptr + (offs_m[:, None] * SPLIT + split) * N + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
+    tl.store(y_ptr + (offs_m[:, None] * SPLIT + split) * NY + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=mm[:, None] & mn[None, :])
 
 
@@ -149,9 +178,12 @@ def choose_split(n: int, k: int, bn: int, bk: int, target_programs: int = 256) -
 
 def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, gate: torch.Tensor | None = None,
          split: int = 1, cfg: tuple[int, int, int, int] | None = None, norm_weight: torch.Tensor | None = None,
-         eps: float = 1e-6, fma: bool | None = None, swiglu: bool = False) -> torch.Tensor:
+         eps: float = 1e-6, fma: bool | None = None, swiglu: bool = False,
+         tail: torch.Tensor | None = None) -> torch.Tensor:
     """x, gate: [M, K] (M <= 16, unit stride along K); w: [N, K] contiguous. Returns [M, N] in x's dtype when
-    ``split`` is 1, else the float32 partial sums of each K split, [M, split, N] (bias in split 0).
+    ``split`` is 1, else the float32 partial sums of each K split, [M, split, N] (bias in split 0). With ``tail``,
+    a plain weight [NT, K] whose rows follow w's in the same launch (no bias, norm or SwiGLU): [M, N + NT]
+    (``[M, split, N + NT]``).
 
     The input is x, or with ``gate`` and ``norm_weight`` [D] (D a power of two dividing K) the GDN gated norm of
     every D-channel head of x, ``gated_rms_norm(x, gate, norm_weight, eps)``, or with ``swiglu`` (x [M, 2K]: the
@@ -163,6 +195,9 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, gat
         fp8, w = w, w.q
     if (gate is None) != (norm_weight is None):
         raise ValueError("gemv: the gate and the norm weight go together (the GDN gated norm)")
+    if tail is not None and (gate is not None or swiglu or bias is not None or tail.shape[1] != w.shape[1]
+                             or not tail.is_contiguous()):
+        raise ValueError("gemv: tail rows take a contiguous weight of w's columns, and no bias, norm or SwiGLU")
     if swiglu:
         if gate is not None or x.shape[1] != 2 * w.shape[1]:
             raise ValueError("gemv: swiglu takes x [M, 2K] (gate | up) for w [N, K], and no norm")
@@ -179,6 +214,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, gat
     bk = min(bk, next_pow2(k_split))
     if norm:  # whole heads per K block
         bk = max(d, min(bk, GEMV_NORM_BK) // d * d)
+    plain_bk = bk  # the tail rows' K tile: a plain weight's (it divides the FP8 one)
     if fp8 is not None:
         sbk = fp8.block[1]
         if not fma:  # the tensor-core tile stays inside one column block (one rounding per block, as the matmul)
@@ -190,18 +226,20 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, gat
     k_split = triton.cdiv(k_split, bk) * bk
     if fp8 is not None and split > 1:  # each split starts on a block boundary (a last split may be empty)
         k_split = triton.cdiv(k_split, fp8.block[1]) * fp8.block[1]
+    nt = tail.shape[0] if tail is not None else 0
     if split == 1:
-        y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+        y = torch.empty(m, n + nt, dtype=x.dtype, device=x.device)
     else:
-        y = torch.empty(m, split, n, dtype=torch.float32, device=x.device)
+        y = torch.empty(m, split, n + nt, dtype=torch.float32, device=x.device)
     g = gate if gate is not None else x
-    _gemv_kernel[(triton.cdiv(n, bn), split)](
+    _gemv_kernel[(triton.cdiv(n, bn) + triton.cdiv(nt, bn), split)](
         x, g, norm_weight if norm_weight is not None else w, w, bias if bias is not None else w, y, m, n, k,
         x.stride(0), g.stride(0), eps, K_SPLIT=k_split, SPLIT=split, BM=1 if fma else 16, BN=bn, BK=bk,
         NORM=norm, SWIGLU=swiglu, HAS_BIAS=bias is not None, FMA=fma, D=d, **prefetch_args(k_split, w),
         PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages, **pdl_launch(x),
         **(dict(ws_ptr=fp8.scale, SK=fp8.scale.shape[-1], SBN=fp8.block[0], SBK=fp8.block[1], FP8=True)
-           if fp8 is not None else {}))
+           if fp8 is not None else {}),
+        **(dict(t_ptr=tail, NT=nt, TAIL=True, TBK=min(plain_bk, bk)) if tail is not None else {}))
     return y
 
 

@@ -79,6 +79,33 @@ def test_fp8_gemv_matches_the_dequantized_weight(dev, rows, n, k, split, block, 
     _close(y, ref, dt)
 
 
+@pytest.mark.parametrize("rows,n,nt,k,split,block,fma", [
+    (1, 300, 64, 2048, 1, (128, 128), True), (1, 130, 10, 1000, 2, (64, 128), True),
+    (4, 96, 20, 384, 1, (128, 128), False), (16, 50, 33, 256, 2, (32, 64), False)])
+def test_fp8_gemv_with_plain_tail_rows_in_the_same_launch(dev, rows, n, nt, k, split, block, fma):
+    """The GDN input projection of an FP8 checkpoint: FP8 rows (q, k, v, z) and plain rows after them (b, a) in one
+    launch, each part as its own GEMV computes it; tails and FP8 rows that end inside a program's block, K splits,
+    one row and several. Through ``ops.linear.dense_pair`` the parts come back as views of one row."""
+    from hylo.ops.linear import dense_pair
+    from hylo.ops.linear_triton import gemv
+
+    g = torch.Generator().manual_seed(25)
+    dt = _dtype(dev)
+    x = torch.randn(rows, k, generator=g).to(dt)
+    w = _fp8(torch.randn(n, k, generator=g) / k ** 0.5, block, dev)
+    t = (torch.randn(nt, k, generator=g) / k ** 0.5).to(dt)
+    y = gemv(x.to(dev), w, split=split, fma=fma, tail=t.to(dev))
+    y = y.sum(1) if split > 1 else y
+    assert y.shape == (rows, n + nt)
+    _close(y[:, :n], F.linear(x.double(), w.dequantize(dt).double().cpu()), dt)
+    _close(y[:, n:], F.linear(x.double(), t.double()), dt)
+    main, tail = dense_pair(x.to(dev), w, t.to(dev))
+    assert main.shape == (rows, n) and tail.shape == (rows, nt)
+    _close(tail, F.linear(x.double(), t.double()), dt)
+    with pytest.raises(ValueError, match="tail rows"):
+        gemv(x.to(dev), w, tail=t.to(dev)[:, :-1].contiguous())
+
+
 @pytest.mark.parametrize("tokens,experts,top_k,hidden,inter,block", [
     (1, 8, 2, 256, 128, (128, 128)), (3, 16, 4, 96, 64, (32, 32)), (70, 8, 3, 128, 64, (64, 64)),
     (40, 9, 2, 80, 48, (16, 32))])
