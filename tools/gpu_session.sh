@@ -226,13 +226,13 @@ case "$phase" in
     ;;
   s28c)  # session 28's last call: the FP8 GPU tests with the b / a rows in the FP8 GEMV's launch, its A/B on
          # bench-6b-fp8; then on an H200 the 80B FP8 records (issue 37), else the 35B FP8 ones
-    timeout 100 python3 -m pytest -q -p no:cacheprovider $par tests/gpu -k fp8 > "$out/gputests.txt" 2>&1
+    timeout 90 python3 -m pytest -q -p no:cacheprovider $par tests/gpu -k fp8 > "$out/gputests.txt" 2>&1
     echo "pytest rc=$?"; grep -E "passed|failed|FAILED|Error" "$out/gputests.txt" | tail -8
     timeout 100 python3 tools/ab_decode.py --model-name bench-6b-fp8 --bs 1 8 --variant tail: \
       --variant apart:HYLO_FP8_TAIL_ROWS=0 --out "$out" 2>&1 | tail -3
     big=$(python3 -c "import torch; print(int(torch.cuda.get_device_properties(0).total_memory > 100 * 2 ** 30))")
-    if [ "$big" = 1 ]; then bench 230 --model-name qwen3-next-80b-fp8 --short
-    else bench 230 --model-name qwen3.5-35b-a3b-fp8 --short; fi
+    if [ "$big" = 1 ]; then bench "${S28C_BENCH_S:-230}" --model-name qwen3-next-80b-fp8 --short
+    else bench "${S28C_BENCH_S:-230}" --model-name qwen3.5-35b-a3b-fp8 --short; fi
     ;;
   *) echo "unknown phase $phase" >&2; exit 2 ;;
 esac
