@@ -18,7 +18,7 @@
 # (.whl holds outlines-core for several Pythons: pip picks the one that fits)
 # ($PWD too: the tools run as scripts import hylo from the checkout).
 set -u
-phase=${1:?tests, tests-host, tests-bench, check, tune-bench, bench, bench-first, bench-short, fma, changed, model, prefix, mamba2, structured, s25, s26, s27-nemotron, s27-fp8, s27-last, s28, s28b, s28c or s20}
+phase=${1:?tests, tests-host, tests-bench, check, tune-bench, bench, bench-first, bench-short, fma, changed, model, prefix, mamba2, structured, s25, s26, s27-nemotron, s27-fp8, s28, s28b, s28c or s20}
 out=${2:?output folder}
 mkdir -p "$out"
 # The GPU tests run in parallel workers where pytest-xdist is installed (the device image has it), so that a fresh
@@ -188,20 +188,6 @@ case "$phase" in
     timeout 120 python3 tools/ab_decode.py --bs 1 8 64 --variant bf16:AB_MODEL=bench-6b \
       --variant fp8:AB_MODEL=bench-6b-fp8 --variant fp8-narrow:AB_MODEL=bench-6b-fp8,HYLO_FP8_WIDE_TILES=0 \
       --out "$out" 2>&1 | tail -4
-    ;;
-  s27-last)  # session 27's unmeasured changes, in one call: the scan's kernel tests and its A/B on Nemotron 3 Nano's
-             # 8192-token prefill, the FP8 one-row tiles widened (bench-6b-fp8); then, on an H200, the 80B FP8
-             # records (issue 37), else Nemotron 3 Nano's with the new scan (issue 36)
-    timeout 70 python3 -m pytest -q -p no:cacheprovider $par tests/gpu/test_kernels_mamba2.py > "$out/gputests.txt" 2>&1
-    echo "pytest rc=$?"; grep -E "passed|failed|FAILED|Error" "$out/gputests.txt" | tail -5
-    timeout 140 python3 tools/ab_decode.py --model-name nemotron-3-nano-30b-a3b --prefill 8192 --variant segments: \
-      --variant whole:HYLO_MAMBA2_SEGMENTS=0 --out "$out" 2>&1 | tail -3
-    timeout 100 python3 tools/ab_decode.py --model-name bench-6b-fp8 --bs 1 8 --variant w1: \
-      --variant w2:HYLO_FP8_ROW_WIDEN=2 --out "$out" 2>&1 | tail -3
-    big=$(python3 -c "import torch; print(int(torch.cuda.get_device_properties(0).total_memory > 100 * 2 ** 30))")
-    # (the A/Bs above take up to 310 s of a call's 600: the records keep what they reach, each saved as it is made)
-    if [ "$big" = 1 ]; then bench 280 --model-name qwen3-next-80b-fp8 --short
-    else bench 280 --model-name nemotron-3-nano-30b-a3b --short; fi
     ;;
   s28)  # session 28's first call: the segmented scan's GPU tests and its A/B on Nemotron 3 Nano's 8192-token
         # prefill (issue 36); then on an H200 the 80B FP8 records (issue 37), else Nemotron 3 Nano's records

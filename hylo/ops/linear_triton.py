@@ -57,7 +57,8 @@ def _gemv_kernel(x_ptr, g_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, M, N, K: tl.constexp
             _gemv_block(x_ptr, g_ptr, nw_ptr, t_ptr, b_ptr, y_ptr + N, pid_n - nb, split, M, NT, ny, K, stride_x,
                         stride_g, eps, K_SPLIT, SPLIT, BM, BN, TBK, NORM, False, PREC, FMA, D, SWIGLU, ws_ptr, SK,
                         SBN, SBK, False)
-        else:
+        else:  # (the main call is written twice: TAIL is a constexpr and the block index a runtime value, so a
+               # launch without a tail keeps its code free of the branch)
             _gemv_block(x_ptr, g_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, pid_n, split, M, N, ny, K, stride_x, stride_g,
                         eps, K_SPLIT, SPLIT, BM, BN, BK, NORM, HAS_BIAS, PREC, FMA, D, SWIGLU, ws_ptr, SK, SBN, SBK,
                         FP8)
