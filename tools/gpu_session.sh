@@ -18,7 +18,7 @@
 # (.whl holds outlines-core for several Pythons: pip picks the one that fits)
 # ($PWD too: the tools run as scripts import hylo from the checkout).
 set -u
-phase=${1:?tests, tests-host, tests-bench, check, tune-bench, bench, bench-first, bench-short, fma, changed, model, prefix, mamba2, structured, s25, s26, s27-nemotron, s27-fp8, s28, s28b, s28c or s20}
+phase=${1:?tests, tests-host, tests-bench, check, tune-bench, bench, bench-first, bench-short, fma, changed, model, prefix, mamba2, structured, s25, s26, s27-nemotron, s27-fp8, s28, s28b, s28c, s29 or s20}
 out=${2:?output folder}
 mkdir -p "$out"
 # The GPU tests run in parallel workers where pytest-xdist is installed (the device image has it), so that a fresh
@@ -219,6 +219,17 @@ case "$phase" in
     big=$(python3 -c "import torch; print(int(torch.cuda.get_device_properties(0).total_memory > 100 * 2 ** 30))")
     if [ "$big" = 1 ]; then bench "${S28C_BENCH_S:-230}" --model-name qwen3-next-80b-fp8 --short
     else bench "${S28C_BENCH_S:-230}" --model-name qwen3.5-35b-a3b-fp8 --short; fi
+    ;;
+  s29)  # session 29: s28c's steps with FP8 against bfloat16 in the same A/B (issue 37's batch-1 target), then on an
+         # H200 the 80B FP8 records, else the 35B FP8 ones
+    timeout 90 python3 -m pytest -q -p no:cacheprovider $par tests/gpu -k fp8 > "$out/gputests.txt" 2>&1
+    echo "pytest rc=$?"; grep -E "passed|failed|FAILED|Error" "$out/gputests.txt" | tail -8
+    timeout 130 python3 tools/ab_decode.py --bs 1 8 --variant bf16:AB_MODEL=bench-6b \
+      --variant fp8:AB_MODEL=bench-6b-fp8 --variant fp8-apart:AB_MODEL=bench-6b-fp8,HYLO_FP8_TAIL_ROWS=0 \
+      --out "$out" 2>&1 | tail -4
+    big=$(python3 -c "import torch; print(int(torch.cuda.get_device_properties(0).total_memory > 100 * 2 ** 30))")
+    if [ "$big" = 1 ]; then bench "${S29_BENCH_S:-300}" --model-name qwen3-next-80b-fp8 --short
+    else bench "${S29_BENCH_S:-300}" --model-name qwen3.5-35b-a3b-fp8 --short; fi
     ;;
   *) echo "unknown phase $phase" >&2; exit 2 ;;
 esac
