@@ -18,7 +18,7 @@
 # (.whl holds outlines-core for several Pythons: pip picks the one that fits)
 # ($PWD too: the tools run as scripts import hylo from the checkout).
 set -u
-phase=${1:?tests, tests-host, tests-bench, check, tune-bench, bench, bench-first, bench-short, fma, changed, model, prefix, mamba2, structured, s25, s26, s27-nemotron, s27-fp8, s28, s28b, s28c, s29 or s20}
+phase=${1:?tests, tests-host, tests-bench, check, tune-bench, bench, bench-first, bench-short, fma, changed, model, prefix, mamba2, structured, s25, s26, s27-nemotron, s27-fp8, s28, s28b, s28c, s29, s29-80b, s29-tiles or s20}
 out=${2:?output folder}
 mkdir -p "$out"
 # The GPU tests run in parallel workers where pytest-xdist is installed (the device image has it), so that a fresh
@@ -230,6 +230,18 @@ case "$phase" in
     big=$(python3 -c "import torch; print(int(torch.cuda.get_device_properties(0).total_memory > 100 * 2 ** 30))")
     if [ "$big" = 1 ]; then bench "${S29_BENCH_S:-300}" --model-name qwen3-next-80b-fp8 --short
     else bench "${S29_BENCH_S:-300}" --model-name qwen3.5-35b-a3b-fp8 --short; fi
+    ;;
+  s29-80b)  # on an H200: the 80B FP8 records first (issue 37), then FP8 against bfloat16 at bench-6b's shape on this card
+    bench "${S29_BENCH_S:-420}" --model-name qwen3-next-80b-fp8 --short
+    timeout 110 python3 tools/ab_decode.py --bs 1 8 --variant bf16:AB_MODEL=bench-6b \
+      --variant fp8:AB_MODEL=bench-6b-fp8 --out "$out" 2>&1 | tail -3
+    ;;
+  s29-tiles)  # the MoE pair kernels' tiles for FP8 experts (their defaults were tuned on bfloat16 ones), bench-6b-fp8
+    timeout 330 python3 tools/ab_decode.py --model-name bench-6b-fp8 --bs 1 8 --variant base: \
+      --variant gu4w4:HYLO_PAIR_GATE_UP_CFG=4,1024,4,2 --variant gu8w4:HYLO_PAIR_GATE_UP_CFG=8,1024,4,2 \
+      --variant gu4k512:HYLO_PAIR_GATE_UP_CFG=4,512,2,2 --variant ds2:HYLO_PAIR_DOWN_SUM_CFG=2,512,1,1 \
+      --variant ds2w2:HYLO_PAIR_DOWN_SUM_CFG=2,512,2,1 --variant ds4w2:HYLO_PAIR_DOWN_SUM_CFG=4,512,2,1 \
+      --out "$out" 2>&1 | tail -9
     ;;
   *) echo "unknown phase $phase" >&2; exit 2 ;;
 esac
