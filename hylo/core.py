@@ -14,6 +14,10 @@ import torch
 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 MAX_LOGPROBS = 20  # the most alternatives a request may ask for per token (OpenAI's bound)
+# A temperature below this samples greedily (vLLM's bound too): logits divided by 1e-39 overflow float32 to inf,
+# and the draw would return garbage; at 1e-5 a sample differs from the argmax only between exact ties anyway.
+GREEDY_BELOW = 1e-5
+REPETITION_PENALTY_RANGE = (0.01, 100.0)  # below 0.01 a penalized logit grows past any sane scale (1e-39: inf)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -23,7 +27,7 @@ MAX_LOGPROBS = 20  # the most alternatives a request may ask for per token (Open
 class SamplingParams:
     """How to sample one request's continuation.
 
-    ``temperature == 0`` is greedy. ``top_k <= 0`` (or -1) and ``top_p == 1`` disable those filters. ``seed`` makes
+    ``temperature == 0`` is greedy (so is any temperature below ``GREEDY_BELOW``, 1e-5). ``top_k <= 0`` (or -1) and ``top_p == 1`` disable those filters. ``seed`` makes
     the sample reproducible whatever else runs in the same batch. ``stop`` strings end the output before the match
     (the match itself is not returned); ``stop_token_ids`` end it after the token (also not returned in ``text``).
 
@@ -61,6 +65,8 @@ class SamplingParams:
 
     def __post_init__(self):
         self.validate()
+        if self.temperature < GREEDY_BELOW:  # greedy: dividing the logits by it would overflow float32
+            self.temperature = 0.0
 
     def validate(self) -> None:
         def _num(name, value):
@@ -110,8 +116,9 @@ class SamplingParams:
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise ValueError(f"{name} must be between -2 and 2, got {getattr(self, name)}")
         _num("repetition_penalty", self.repetition_penalty)
-        if not 0 < self.repetition_penalty <= 100:
-            raise ValueError(f"repetition_penalty must be in (0, 100], got {self.repetition_penalty}")
+        low, high = REPETITION_PENALTY_RANGE
+        if not low <= self.repetition_penalty <= high:
+            raise ValueError(f"repetition_penalty must be between {low} and {high:g}, got {self.repetition_penalty}")
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 raise ValueError(f"logit_bias must map token ids to values, got {type(self.logit_bias).__name__}")

@@ -59,6 +59,18 @@ def _raise(message):
     raise ValueError(message)
 
 
+def check_text(text: str) -> None:
+    """A ValueError for text that is not a string of characters: a lone UTF-16 surrogate (JSON's ``"\\ud800"``
+    decodes to one) has no UTF-8 bytes, so no tokenizer can encode it."""
+    if not isinstance(text, str):
+        raise ValueError(f"expected text, got {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"the text holds a lone UTF-16 surrogate ({text[e.start]!r} at character {e.start}), "
+                         "which is not a character") from None
+
+
 class HFTokenizer(_TemplateMixin):
     """A ``tokenizer.json`` from a checkpoint directory."""
 
@@ -71,6 +83,7 @@ class HFTokenizer(_TemplateMixin):
         self.special_ids = {i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        check_text(text)
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int]) -> str:
@@ -104,6 +117,7 @@ class ByteTokenizer(_TemplateMixin):
         self.chat_template = CHATML_TEMPLATE
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:  # (adds none either way)
+        check_text(text)
         out: list[int] = []
         i = 0
         while i < len(text):  # special tokens written in the text become their ids (as in chat templates)

@@ -42,6 +42,7 @@ class Constraint:
     def regex(cls, pattern: str) -> "Constraint":
         if not isinstance(pattern, str) or not pattern:
             raise ValueError(f"regex constraint: a non-empty string is needed, got {pattern!r}")
+        check_regex_size(pattern, "regex")
         return cls("regex", pattern)
 
     @classmethod
@@ -93,9 +94,90 @@ class Constraint:
 
         schema = json.loads(self.value)
         try:
-            return build_regex_from_schema(json.dumps(_grouped_patterns(schema)))
+            regex = build_regex_from_schema(json.dumps(_grouped_patterns(schema)))
         except (ValueError, TypeError) as e:
             raise ValueError(f"json_schema constraint: {first_line(e)}") from None
+        check_regex_size(regex, "json_schema")
+        return regex
+
+
+# The most positions a constraint's regular expression may expand to, its counted repetitions multiplied out
+# (``a{1000}`` is 1000). The automaton's states, and so its compile time and memory, grow with them: ``a{10000}``
+# took 1.5 s against the embedded model's 4096 tokens and ``a{100000}`` minutes and gigabytes, in a thread that
+# cannot be stopped once started. 4096 leaves room for any realistic field (a JSON string of maxLength 4000).
+MAX_REGEX_POSITIONS = 4096
+
+
+def check_regex_size(pattern: str, kind: str) -> None:
+    """Refuse (``ValueError``) an expression that expands to more than ``MAX_REGEX_POSITIONS`` positions."""
+    size = regex_positions(pattern)
+    if size > MAX_REGEX_POSITIONS:
+        what = "regular expression" if kind == "regex" else "schema's regular expression"
+        raise ValueError(f"{kind} constraint: its {what} expands to {'more than ' if size >= _CAP else ''}"
+                         f"{min(size, _CAP)} positions with its counted repetitions ({{n}}, {{n,m}}) multiplied "
+                         f"out, more than the {MAX_REGEX_POSITIONS} hylo compiles; use smaller counts (a "
+                         f"maxLength or maxItems, say)")
+
+
+_CAP = 10 ** 12  # sizes stop growing here: the check only needs to know they are too large
+
+
+def regex_positions(pattern: str) -> int:
+    """An upper bound on the positions (literals, classes, escapes) of ``pattern`` with every counted repetition
+    multiplied out; alternatives are added, not maxed, and ``*`` / ``+`` / ``?`` count once. A scan of the Rust
+    ``regex`` crate's syntax that needs no full parse: escapes (``\\p{..}``, ``\\x{..}`` among them), character
+    classes (nested, with escapes) and groups are skipped over as one position or their content's sum."""
+    frames = [[0, 0]]  # per open group: [sum of its positions so far, size of its last atom]
+    i, n = 0, len(pattern)
+    while i < n:
+        c = pattern[i]
+        atom = None
+        if c == "\\":
+            j = i + 2
+            if i + 1 < n and pattern[i + 1] in "pPxuU" and j < n and pattern[j] == "{":
+                j = pattern.find("}", j) + 1 or n
+            i, atom = j, 1
+        elif c == "[":
+            j, depth = i + 1, 1
+            if j < n and pattern[j] == "^":
+                j += 1
+            if j < n and pattern[j] == "]":  # a leading ] is a literal
+                j += 1
+            while j < n and depth:
+                if pattern[j] == "\\":
+                    j += 1
+                elif pattern[j] == "[":
+                    depth += 1
+                elif pattern[j] == "]":
+                    depth -= 1
+                j += 1
+            i, atom = j, 1
+        elif c == "(":
+            frames.append([0, 0])
+            i += 1
+        elif c == ")" and len(frames) > 1:
+            atom = frames.pop()[0]
+            i += 1
+        elif c == "{":
+            close = pattern.find("}", i)
+            counts = pattern[i + 1:close].split(",") if close > 0 else []
+            if 1 <= len(counts) <= 2 and counts[0].strip().isdigit() and all(
+                    x.strip().isdigit() or (k == 1 and not x.strip()) for k, x in enumerate(counts)):
+                times = max(int(x) for x in counts if x.strip())
+                frame = frames[-1]
+                frame[0] = min(frame[0] + frame[1] * (times - 1), _CAP)
+                frame[1] = min(frame[1] * times, _CAP)
+                i = close + 1
+            else:
+                i, atom = i + 1, 1
+        elif c in "*+?|^$":
+            i += 1
+        else:
+            i, atom = i + 1, 1
+        if atom is not None:
+            frame = frames[-1]
+            frame[0], frame[1] = min(frame[0] + atom, _CAP), atom
+    return sum(f[0] for f in frames)
 
 
 # ``json_object``: any JSON object whose values nest at most this deep (objects or arrays of plain values, at 2).

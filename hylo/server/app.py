@@ -23,7 +23,7 @@ from .engine_thread import EngineThread
 from .metrics import Metrics
 from .protocol import (DEFAULT_COMPLETION_MAX_TOKENS, APIError, ChatCompletionRequest, CompletionRequest,
                        DetokenizeRequest, TokenizeRequest, error_body)
-from .serving import Formatter, serve
+from .serving import Echo, Formatter, serve
 from .structured import compile_constraint, constraint_of
 from .tools import Tools, parse_tools
 
@@ -103,8 +103,18 @@ def create_app(engine: Engine, api_key: str | None = None, served_model_name: st
         errors = exc.errors()
         err = errors[0] if errors else {}
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        kind = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
         if err.get("type") == "json_invalid":
             message = f"request body is not valid JSON: {err.get('ctx', {}).get('error', err.get('msg'))}"
+            param = None
+        elif loc == [] or kind != "application/json" and err.get("type") in ("model_attributes_type", "missing"):
+            # no JSON object reached the fields: an empty body, or one sent as another content type
+            body = await request.body()
+            message = "the request body must be a JSON object"
+            if not body:
+                message += " (the body is empty)"
+            elif kind != "application/json":
+                message += f", sent as Content-Type: application/json (got {kind or 'no Content-Type'})"
             param = None
         else:
             param = loc[0] if loc else None  # the request field (deeper parts name union members, not fields)
@@ -190,12 +200,17 @@ def create_app(engine: Engine, api_key: str | None = None, served_model_name: st
         if (body.prompt is None) == (body.messages is None):
             raise APIError("give either 'prompt' or 'messages'", param="prompt")
         if body.messages is not None:
+            if not body.messages:
+                raise APIError("messages must hold at least one message", param="messages")
             text = chat_prompt(ChatCompletionRequest(messages=body.messages,
                                                      add_generation_prompt=body.add_generation_prompt))
         else:
             text = body.prompt
         special = body.add_special_tokens if body.add_special_tokens is not None else body.messages is None
-        ids = tokenizer().encode(text, add_special_tokens=special)
+        try:
+            ids = tokenizer().encode(text, add_special_tokens=special)
+        except ValueError as e:
+            raise APIError(str(e), param="messages" if body.messages is not None else "prompt") from None
         strs = [tokenizer().token_piece(t) for t in ids] if body.return_token_strs else None
         return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids, "token_strs": strs}
 
@@ -215,20 +230,22 @@ def create_app(engine: Engine, api_key: str | None = None, served_model_name: st
         prompts = [_encode(engine, p) for p in raw]
         # echo with max_tokens 0 scores the prompt and generates nothing (lm-eval-harness's loglikelihood requests):
         # served as one token that the response leaves out
-        score_only = body.echo and body.max_tokens == 0
+        limit_field, given = body.output_limit()
+        score_only = body.echo and given == 0
         if score_only:
-            body.max_tokens = 1
+            setattr(body, limit_field, 1)
         field, constraint = constraint_of(body)
         params = body.choice_params(DEFAULT_COMPLETION_MAX_TOKENS, constraint)
         await compile_constraint(engine, constraint, field)
         for p in prompts:
-            _check_room(engine, p, params[0].max_tokens, explicit=body.max_tokens is not None)
-        if body.max_tokens is None:  # OpenAI's default of 16, within the room the shortest prompt leaves
+            _check_room(engine, p, params[0].max_tokens, explicit=given is not None, field=limit_field)
+        if given is None:  # OpenAI's default of 16, within the room the shortest prompt leaves
             room = min(engine.max_model_len - len(p) for p in prompts)
             params = [dataclasses.replace(sp, max_tokens=min(sp.max_tokens, room)) for sp in params]
         echo = None
         if body.echo:
-            echo = [p if isinstance(p, str) else (engine.tokenizer.decode(ids) if engine.tokenizer else "")
+            echo = [Echo(p, True) if isinstance(p, str) else
+                    Echo(engine.tokenizer.decode(ids) if engine.tokenizer else "", False)
                     for p, ids in zip(raw, prompts)]
         return await serve(request, runner, "cmpl", "text_completion", model_name, prompts, params, body,
                            chat=False, fmt=Formatter(engine.tokenizer, body.return_tokens_as_token_ids),
@@ -242,8 +259,9 @@ def create_app(engine: Engine, api_key: str | None = None, served_model_name: st
         tools = parse_tools(body, engine.tokenizer.chat_template or CHATML_TEMPLATE)
         prompt = _encode(engine, chat_prompt(body, tools), add_special_tokens=False)  # the template writes its own
         room = engine.max_model_len - len(prompt)
-        given = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        _check_room(engine, prompt, given if given is not None else room, explicit=given is not None)
+        limit_field, given = body.output_limit()
+        _check_room(engine, prompt, given if given is not None else room, explicit=given is not None,
+                    field=limit_field)
         field, constraint = constraint_of(body)
         calls = tools.constraint() if tools is not None else None
         if calls is not None:
@@ -267,13 +285,15 @@ def _version() -> str:
     return __version__
 
 
-def _check_room(engine: Engine, prompt: list[int], max_tokens: int, explicit: bool) -> None:
-    """A max_tokens the context cannot hold is refused, naming both numbers (never clamped silently)."""
+def _check_room(engine: Engine, prompt: list[int], max_tokens: int, explicit: bool,
+                field: str = "max_tokens") -> None:
+    """An output limit (``field``: max_tokens or max_completion_tokens) that the context cannot hold is refused,
+    naming both numbers (never clamped silently)."""
     room = engine.max_model_len - len(prompt)
     if explicit and max_tokens > room:
-        raise APIError(f"max_tokens is {max_tokens}, but the prompt has {len(prompt)} tokens and the context limit "
+        raise APIError(f"{field} is {max_tokens}, but the prompt has {len(prompt)} tokens and the context limit "
                        f"(max_model_len) is {engine.max_model_len}: at most {room} tokens fit",
-                       param="max_tokens", code="context_length_exceeded")
+                       param=field, code="context_length_exceeded")
 
 
 def _encode(engine: Engine, prompt, add_special_tokens: bool = True) -> list[int]:

@@ -148,8 +148,15 @@ class _SamplingFields(BaseModel):
                            param="logit_bias")
         return out
 
+    def output_limit(self) -> tuple[str, int | None]:
+        """(the field that limits the output's length, its value): ``max_completion_tokens`` where given (OpenAI's
+        newer name), else ``max_tokens``; None where neither is."""
+        if self.max_completion_tokens is not None:
+            return "max_completion_tokens", self.max_completion_tokens
+        return "max_tokens", self.max_tokens
+
     def _sampling_params(self, default_max_tokens: int, n_index: int, constraint=None) -> SamplingParams:
-        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        limit_field, max_tokens = self.output_limit()
         for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
             value = getattr(self, name)
             if value is not None and not math.isfinite(value):
@@ -178,6 +185,8 @@ class _SamplingFields(BaseModel):
         except ValueError as e:
             msg = str(e)
             param = msg.split(" ", 1)[0].split("[", 1)[0].rstrip(":")
+            if param == "max_tokens" and limit_field != param:  # the field the client set, by its own name
+                msg, param = msg.replace("max_tokens", limit_field, 1), limit_field
             raise APIError(msg, param=param) from None
 
     def prompt_logprobs_n(self) -> int | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from typing import NamedTuple
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -15,6 +16,14 @@ from .protocol import APIError, error_body, new_id, now, usage
 from .tools import held_back, parse_calls
 
 NEG_INF_LOGPROB = -9999.0  # a log probability of -inf, as JSON can carry it (vLLM's convention)
+
+
+class Echo(NamedTuple):
+    """An echoed prompt's text (completions with ``echo``): the prompt string as given (``verbatim``: special
+    tokens written in it stay), or the decoded ids of a token-id prompt (without special tokens)."""
+
+    text: str
+    verbatim: bool
 
 
 class Formatter:
@@ -47,16 +56,20 @@ class Formatter:
                                               "bytes": list(self.token_bytes(t))} for t, v in lp.top]})
         return {"content": content}
 
-    def completion(self, token_ids: list[int], lps: list, offset: int) -> tuple[dict, int]:
+    def completion(self, token_ids: list[int], lps: list, offset: int, verbatim: int = 0) -> tuple[dict, int]:
         """``choices[].logprobs`` of a completions response (or chunk), and the text offset after it: ``lps``
         entries may be None (an echoed prompt's first token). Each ``top_logprobs`` dict holds the top
-        alternatives and the chosen token (OpenAI's rule: up to logprobs + 1 entries)."""
+        alternatives and the chosen token (OpenAI's rule: up to logprobs + 1 entries). ``text_offset`` counts the
+        characters of the response's text: special tokens take none (the text is decoded without them), except
+        in the first ``verbatim`` tokens (an echoed prompt string, which holds them as written)."""
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        for tok, lp in zip(token_ids, lps):
+        specials = getattr(self.tokenizer, "special_ids", set())
+        for i, (tok, lp) in enumerate(zip(token_ids, lps)):
             text = self.token(tok)
             out["tokens"].append(text)
             out["text_offset"].append(offset)
-            offset += len(text)
+            if i < verbatim or tok not in specials:
+                offset += len(text) if not self.as_ids else len(self.token_bytes(tok).decode("utf-8", "replace"))
             if lp is None:
                 out["token_logprobs"].append(None)
                 out["top_logprobs"].append(None)
@@ -103,7 +116,7 @@ def _abandon(runner: EngineThread, rid: str, queues: dict, collect: asyncio.Futu
 
 async def serve(request: Request, runner: EngineThread, id_prefix: str, obj: str, model: str,
                 prompts: list[list[int]], params: list, body, chat: bool, fmt: Formatter,
-                echo_texts: list[str] | None = None, score_only: bool = False, tools=None):
+                echo_texts: list[Echo] | None = None, score_only: bool = False, tools=None):
     """Submit one request per (prompt, choice) and answer with one response or a stream. ``echo_texts``: the
     prompts' texts, returned before each choice's completion (completions with ``echo``); ``score_only``: the
     requests generate one token that the answer leaves out (echo with max_tokens 0: the prompt scored only);
@@ -159,8 +172,9 @@ async def serve(request: Request, runner: EngineThread, id_prefix: str, obj: str
     return response
 
 
-def _choice(index: int, r: Delta, prompt: list[int], body, chat: bool, fmt: Formatter, echo: str | None,
+def _choice(index: int, r: Delta, prompt: list[int], body, chat: bool, fmt: Formatter, echo: Echo | None,
             tools=None) -> dict:
+    """One choice of a whole (not streamed) response; ``echo``: its prompt's text before its own (completions)."""
     want_lp = body.logprobs_n() is not None
     if chat:
         message, finish = {"role": "assistant", "content": r.text}, r.finish_reason
@@ -178,9 +192,9 @@ def _choice(index: int, r: Delta, prompt: list[int], body, chat: bool, fmt: Form
             ids, lps = r.token_ids, r.logprobs
             if echo is not None:
                 ids, lps = prompt + ids, (r.prompt_logprobs or [None] * len(prompt)) + lps
-            lp, _ = fmt.completion(ids, lps, 0)
+            lp, _ = fmt.completion(ids, lps, 0, verbatim=len(prompt) if echo is not None and echo.verbatim else 0)
         if echo is not None:
-            text = echo + text
+            text = echo.text + text
         choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": r.finish_reason,
                   "stop_reason": r.stop_reason,
                   "prompt_logprobs": fmt.prompt(prompt, r.prompt_logprobs or [])
@@ -220,7 +234,7 @@ async def _collect(q: asyncio.Queue) -> Delta:
 
 async def _stream(runner: EngineThread, rid: str, created: int, model: str, obj: str, queues: dict,
                   prompts: list[list[int]], choices_per_prompt: int, body, chat: bool, fmt: Formatter,
-                  echo_texts: list[str] | None, score_only: bool = False, tools=None):
+                  echo_texts: list[Echo] | None, score_only: bool = False, tools=None):
     """Server-sent events in OpenAI's chunk format; aborts every unfinished choice if the client goes away.
     A completions choice's first chunk carries its echoed prompt (with the prompt's log probabilities, which
     come with the first token) and, with return_token_ids, its prompt_token_ids."""
@@ -282,12 +296,15 @@ async def _stream(runner: EngineThread, rid: str, created: int, model: str, obj:
         prompt = prompts[index // choices_per_prompt]
         text, ids, lps = d.text, d.token_ids, d.logprobs
         first = index not in started
+        verbatim = 0
         if first and echo_texts:
-            text = echo_texts[index // choices_per_prompt] + text
+            echo = echo_texts[index // choices_per_prompt]
+            text = echo.text + text
             ids, lps = prompt + ids, (d.prompt_logprobs or [None] * len(prompt)) + lps
+            verbatim = len(prompt) if echo.verbatim else 0
         lp = None
         if want_lp and ids:
-            lp, offsets[index] = fmt.completion(ids, lps, offsets[index])
+            lp, offsets[index] = fmt.completion(ids, lps, offsets[index], verbatim)
         c = {"index": index, "text": text, "logprobs": lp, "finish_reason": d.finish_reason,
              "stop_reason": d.stop_reason}
         if body.return_token_ids:

@@ -43,7 +43,10 @@ class Tools:
         names = list(self.params) if self.choice == "required" else [self.choice]
         calls = "|".join(_call_regex(n, self.params[n], self.call_format) for n in names)
         one = f"({calls})"
-        return Constraint.regex(f"{one}(\\n{one})*" if self.parallel else one)
+        try:
+            return Constraint.regex(f"{one}(\\n{one})*" if self.parallel else one)
+        except ValueError as e:  # too large to compile
+            raise APIError(f"tools: {str(e).replace('regex constraint', 'the calls', 1)}", param="tools") from None
 
 
 def parse_tools(body, template: str | None) -> Tools | None:
@@ -72,7 +75,11 @@ def parse_tools(body, template: str | None) -> Tools | None:
             raise APIError(f"tools[{i}].function.parameters must be a JSON schema object", param="tools")
         params[name] = schema
     if isinstance(choice, dict):
-        name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+        fn = choice.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if choice.get("type", "function") != "function" or not isinstance(name, str):
+            raise APIError("tool_choice must be 'none', 'auto', 'required' or "
+                           "{'type': 'function', 'function': {'name': NAME}}", param="tool_choice")
         if name not in params:
             raise APIError(f"tool_choice names function {name!r}, which is not among the tools", param="tool_choice")
         choice = name
