@@ -132,8 +132,9 @@ class SamplingParams:
             if not hasattr(self.constraint, "kind") or not hasattr(self.constraint, "to_regex"):
                 raise ValueError(f"constraint must be a hylo.constrain.spec.Constraint, got "
                                  f"{type(self.constraint).__name__}")
-            if self.ignore_eos:
-                raise ValueError("ignore_eos cannot be combined with a constraint: the output ends where the "
+            if self.ignore_eos or self.min_tokens:
+                name = "ignore_eos" if self.ignore_eos else "min_tokens"
+                raise ValueError(f"{name} cannot be combined with a constraint: the output ends where the "
                                  "constraint is complete")
 
     @property

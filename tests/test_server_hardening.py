@@ -186,3 +186,38 @@ def test_a_body_that_is_not_json_says_what_is_expected(http):
     msg = _error(http.post("/v1/completions", content=b"", headers={"content-type": "application/json"}), None)
     assert "JSON object" in msg
     _still_serving(http)
+
+
+@pytest.mark.parametrize("schema,words", [
+    ({"type": "string", "maxLength": -1}, "maxLength (at /maxLength) must be a non-negative integer"),
+    ({"type": "array", "maxItems": -1}, "maxItems (at /maxItems) must be a non-negative integer"),
+    ({"enum": []}, "enum (at /enum) is empty"),
+    ({"type": []}, "type (at /type) is empty"),
+    ({"type": "object", "required": ["zz"], "properties": {}}, "required property 'zz'"),
+    ({"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a", "b"]}, "required property 'b'"),
+])
+def test_a_schema_the_translation_would_loosen_is_refused(http, schema, words):
+    """Each was served with a 200 whose output did not validate against the schema (or could not)."""
+    r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 4, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "s", "schema": schema}}})
+    assert words in _error(r, "response_format")
+
+
+def test_min_tokens_with_a_constraint_is_refused(http):
+    """The constraint's end took precedence without a word: one token where five were asked for."""
+    r = http.post("/v1/completions", json={"prompt": "x = ", "structured_outputs": {"choice": ["a"]},
+                                           "min_tokens": 5, "max_tokens": 6})
+    assert "min_tokens cannot be combined with a constraint" in _error(r, "min_tokens")
+
+
+def test_tool_call_arguments_are_strict_json():
+    """Python's json reads NaN, Infinity and 1e999; dumped again they are not JSON a client can parse. Such a call
+    stays in the content."""
+    from hylo.server.tools import Tools, parse_calls
+
+    tools = Tools(TOOLS, {"get_w": {"type": "object"}}, "auto", True, "json")
+    for args in ('{"a": NaN}', '{"a": 1e999}', '{"a": -Infinity}'):
+        text = f'<tool_call>\n{{"name": "get_w", "arguments": {args}}}\n</tool_call>'
+        assert parse_calls(text, tools) == (text, [])
+    content, calls = parse_calls('<tool_call>\n{"name": "get_w", "arguments": {"a": 1.5e3}}\n</tool_call>', tools)
+    assert content is None and json.loads(calls[0]["function"]["arguments"]) == {"a": 1500.0}

@@ -219,6 +219,7 @@ def check_schema(schema, where: str = "") -> None:
         return
     if not isinstance(schema, dict):
         raise ValueError(f"json_schema constraint: the schema at {where or '/'} must be an object or a boolean")
+    _check_values(schema, where)
     for key, value in schema.items():
         at = f"{where}/{key}"
         if key in _ANNOTATIONS:
@@ -246,6 +247,30 @@ def check_schema(schema, where: str = "") -> None:
                 check_schema(sub, f"{at}/{i}")
         elif key in ("items", "additionalProperties") and not isinstance(value, bool):
             check_schema(value, at)
+
+
+_COUNTS = ("minLength", "maxLength", "minItems", "maxItems")
+
+
+def _check_values(schema: dict, where: str) -> None:
+    """The values the translation would read loosely or not at all: a negative count (read as no bound), an empty
+    enum or type list (nothing can match), required names without a schema in ``properties`` (not enforced)."""
+    for key in _COUNTS:
+        value = schema.get(key)
+        if key in schema and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise ValueError(f"json_schema constraint: {key} (at {where}/{key}) must be a non-negative integer, "
+                             f"got {value!r}")
+    for key in ("enum", "type"):
+        if key in schema and schema[key] == []:
+            raise ValueError(f"json_schema constraint: {key} (at {where}/{key}) is empty: nothing can match it")
+    if "required" in schema:
+        required, props = schema["required"], schema.get("properties", {})
+        if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+            raise ValueError(f"json_schema constraint: required (at {where}/required) must be a list of names")
+        missing = [r for r in required if not isinstance(props, dict) or r not in props]
+        if missing:
+            raise ValueError(f"json_schema constraint: required property {missing[0]!r} (at {where}/required) has "
+                             f"no schema in properties, and hylo enforces required properties through theirs")
 
 
 def _disjoint_types(branches) -> bool:

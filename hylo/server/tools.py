@@ -12,6 +12,7 @@ Two call formats, the one the model's template teaches (``call_format``):
 from __future__ import annotations
 
 import json
+import math
 import re
 import uuid
 from dataclasses import dataclass
@@ -168,18 +169,35 @@ def _openai_call(name: str, arguments: dict) -> dict:
             "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
 
 
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} is not a finite number")
+    return value
+
+
+def _refuse_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def strict_json(text: str):
+    """``json.loads`` without Python's extensions: NaN, Infinity and numbers past float's range (1e999) are
+    refused (ValueError), so that a call's arguments, dumped again, are JSON that any client can parse."""
+    return json.loads(text, parse_constant=_refuse_constant, parse_float=_finite)
+
+
 def _json_call(text: str, tools: Tools) -> dict | None:
     try:
-        obj = json.loads(text)
-    except json.JSONDecodeError:
+        obj = strict_json(text)
+    except ValueError:
         return None
     if not isinstance(obj, dict) or obj.get("name") not in tools.params:
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(args, str):
         try:
-            args = json.loads(args)
-        except json.JSONDecodeError:
+            args = strict_json(args)
+        except ValueError:
             return None
     return _openai_call(obj["name"], args) if isinstance(args, dict) else None
 
@@ -196,8 +214,8 @@ def _xml_call(m: re.Match, tools: Tools) -> dict | None:
             args[key] = raw
         else:
             try:
-                args[key] = json.loads(raw)
-            except json.JSONDecodeError:
+                args[key] = strict_json(raw)
+            except ValueError:
                 args[key] = raw
     return _openai_call(name, args)
 
