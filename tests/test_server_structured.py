@@ -79,11 +79,14 @@ def test_tool_calls_round_trip(client, stream):
     for choice in ("required", {"type": "function", "function": {"name": "get_time"}}):
         kw = dict(model=m, messages=msgs, tools=[WEATHER, CLOCK], tool_choice=choice, max_tokens=80, temperature=0)
         if stream:
-            calls, finish = {}, None
+            calls, finish, empty = {}, None, 0
             for ch in client.chat.completions.create(stream=True, **kw):
-                for d in ch.choices[0].delta.tool_calls or []:
+                delta = ch.choices[0].delta
+                for d in delta.tool_calls or []:
                     calls.setdefault(d.index, d)
                 finish = ch.choices[0].finish_reason or finish
+                empty += not (delta.role or delta.content or delta.tool_calls or ch.choices[0].finish_reason)
+            assert empty == 0  # the text held back while it may be a call sends no empty chunks
             calls = [calls[i] for i in sorted(calls)]
         else:
             r = client.chat.completions.create(**kw)

@@ -340,6 +340,8 @@ async def _stream(runner: EngineThread, rid: str, created: int, model: str, obj:
                          "finish_reason": finish, "stop_reason": d.stop_reason}
                     if body.return_token_ids:
                         c["token_ids"] = d.token_ids
+                    elif not delta and finish is None and c["logprobs"] is None:
+                        continue  # text held back (a possible tool call): nothing to send yet
                 else:
                     c = completion_choice(index, d)
                 started.add(index)
