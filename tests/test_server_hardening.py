@@ -221,3 +221,28 @@ def test_tool_call_arguments_are_strict_json():
         assert parse_calls(text, tools) == (text, [])
     content, calls = parse_calls('<tool_call>\n{"name": "get_w", "arguments": {"a": 1.5e3}}\n</tool_call>', tools)
     assert content is None and json.loads(calls[0]["function"]["arguments"]) == {"a": 1500.0}
+
+
+@pytest.mark.parametrize("field,value", [
+    ("max_tokens", True), ("max_tokens", "5"), ("n", True), ("seed", "1"), ("temperature", True),
+    ("temperature", "0.5"), ("top_k", False), ("logprobs", True), ("stream", "yes"), ("stream", 1),
+    ("echo", "true"), ("ignore_eos", 0), ("prompt", [True, 66]), ("logit_bias", {"65": True}),
+    ("logit_bias", {"\u0663": 5}), ("stream_options", {"include_usage": True, "foo": 1}),
+])
+def test_values_are_not_coerced(http, field, value):
+    """Pydantic's lax mode read true as 1, "5" as 5 and "yes" as true; a request now means what it says."""
+    body = {"prompt": "ab", "max_tokens": 2, field: value}
+    if field == "stream_options":
+        body["stream"] = True
+    r = http.post("/v1/completions", json=body)
+    assert r.status_code == 400, (field, value, r.text)
+    assert r.json()["error"]["param"] == field
+    # JSON's spellings of the same values are served (5.0 is an integer's valid spelling, as in JSON Schema)
+    assert http.post("/v1/completions", json={"prompt": "ab", "max_tokens": 2.0, "temperature": 0,
+                                              "stream": False}).status_code == 200
+
+
+def test_an_empty_stop_string_is_refused_as_an_empty_stop_list_entry_is(http):
+    for stop in ("", [""]):
+        assert "stop must be" in _error(http.post("/v1/completions", json={"prompt": "ab", "stop": stop}), "stop")
+    assert http.post("/v1/completions", json={"prompt": "ab", "max_tokens": 2, "stop": []}).status_code == 200

@@ -13,14 +13,28 @@ import time
 import uuid
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool
 
 from ..core import INT64_MAX, INT64_MIN, SamplingParams
 
+
+def _no_coercion(value):
+    """Numbers as JSON numbers only: pydantic would otherwise read ``true`` as 1 and ``"5"`` as 5, a request
+    meaning something other than it says (``5.0`` stays an integer's valid spelling, as in JSON Schema)."""
+    if isinstance(value, (bool, str)):
+        raise ValueError(f"expected a number, got {json.dumps(value)}")
+    return value
+
+
+Number = BeforeValidator(_no_coercion)
+Float = Annotated[float, Number]
+Bool = StrictBool  # true or false, not "yes" or 1
 # Every integer a client sends is bounded here, at the edge: an unbounded one (a seed of 2**63, say) would otherwise
 # reach an int64 device table inside the engine. Pydantic's error names the field and the bound (a 400).
-Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
-Count = Annotated[int, Field(ge=0, le=INT64_MAX)]
+Int64 = Annotated[int, Number, Field(ge=INT64_MIN, le=INT64_MAX)]
+Count = Annotated[int, Number, Field(ge=0, le=INT64_MAX)]
+TopN = Annotated[int, Number, Field(ge=0, le=20)]  # alternatives per token (OpenAI's bound)
+TokenId = Annotated[int, Number]  # checked against the vocabulary by the engine
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -43,8 +57,10 @@ def error_body(message: str, type: str = "invalid_request_error", param: str | N
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
-    continuous_usage_stats: bool = Field(False, description="vLLM extension: usage in every chunk")
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: Bool = False
+    continuous_usage_stats: Bool = Field(False, description="vLLM extension: usage in every chunk")
 
 
 # Fields of OpenAI's and vLLM's request schemas that hylo does not implement, with the values that mean "not used":
@@ -73,27 +89,27 @@ class _SamplingFields(BaseModel):
     model: str | None = None
     max_tokens: Count | None = None
     max_completion_tokens: Count | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: Annotated[int, Field(ge=-1, le=INT64_MAX)] | None = Field(
+    temperature: Float | None = None
+    top_p: Float | None = None
+    top_k: Annotated[int, Number, Field(ge=-1, le=INT64_MAX)] | None = Field(
         None, description="vLLM extension: sample from the k most likely tokens (0 or -1: all)")
     seed: Int64 | None = None
     stop: Union[str, list[str], None] = None
     stop_token_ids: list[Count] | None = Field(None, description="vLLM extension: token ids that end the output")
-    ignore_eos: bool = Field(False, description="vLLM extension: keep going past the end-of-sequence token")
+    ignore_eos: Bool = Field(False, description="vLLM extension: keep going past the end-of-sequence token")
     min_tokens: Count = Field(0, description="vLLM extension: no stop before this many tokens")
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = Field(None, description="vLLM extension: divide the logits of tokens seen "
+    presence_penalty: Float | None = None
+    frequency_penalty: Float | None = None
+    repetition_penalty: Float | None = Field(None, description="vLLM extension: divide the logits of tokens seen "
                                                                 "in the prompt or output (1: none)")
-    logit_bias: dict[str, float] | None = None
-    prompt_logprobs: Annotated[int, Field(ge=0, le=20)] | None = Field(
+    logit_bias: dict[str, Float] | None = None
+    prompt_logprobs: TopN | None = Field(
         None, description="vLLM extension: the prompt tokens' log probabilities and this many alternatives")
-    return_token_ids: bool = Field(False, description="vLLM extension: each choice's token_ids and its prompt's "
+    return_token_ids: Bool = Field(False, description="vLLM extension: each choice's token_ids and its prompt's "
                                                       "prompt_token_ids in the response")
-    return_tokens_as_token_ids: bool = Field(False, description="vLLM extension: logprob tokens as 'token_id:ID'")
-    n: Annotated[int, Field(ge=1, le=128)] = 1
-    stream: bool = False
+    return_tokens_as_token_ids: Bool = Field(False, description="vLLM extension: logprob tokens as 'token_id:ID'")
+    n: Annotated[int, Number, Field(ge=1, le=128)] = 1
+    stream: Bool = False
     stream_options: StreamOptions | None = None
     # output constraints (server/structured.py reads them): OpenAI's, vLLM's, vLLM's older names
     response_format: dict | None = None
@@ -134,7 +150,7 @@ class _SamplingFields(BaseModel):
             return None
         out, not_ids, out_of_range = {}, [], []
         for key, value in self.logit_bias.items():
-            tok = int(key) if key.strip().lstrip("-").isdigit() else None
+            tok = int(key) if key.isascii() and key.strip().lstrip("-").isdigit() else None
             if tok is None or tok < 0:
                 not_ids.append(key)
             elif not (math.isfinite(value) and -100 <= value <= 100):
@@ -170,7 +186,7 @@ class _SamplingFields(BaseModel):
                 top_p=1.0 if self.top_p is None else self.top_p,
                 top_k=0 if self.top_k is None else self.top_k,
                 seed=None if self.seed is None else _wrap_int64(self.seed + n_index),
-                stop=self.stop or None,
+                stop=self.stop if self.stop != [] else None,  # "" is refused by name, as [""] is
                 stop_token_ids=self.stop_token_ids,
                 ignore_eos=self.ignore_eos,
                 min_tokens=self.min_tokens,
@@ -199,10 +215,10 @@ def _wrap_int64(value: int) -> int:
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: Union[str, list[str], list[int], list[list[int]]]
-    echo: bool = False
-    best_of: int | None = None
-    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    prompt: Union[str, list[str], list[TokenId], list[list[TokenId]]]
+    echo: Bool = False
+    best_of: Annotated[int, Number] | None = None
+    logprobs: TopN | None = None
 
     def logprobs_n(self) -> int | None:
         return self.logprobs
@@ -273,14 +289,14 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(..., min_length=1)
-    logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
-    add_generation_prompt: bool = Field(True, description="vLLM extension: end the prompt with the assistant's turn")
+    logprobs: Bool = False
+    top_logprobs: TopN | None = None
+    add_generation_prompt: Bool = Field(True, description="vLLM extension: end the prompt with the assistant's turn")
     chat_template_kwargs: dict | None = Field(None, description="vLLM extension: extra variables for the chat "
                                                                 "template (e.g. enable_thinking)")
     tools: list[dict] | None = None
     tool_choice: Union[str, dict, None] = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: Bool | None = None
 
     def logprobs_n(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
@@ -326,10 +342,10 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_generation_prompt: bool = True
-    add_special_tokens: bool | None = Field(None, description="add the tokenizer's special tokens (e.g. BOS); "
+    add_generation_prompt: Bool = True
+    add_special_tokens: Bool | None = Field(None, description="add the tokenizer's special tokens (e.g. BOS); "
                                                               "default: yes for a prompt, no for messages")
-    return_token_strs: bool = False
+    return_token_strs: Bool = False
 
 
 class DetokenizeRequest(BaseModel):
