@@ -246,3 +246,13 @@ def test_an_empty_stop_string_is_refused_as_an_empty_stop_list_entry_is(http):
     for stop in ("", [""]):
         assert "stop must be" in _error(http.post("/v1/completions", json={"prompt": "ab", "stop": stop}), "stop")
     assert http.post("/v1/completions", json={"prompt": "ab", "max_tokens": 2, "stop": []}).status_code == 200
+
+
+def test_chat_template_kwargs_cannot_set_the_requests_own_variables(http):
+    for key in ("tools", "messages", "add_generation_prompt"):
+        r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                                                    "chat_template_kwargs": {key: 5}})
+        assert f"{key!r} is set by the request itself" in _error(r, "chat_template_kwargs")
+    r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                                                "chat_template_kwargs": {"enable_thinking": False}})
+    assert r.status_code == 200

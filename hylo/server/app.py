@@ -183,6 +183,10 @@ def create_app(engine: Engine, api_key: str | None = None, served_model_name: st
 
     def chat_prompt(body: ChatCompletionRequest, tools: Tools | None = None) -> str:
         extra = dict(body.chat_template_kwargs or {})
+        taken = sorted(set(extra) & {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
+        if taken:  # the request's own fields set these: a second value would only confuse the template
+            raise APIError(f"chat_template_kwargs: {taken[0]!r} is set by the request itself (its own field), not "
+                           f"through chat_template_kwargs", param="chat_template_kwargs")
         if tools is not None:
             extra["tools"] = tools.specs
         try:
