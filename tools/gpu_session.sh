@@ -241,7 +241,7 @@ case "$phase" in
       --variant gu4w4:HYLO_PAIR_GATE_UP_CFG=4,1024,4,2 --variant gu8w4:HYLO_PAIR_GATE_UP_CFG=8,1024,4,2 \
       --variant gu4k512:HYLO_PAIR_GATE_UP_CFG=4,512,2,2 --variant ds2:HYLO_PAIR_DOWN_SUM_CFG=2,512,1,1 \
       --variant ds2w2:HYLO_PAIR_DOWN_SUM_CFG=2,512,2,1 --variant ds4w2:HYLO_PAIR_DOWN_SUM_CFG=4,512,2,1 \
-      --out "$out" 2>&1 | tail -9
+      --variant widen4:HYLO_FP8_ROW_WIDEN=4 --out "$out" 2>&1 | tail -10
     ;;
   *) echo "unknown phase $phase" >&2; exit 2 ;;
 esac
