@@ -195,6 +195,7 @@ def test_a_body_that_is_not_json_says_what_is_expected(http):
     ({"type": []}, "type (at /type) is empty"),
     ({"type": "object", "required": ["zz"], "properties": {}}, "required property 'zz'"),
     ({"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a", "b"]}, "required property 'b'"),
+    ({"type": "array", "minItems": 3, "maxItems": 1}, "minItems 3 is more than maxItems 1"),
 ])
 def test_a_schema_the_translation_would_loosen_is_refused(http, schema, words):
     """Each was served with a 200 whose output did not validate against the schema (or could not)."""

@@ -18,7 +18,7 @@
 # (.whl holds outlines-core for several Pythons: pip picks the one that fits)
 # ($PWD too: the tools run as scripts import hylo from the checkout).
 set -u
-phase=${1:?tests, tests-host, tests-bench, check, tune-bench, bench, bench-first, bench-short, fma, changed, model, prefix, mamba2, structured, s25, s26, s27-nemotron, s27-fp8, s28, s28b, s28c, s29, s29-80b, s29-tiles or s20}
+phase=${1:?tests, tests-host, tests-bench, check, tune-bench, bench, bench-first, bench-short, fma, changed, model, prefix, mamba2, structured, s25, s26, s27-nemotron, s27-fp8, s28, s28b, s28c, s29, s29-80b, s29-tiles, s29-final or s20}
 out=${2:?output folder}
 mkdir -p "$out"
 # The GPU tests run in parallel workers where pytest-xdist is installed (the device image has it), so that a fresh
@@ -242,6 +242,14 @@ case "$phase" in
       --variant gu4k512:HYLO_PAIR_GATE_UP_CFG=4,512,2,2 --variant ds2:HYLO_PAIR_DOWN_SUM_CFG=2,512,1,1 \
       --variant ds2w2:HYLO_PAIR_DOWN_SUM_CFG=2,512,2,1 --variant ds4w2:HYLO_PAIR_DOWN_SUM_CFG=4,512,2,1 \
       --variant widen4:HYLO_FP8_ROW_WIDEN=4 --out "$out" 2>&1 | tail -10
+    ;;
+  s29-final)  # the FP8 down-sum tile past one token (new default) against the bfloat16 one, bench-6b-fp8; then the
+              # 80B FP8 records on an H200, else the 35B FP8 ones
+    timeout 100 python3 tools/ab_decode.py --model-name bench-6b-fp8 --bs 1 8 --variant fp8: \
+      --variant old-tile:HYLO_PAIR_DOWN_SUM_FP8_CFG=1,512,1,1 --out "$out" 2>&1 | tail -3
+    big=$(python3 -c "import torch; print(int(torch.cuda.get_device_properties(0).total_memory > 100 * 2 ** 30))")
+    if [ "$big" = 1 ]; then bench "${S29_BENCH_S:-330}" --model-name qwen3-next-80b-fp8 --short
+    else bench "${S29_BENCH_S:-330}" --model-name qwen3.5-35b-a3b-fp8 --short; fi
     ;;
   *) echo "unknown phase $phase" >&2; exit 2 ;;
 esac

@@ -260,6 +260,10 @@ def _check_values(schema: dict, where: str) -> None:
         if key in schema and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
             raise ValueError(f"json_schema constraint: {key} (at {where}/{key}) must be a non-negative integer, "
                              f"got {value!r}")
+    for low, high in (("minLength", "maxLength"), ("minItems", "maxItems")):
+        if low in schema and high in schema and schema[low] > schema[high]:
+            raise ValueError(f"json_schema constraint: {low} {schema[low]} is more than {high} {schema[high]} (at "
+                             f"{where or '/'}): nothing can match it")
     for key in ("enum", "type"):
         if key in schema and schema[key] == []:
             raise ValueError(f"json_schema constraint: {key} (at {where}/{key}) is empty: nothing can match it")

@@ -153,6 +153,12 @@ PAIR_DOWN_CFG = ((32, (8, 512, 2, 1)), (PAIR_GEMV_MAX_PAIRS, (16, 512, 2, 1)))
 # the per-pair kernel's 8.3 and 35.1 (the first guess, (4, 512, 4, 1), took 11.8 at 1 token).
 PAIR_DOWN_SUM = env_flag("HYLO_PAIR_DOWN_SUM", True)
 PAIR_DOWN_SUM_CFG = env_cfg("HYLO_PAIR_DOWN_SUM_CFG", (1, 512, 1, 1))
+# FP8 experts past one token: four output columns per two-warp program. Session 29's A/B on an H100 (bench-6b-fp8,
+# ab-decode-bench-6b-fp8-pair-tiles-20261206-235853.json, the same call): batch 8 3.231 ms against 3.405 with the
+# bfloat16 tile (-5%); at batch 1 1.449 against 1.423 (+2%), so one token keeps the one-column tile; on bfloat16
+# experts the same tile lost at both (2.003 against 1.871 ms at batch 1, 4.610 against 4.414 at 8). An FP8 row of
+# 512 columns is half a bfloat16 one's bytes: more of them per program keep enough loads in flight.
+PAIR_DOWN_SUM_FP8_CFG = env_cfg("HYLO_PAIR_DOWN_SUM_FP8_CFG", (4, 512, 2, 1))
 
 
 def pair_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor,
@@ -167,7 +173,8 @@ def pair_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Te
         x, weight_values(w13), ids, act, hidden, inter, TOP_K=top_k, BN=bn,
         BK=row_tile(min(bk, next_pow2(hidden)), w13, hidden), GATED=gated, num_warps=warps, num_stages=stages, **pdl_launch(x), **fp8_kernel_args(w13))
     if PAIR_DOWN_SUM:  # one float32 row per token, [T, 1, H]
-        bn, bk, warps, stages = PAIR_DOWN_SUM_CFG
+        fp8_rows = not isinstance(w2, torch.Tensor) and num_tokens > 1
+        bn, bk, warps, stages = PAIR_DOWN_SUM_FP8_CFG if fp8_rows else PAIR_DOWN_SUM_CFG
         out = torch.empty(num_tokens, hidden, dtype=torch.float32, device=x.device)
         _pair_down_sum_kernel[(num_tokens, triton.cdiv(hidden, bn))](
             act, weight_values(w2), ids, wts, out, hidden, inter, TOP_K=top_k, BN=bn,

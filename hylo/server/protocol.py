@@ -158,7 +158,8 @@ class _SamplingFields(BaseModel):
             else:
                 out[tok] = float(value)
         if not_ids:
-            raise APIError(f"logit_bias: keys {not_ids[:8]} are not token ids", param="logit_bias")
+            shown = [k if len(k) <= 24 else k[:21] + "..." for k in not_ids[:8]]
+            raise APIError(f"logit_bias: keys {shown} are not token ids", param="logit_bias")
         if out_of_range:
             raise APIError(f"logit_bias: values must be between -100 and 100, got {', '.join(out_of_range[:8])}",
                            param="logit_bias")
