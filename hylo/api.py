@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import random
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterable, Sequence
 
 from tqdm.auto import tqdm
 
@@ -24,12 +26,16 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, device: str = "auto", dtype: str = "auto", **engine_options):
+        if model is not None and not isinstance(model, (str, os.PathLike)):
+            raise TypeError(f"model must be a checkpoint directory or a Hugging Face Hub id (a string), or None for "
+                            f"the embedded default; got {type(model).__name__}")
+        self._lock = threading.Lock()  # one generate() at a time: the engine's steps are not thread-safe
         unknown = set(engine_options) - EngineConfig.option_names()
         if unknown:
             raise TypeError(f"unknown engine option(s): {', '.join(sorted(unknown))}; "
                             f"known: {', '.join(sorted(EngineConfig.option_names()))}")
         ec = EngineConfig(**engine_options)
-        self.engine = create_engine(model, device, dtype, ec)
+        self.engine = create_engine(os.fspath(model) if model is not None else None, device, dtype, ec)
 
     def close(self) -> None:
         """Give the engine's memory back now (its CUDA graphs, caches and weights) and stop the tensor-parallel
@@ -50,9 +56,15 @@ class LLM:
         except Exception:  # noqa: BLE001 - at interpreter exit the modules it needs may be gone
             pass
 
+    def _engine(self):
+        engine = self.__dict__.get("engine")
+        if engine is None:
+            raise RuntimeError("this LLM was closed: its engine's memory was given back; make a new LLM")
+        return engine
+
     @property
     def tokenizer(self):
-        return self.engine.tokenizer
+        return self._engine().tokenizer
 
     def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -60,8 +72,16 @@ class LLM:
         """Generate for every prompt; returns one RequestOutput per prompt, in order.
 
         Every prompt and parameter set is validated before anything runs: a bad one raises ValueError naming its
-        index and the problem.
+        index and the problem. Calls from several threads run one after another.
         """
+        engine = self._engine()
+        with self._lock:
+            return self._generate(engine, prompts, sampling_params, use_tqdm)
+
+    def _generate(self, engine, prompts, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
+        if prompts is None or isinstance(prompts, (dict, bytes, int)) or not isinstance(prompts, Iterable):
+            raise ValueError(f"prompts must be a string, a list of token ids, or a list of those; got "
+                             f"{type(prompts).__name__}")
         if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -78,20 +98,20 @@ class LLM:
                 if not isinstance(p, SamplingParams):
                     raise ValueError(f"sampling params must be SamplingParams, got {type(p).__name__}")
                 p.validate()
-                ids = self.engine.encode_prompt(prompt)
-                room = self.engine.max_model_len - len(ids)
+                ids = engine.encode_prompt(prompt)
+                room = engine.max_model_len - len(ids)
                 if p.max_tokens > room:
                     raise ValueError(f"max_tokens is {p.max_tokens}, but the prompt has {len(ids)} tokens and the "
-                                     f"context limit (max_model_len) is {self.engine.max_model_len}: at most {room} "
+                                     f"context limit (max_model_len) is {engine.max_model_len}: at most {room} "
                                      f"tokens fit")
-                vocab = self.engine.model_config.vocab_size
+                vocab = engine.model_config.vocab_size
                 bad = [t for t in (p.logit_bias or ()) if t >= vocab] + [t for t in p.stop_token_ids or () if t >= vocab]
                 if bad:
                     raise ValueError(f"token ids {sorted(set(bad))[:8]} (logit_bias / stop_token_ids) are out of "
                                      f"vocabulary (ids are 0..{vocab - 1})")
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
-        eng = self.engine
+        eng = engine
         # n samples of a prompt are n requests, sample i seeded with seed + i (drawn once when the seed is None)
         groups = []
         for prompt, p in zip(prompts, params):

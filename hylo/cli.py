@@ -87,9 +87,17 @@ def _generate(args) -> int:
     from .api import LLM
     from .core import SamplingParams
 
+    given = [x for x in (args.text, args.prompt, args.prompt_file) if x is not None]
+    if len(given) > 1:
+        print("error: give the prompt once: as text, --prompt TEXT or --prompt-file F", file=sys.stderr)
+        return 2
     if args.prompt_file is not None:
-        with open(args.prompt_file) as f:
-            prompt = f.read()
+        try:
+            with open(args.prompt_file, encoding="utf-8") as f:
+                prompt = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            print(f"error: --prompt-file {args.prompt_file!r}: {e}", file=sys.stderr)
+            return 2
     else:
         prompt = args.prompt if args.prompt is not None else args.text
     if prompt is None:
@@ -160,6 +168,9 @@ def _serve(args) -> int:
         return 2
     from .launch import create_engine
 
+    if args.max_body_bytes < 1:
+        print(f"error: --max-body-bytes must be at least 1, got {args.max_body_bytes}", file=sys.stderr)
+        return 2
     _check_port(args.host, args.port)  # before the model loads: a busy or bad port should not cost a load
     if args.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"[hylo] warning: serving on {args.host} without --api-key: anyone who can reach it can use it",
@@ -270,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:  # (FileNotFoundError among them)
         print(f"error: {e}", file=sys.stderr)
         return 2
 

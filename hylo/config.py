@@ -198,6 +198,12 @@ class ModelConfig:
         if self.mamba is not None and self.mamba.num_heads % self.mamba.n_groups:
             problems.append(f"the Mamba2 heads ({self.mamba.num_heads}) must be a multiple of n_groups "
                             f"({self.mamba.n_groups})")
+        bad_eos = [t for t in self.eos_token_ids if not 0 <= t < self.vocab_size]
+        if bad_eos:
+            problems.append(f"eos_token_id {bad_eos[0]} is outside the vocabulary (ids are 0..{self.vocab_size - 1})")
+        bad_layers = [i for i in self.mlp_only_layers if not 0 <= i < self.num_hidden_layers]
+        if bad_layers:
+            problems.append(f"mlp_only_layers names layer {bad_layers[0]}, past the {self.num_hidden_layers} layers")
         acts = ("silu", "relu2") if self.mamba is not None else ("silu",)  # the MLPs hylo has
         if self.hidden_act not in acts:
             problems.append(f"hidden_act {self.hidden_act!r} is not supported (only {' or '.join(acts)})")
@@ -243,11 +249,67 @@ class ModelConfig:
         }
 
 
-def eos_ids(value) -> tuple[int, ...]:
-    """``eos_token_id`` as written in a config (an int, a list or null) as a tuple of ids."""
+def eos_ids(value, where: str = "config.json") -> tuple[int, ...]:
+    """``eos_token_id`` as written in a config (an int, a list or null) as a tuple of ids (each a non-negative
+    integer; the vocabulary bound is ``ModelConfig.validate``'s)."""
     if value is None:
         return ()
-    return tuple(int(v) for v in value) if isinstance(value, list) else (int(value),)
+    ids = value if isinstance(value, list) else [value]
+    for v in ids:
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"{where}: eos_token_id must be a token id or a list of them, got {value!r}")
+    return tuple(ids)
+
+
+# Integer fields of the families' configs (top level or text_config), and the floats that must be positive: read
+# loosely (int(256.7), a true read as 1, a 0 replaced by a default) they would build a model other than the one the
+# file describes. Bounds far past any released model keep a typo from allocating petabytes.
+_POSITIVE_INTS = {"vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                  "head_dim", "max_position_embeddings", "linear_num_key_heads", "linear_num_value_heads",
+                  "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim", "decoder_sparse_step",
+                  "full_attention_interval", "mamba_n_heads", "mamba_d_head", "mamba_d_state", "mamba_n_groups",
+                  "mamba_d_conv", "mamba_num_heads", "mamba_head_dim", "ssm_state_size", "n_groups", "conv_kernel",
+                  "chunk_size", "n_group", "topk_group", "mamba_chunk_size", "mamba_d_ssm"}
+_COUNT_INTS = {"intermediate_size", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+               "shared_expert_intermediate_size", "num_nextn_predict_layers", "mtp_num_hidden_layers",
+               "n_routed_experts", "n_shared_experts", "moe_shared_expert_intermediate_size", "num_local_experts",
+               "shared_intermediate_size", "moe_latent_size"}
+_INT_LIMITS = {"num_hidden_layers": 4096, "max_position_embeddings": 1 << 27, "vocab_size": 1 << 24}
+_POSITIVE_FLOATS = {"rms_norm_eps", "layer_norm_epsilon", "norm_eps", "rope_theta"}
+
+
+def check_config_values(cfg: dict[str, Any], where: str = "config.json") -> None:
+    """Refuse (ValueError naming the field) values of the wrong type or out of range, before a family's parser
+    reads them: sizes that are not positive integers, counts that are negative, non-finite or non-positive epsilons
+    and RoPE bases, a partial_rotary_factor outside (0, 1], mlp_only_layers that are not layer numbers."""
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{where} must hold a JSON object, got {type(cfg).__name__}")
+    scopes = [(cfg, "")]
+    for key in ("text_config", "rope_parameters"):
+        if isinstance(cfg.get(key), dict):
+            scopes.append((cfg[key], f"{key}."))
+            if key == "text_config" and isinstance(cfg[key].get("rope_parameters"), dict):
+                scopes.append((cfg[key]["rope_parameters"], "text_config.rope_parameters."))
+    for scope, prefix in scopes:
+        for key, value in scope.items():
+            name = f"{where}: {prefix}{key}"
+            if value is None:
+                continue
+            if key in _POSITIVE_INTS or key in _COUNT_INTS:
+                low = 1 if key in _POSITIVE_INTS else 0
+                high = _INT_LIMITS.get(key, 1 << 22)
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) \
+                        or not low <= value <= high:
+                    raise ValueError(f"{name} must be an integer in [{low}, {high}], got {value!r}")
+            elif key in _POSITIVE_FLOATS or key == "partial_rotary_factor":
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                        or value <= 0 or key == "partial_rotary_factor" and value > 1:
+                    bound = "in (0, 1]" if key == "partial_rotary_factor" else "a positive finite number"
+                    raise ValueError(f"{name} must be {bound}, got {value!r}")
+            elif key == "mlp_only_layers":
+                if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                                                          for v in value):
+                    raise ValueError(f"{name} must be a list of layer numbers, got {value!r}")
 
 
 def layer_types_of(cfg: dict[str, Any]) -> tuple[str, ...]:
@@ -325,6 +387,14 @@ class EngineConfig:
     prefix_snapshots: int | None = None
 
     def __post_init__(self):
+        for name in ("max_num_seqs", "chunk_size", "max_model_len", "kv_cache_tokens", "prefix_state_interval",
+                     "prefix_snapshots", "max_graph_batch_size"):
+            value = getattr(self, name, None)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
+        budget = self.memory_budget_gb
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float))):
+            raise ValueError(f"memory_budget_gb must be a number, got {budget!r}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.chunk_size < 1:

@@ -94,6 +94,12 @@ class SamplingParams:
         if self.seed is not None and not INT64_MIN <= self.seed <= INT64_MAX:
             # the seed is held in an int64 device table: outside that range it cannot be represented
             raise ValueError(f"seed must be between {INT64_MIN} and {INT64_MAX} (a 64-bit integer), got {self.seed}")
+        if self.stop is not None and not isinstance(self.stop, (str, list, tuple)):
+            raise ValueError(f"stop must be a non-empty string or a list of non-empty strings, got {self.stop!r}")
+        if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
+            raise ValueError(f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         if not all(isinstance(s, str) and s for s in stops):
             raise ValueError(f"stop must be a non-empty string or a list of non-empty strings, got {self.stop!r}")

@@ -182,7 +182,12 @@ def _read_chat_template(path: str) -> str | None:
 
 
 def load_tokenizer(path: str) -> HFTokenizer | None:
-    """The checkpoint's tokenizer, or None when the directory has no ``tokenizer.json``."""
-    if os.path.isfile(os.path.join(path, "tokenizer.json")):
+    """The checkpoint's tokenizer, or None when the directory has no ``tokenizer.json``; a ValueError naming the
+    file when it cannot be read as one."""
+    file = os.path.join(path, "tokenizer.json")
+    if not os.path.exists(file):
+        return None
+    try:
         return HFTokenizer(path)
-    return None
+    except Exception as e:  # the tokenizers library raises its own bare Exception on a corrupt file
+        raise ValueError(f"{file} cannot be read as a tokenizer ({str(e).strip() or type(e).__name__})") from None

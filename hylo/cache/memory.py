@@ -52,6 +52,20 @@ def _budget_bytes(ec: EngineConfig, device: torch.device) -> int:
     return int(CPU_DEFAULT_BUDGET_GB * _GIB)
 
 
+def _free_bytes(device: torch.device) -> int | None:
+    """The memory free on ``device`` now (on the CPU the host's available memory), or None where unknown."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:  # Linux's estimate of what can be allocated without swapping (free memory plus reclaimable caches)
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def allocate_caches(mc: ModelConfig, ec: EngineConfig, dtype: torch.dtype, device: torch.device,
                     extra_attn_layers: int = 0) -> Caches:
     """Size the state pool (and, with speculative decoding, its verify buffers: k + 1 steps per request) for
@@ -88,6 +102,12 @@ def allocate_caches(mc: ModelConfig, ec: EngineConfig, dtype: torch.dtype, devic
                 f"the cache budget of {budget / _GIB:.2f} GiB: lower max_num_seqs or raise memory_budget_gb")
         kv_tokens = (budget - state_bytes) // max(kv_bytes_per_token, 1)
         kv_tokens = int(min(kv_tokens, ec.max_num_seqs * len_limit))
+    need = kv_tokens * kv_bytes_per_token + state_bytes
+    free = _free_bytes(device)
+    if free is not None and need > free:  # an explicit kv_cache_tokens (or a budget) past what the device has
+        raise ValueError(f"the caches need {need / _GIB:.1f} GiB (a KV pool of {kv_tokens} tokens and the state "
+                         f"pool), more than the {free / _GIB:.1f} GiB free on {device}: lower kv_cache_tokens, "
+                         f"memory_budget_gb or max_num_seqs")
     if ec.max_model_len is not None and ec.max_model_len > kv_tokens:
         raise ValueError(f"max_model_len={ec.max_model_len} does not fit the KV pool of {kv_tokens} tokens: "
                          f"raise memory_budget_gb / kv_cache_tokens or lower max_model_len")

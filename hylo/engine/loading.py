@@ -25,9 +25,14 @@ from ..tokenizer import ByteTokenizer, load_tokenizer
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
+    if not isinstance(device, (str, torch.device)):
+        raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}")
     if str(device) == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
+    try:
+        dev = torch.device(device)
+    except RuntimeError:  # torch's message lists every device type it knows
+        raise ValueError(f"unsupported device {device!r}: use 'cpu', 'cuda', 'cuda:N' or 'auto'") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {device!r} asked for, but CUDA is not available on this machine")
     if dev.type not in ("cpu", "cuda"):
@@ -37,6 +42,8 @@ def resolve_device(device: str | torch.device) -> torch.device:
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"unsupported dtype {dtype}: use float32, bfloat16 or float16")
         return dtype
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32

@@ -16,9 +16,17 @@ class SafetensorsReader(TensorReader):
         index = os.path.join(path, "model.safetensors.index.json")
         single = os.path.join(path, "model.safetensors")
         if os.path.isfile(index):
-            with open(index) as f:
-                weight_map = json.load(f)["weight_map"]
+            try:
+                with open(index, encoding="utf-8") as f:
+                    weight_map = json.load(f).get("weight_map")
+            except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
+                raise CheckpointError(f"{index} is not a JSON object ({e})") from None
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                raise CheckpointError(f"{index} has no weight_map of tensor names to shard files")
             files = sorted(set(weight_map.values()))
+            outside = [fn for fn in files if os.path.basename(fn) != fn or fn in ("", ".", "..")]
+            if outside:  # a shard is a file of the checkpoint's own folder, never a path out of it
+                raise CheckpointError(f"{index} lists shard {outside[0]!r}, which is not a file name in {path!r}")
         elif os.path.isfile(single):
             weight_map, files = None, ["model.safetensors"]
         else:
@@ -29,7 +37,11 @@ class SafetensorsReader(TensorReader):
             full = os.path.join(path, fn)
             if not os.path.isfile(full):
                 raise CheckpointError(f"checkpoint shard {fn!r} listed in the index is missing from {path!r}")
-            h = safe_open(full, framework="pt")
+            try:
+                h = safe_open(full, framework="pt")
+            except Exception as e:  # safetensors' own error type: a truncated or corrupt file
+                raise CheckpointError(f"checkpoint file {full!r} cannot be read as safetensors "
+                                      f"({str(e).strip() or type(e).__name__})") from None
             self._handles[fn] = h
             for k in h.keys():
                 self._where[k] = fn

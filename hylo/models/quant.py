@@ -29,6 +29,10 @@ _QUANTIZED_NAME = re.compile(r"(_scale_inv|\.weight_scale|\.input_scale|\.activa
 _LOW_PRECISION = {"F8_E4M3", "F8_E5M2", "F8_E8M0", "F4", "I8", "U8", "float8_e4m3fn", "float8_e5m2",
                   "float8_e8m0fnu", "int8", "uint8"}
 _FP8 = {"F8_E4M3", "float8_e4m3fn"}
+# dtypes no weight has (int8 / uint8 are quantized values, above); the buffers some checkpoints carry in them
+_NOT_WEIGHTS = {"BOOL", "I16", "U16", "I32", "U32", "I64", "U64", "bool", "int16", "int32", "int64", "uint16",
+                "uint32", "uint64"}
+_BUFFER_NAME = re.compile(r"(position_ids|num_batches_tracked|\.mask)$")
 
 # the weights Qwen's FP8 releases quantize (under model., model.language_model. or mtp.): attention, GDN and MLP /
 # expert projections; embeddings, the LM head, routers, norms, the conv, the GDN's a/b rows and vision stay as they are
@@ -83,6 +87,11 @@ def check_tensors(reader: TensorReader, quant: QuantConfig | None) -> None:
     quantization_config: quantized tensors without one, FP8 weights without their scales, scales of the wrong grid."""
     names = list(reader.keys())
     present = set(names)
+    for name in names:  # integers or booleans cast to a float weight would load without a word, and compute garbage
+        kind = reader.dtype_of(name)
+        if kind in _NOT_WEIGHTS and not _BUFFER_NAME.search(name):
+            raise CheckpointError(f"checkpoint tensor {name!r} is stored as {kind}: hylo reads weights of a floating "
+                                  f"point dtype ({SUPPORTED})")
     if quant is None:
         for name in names:
             if _QUANTIZED_NAME.search(name) or reader.dtype_of(name) in _LOW_PRECISION:

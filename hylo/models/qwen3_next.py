@@ -51,7 +51,7 @@ def parse_gdn_hybrid(cfg: dict[str, Any], model_type: str, rope_extra: tuple[str
         max_position_embeddings=int(cfg.get("max_position_embeddings", 32768)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         eos_token_ids=eos_ids(cfg.get("eos_token_id")),
-        num_nextn_predict_layers=int(cfg.get("num_nextn_predict_layers", cfg.get("mtp_num_hidden_layers", 1)) or 1),
+        num_nextn_predict_layers=_mtp_layers(cfg),
         hidden_act=str(cfg.get("hidden_act", "silu")),
         model_type=model_type,
     )
@@ -75,3 +75,10 @@ class Qwen3NextForCausalLM(HybridForCausalLM):
         ba = r.get(f"{prefix}.in_proj_ba.weight", (2 * s.num_v_heads, hidden)).view(nk, 2 * rep, hidden)
         b, a = ba.split([rep, rep], dim=1)
         return torch.cat([t.reshape(-1, hidden) for t in (q, k, v, z, b, a)], dim=0)
+
+
+def _mtp_layers(cfg: dict[str, Any]) -> int:
+    """The MTP head's layers: the config's count where it writes one (0: none), else one (the releases write
+    none and have one; transformers' configs do not know the field)."""
+    value = cfg.get("num_nextn_predict_layers", cfg.get("mtp_num_hidden_layers"))
+    return 1 if value is None else int(value)

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..config import ModelConfig, eos_ids, replace_fields
+from ..config import ModelConfig, check_config_values, eos_ids, replace_fields
 from . import falcon_h1, granite_hybrid, nemotron_h, qwen3_5, qwen3_next
 from .hybrid import HybridForCausalLM
 from .mtp import MTPHead
@@ -64,8 +64,14 @@ def has_mtp_head(mc: ModelConfig) -> bool:
 def parse_config(cfg: dict[str, Any]) -> ModelConfig:
     """A ``config.json``'s contents as hylo's ModelConfig, checked (an unsupported family, shape or quantization is
     a ValueError naming it)."""
+    check_config_values(cfg)
     family = family_of(cfg.get("model_type"))
-    mc = family.parse(cfg)
+    try:
+        mc = family.parse(cfg)
+    except KeyError as e:
+        raise ValueError(f"config.json has no {e.args[0]!r}, which a {family.name} config needs") from None
+    except (TypeError, ZeroDivisionError) as e:  # a value of a shape the family's parser cannot read
+        raise ValueError(f"config.json: a value the {family.name} config cannot hold ({e})") from None
     mc = replace_fields(mc, quantization=parse_quantization(cfg))
     if mc.quantization is not None and mc.mamba is not None:
         raise ValueError(f"quantized {family.name} checkpoints are not supported yet (block FP8 is served for the "
@@ -80,14 +86,25 @@ def read_config(path: str) -> ModelConfig:
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
         raise FileNotFoundError(f"no config.json in model directory {path!r}")
-    with open(cfg_path) as f:
-        mc = parse_config(json.load(f))
+    mc = parse_config(_read_json(cfg_path))
     gen_path = os.path.join(path, "generation_config.json")
     if os.path.isfile(gen_path):
-        with open(gen_path) as f:
-            eos = eos_ids(json.load(f).get("eos_token_id"))
+        gen = _read_json(gen_path)
+        if not isinstance(gen, dict):
+            raise ValueError(f"{gen_path} must hold a JSON object, got {type(gen).__name__}")
+        eos = eos_ids(gen.get("eos_token_id"), "generation_config.json")
         mc = replace_fields(mc, eos_token_ids=tuple(dict.fromkeys(mc.eos_token_ids + eos)))
+        mc.validate()  # its ids inside the vocabulary
     return mc
+
+
+def _read_json(path: str):
+    """A checkpoint's JSON file, or a ValueError naming the file and where its text stops being JSON."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON ({e})") from None
 
 
 def build_model(mc: ModelConfig, dtype, device, tp) -> HybridForCausalLM:
@@ -99,4 +116,7 @@ def build_mtp(mc: ModelConfig, target: HybridForCausalLM, dtype, device) -> MTPH
     family = family_of(mc.model_type)
     if family.mtp is None:
         raise ValueError(f"{family.name} models have no MTP head: use speculative='ngram' instead")
+    if mc.num_nextn_predict_layers < 1:
+        raise ValueError("speculative='mtp' needs the checkpoint's multi-token-prediction head, and its config says it "
+                         "has none (num_nextn_predict_layers=0): use speculative='ngram' instead")
     return family.mtp(mc, target, dtype, device)
