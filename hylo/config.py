@@ -331,7 +331,10 @@ def rope_of(cfg: dict[str, Any], allowed_extra: tuple[str, ...] = ()) -> tuple[f
     name. ``allowed_extra``: keys of ``rope_parameters`` the family has checked itself (Qwen3.5's mrope fields)."""
     if cfg.get("rope_scaling"):
         raise ValueError(f"config.json: rope_scaling {cfg['rope_scaling']!r} is not supported (only plain RoPE)")
-    rope = dict(cfg.get("rope_parameters") or {})
+    rope = cfg.get("rope_parameters") or {}
+    if not isinstance(rope, dict):
+        raise ValueError(f"config.json: rope_parameters must be an object, got {rope!r}")
+    rope = dict(rope)
     if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
         raise ValueError(f"config.json: rope_type {rope.get('rope_type')!r} is not supported (only 'default')")
     unknown = set(rope) - {"rope_type", "type", "rope_theta", "partial_rotary_factor", *allowed_extra}
