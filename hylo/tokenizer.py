@@ -68,7 +68,8 @@ def check_text(text: str) -> None:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
         raise ValueError(f"the text holds a lone UTF-16 surrogate ({text[e.start]!r} at character {e.start}), "
-                         "which is not a character") from None
+                         "which is not a character (JSON's \\ud800-style escapes and bytes that are not UTF-8 "
+                         "decode to these)") from None
 
 
 class HFTokenizer(_TemplateMixin):
