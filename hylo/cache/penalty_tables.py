@@ -23,6 +23,7 @@ class PenaltyTables:
         self.stop_mask = torch.zeros(rows, vocab, dtype=torch.bool, device=device)  # masked until min_tokens
         # presence, frequency, repetition penalties; min_tokens
         self.params = torch.zeros(rows, 3, dtype=torch.float32, device=device)
+        self.params[:, 2] = 1.0  # a row nobody registered leaves its logits as they are (repetition 1, not 0)
         self.min_tokens = torch.zeros(rows, dtype=torch.int64, device=device)
 
     @property

@@ -288,12 +288,16 @@ class ModelWorker:
             tables.register(r.req_slot, r.automaton, r.output_ids)
 
     def register_penalties(self, reqs) -> None:
-        """Requests whose logits change before sampling: their rows of the penalty tables (allocated on first
-        use), written when their prefill starts."""
-        reqs = [r for r in reqs if r.params.penalized]
-        if not reqs:
-            return
-        tables = self.caches.req_slots.ensure_penalties(self.vocab_size)
+        """The rows of the penalty tables (allocated when a request first changes its logits), written when a
+        request's prefill starts: every request's once the tables exist, not only the penalized ones'. A step with
+        a penalized row applies the tables to all its rows, so the others' must be neutral (zero bias, repetition
+        1), not a never-written row or one left by the slot's earlier request (session 29: one request's
+        logit_bias changed another's greedy tokens in the same batch)."""
+        tables = self.caches.req_slots.penalties
+        if tables is None:
+            if not any(r.params.penalized for r in reqs):
+                return
+            tables = self.caches.req_slots.ensure_penalties(self.vocab_size)
         for r in reqs:
             stops = set(r.params.stop_token_ids or ()) | (set() if r.params.ignore_eos else self.eos_ids)
             tables.register(r.req_slot, r.prompt_ids, r.output_ids, r.params, stops)

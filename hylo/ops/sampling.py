@@ -40,13 +40,18 @@ def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, width: int, stream: 
     return uniform_noise_ref(seeds, steps, width, stream)
 
 
+U_MAX = 1.0 - 2.0 ** -24  # the largest float32 below 1
+
+
 def uniform_noise_ref(seeds: torch.Tensor, steps: torch.Tensor, width: int, stream: int = 0) -> torch.Tensor:
     """The torch form of :func:`uniform_noise`."""
     cols = torch.arange(width, device=seeds.device, dtype=torch.int64)
     key = noise_keys(seeds, steps, stream)
     x = _mix32((key[:, None] ^ (cols[None, :] * 0x27D4EB2F & _M32)) & _M32)
-    x = _mix32(x ^ 0x165667B1) >> 8  # 24 bits: exactly representable in float32, so u is never 0 or 1
-    return (x.float() + 0.5) * (1.0 / 16777216.0)
+    x = _mix32(x ^ 0x165667B1) >> 8  # 24 bits, exactly representable in float32
+    # (x + 0.5) / 2^24 is never 0; at x = 2^24 - 1 the float32 sum rounds up to 2^24 and u to exactly 1, where the
+    # race's -log(u) is 0 and a zero probability divided by it NaN, which the argmax picks: the largest u below 1
+    return torch.clamp((x.float() + 0.5) * (1.0 / 16777216.0), max=U_MAX)
 
 
 def draw(probs: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor, stream: int = 0) -> torch.Tensor:
@@ -75,8 +80,10 @@ def filter_probs(probs: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.T
         drop |= rank >= top_k[:, None]
     if top_p is not None:
         # keep the smallest prefix whose mass reaches top_p: drop a token if the mass before it already does
+        # (a row of top_p 1 keeps every token: its float32 running sum may reach 1.0 before the tail's last tokens,
+        # and a row's draw must not depend on whether another row of the batch filters)
         mass_before = sorted_p.cumsum(-1) - sorted_p
-        drop |= mass_before >= top_p[:, None]
+        drop |= (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0)
     drop[:, 0] = False
     sorted_p = sorted_p.masked_fill(drop, 0.0)
     out = torch.zeros_like(probs).scatter_(-1, sorted_idx, sorted_p)

@@ -48,7 +48,8 @@ def _column_noise(key, cols):
     m32 = _i64(_M32)
     x = _mix32((key ^ ((cols.to(tl.int64) * _i64(0x27D4EB2F)) & m32)) & m32)
     x = _mix32(x ^ _i64(0x165667B1)) >> 8
-    return (x.to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+    # clamped below 1 as ``sampling.uniform_noise_ref`` is (the top value's sum rounds up to 2^24)
+    return tl.minimum((x.to(tl.float32) + 0.5) * (1.0 / 16777216.0), 0.99999994039535522461)
 
 
 @triton.jit

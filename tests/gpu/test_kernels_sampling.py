@@ -41,3 +41,20 @@ def test_noise_kernel_equals_the_torch_noise(dev, width):
     for stream in (0, 1, 3):
         got = uniform_noise_triton(seeds.to(dev), steps.to(dev), width, stream).cpu()
         assert torch.equal(got, uniform_noise_ref(seeds, steps, width, stream))
+
+
+def test_the_top_noise_value_stays_below_one(dev):
+    """Seed 74, step 31, column 1962 draws the top 24-bit value, whose float32 (x + 0.5) / 2^24 rounded to exactly
+    1 (then -log(u) = 0 and a zero probability's race value NaN, which the argmax picked): both forms clamp it to
+    the largest float32 below 1, and a zero-probability token is never drawn there."""
+    from hylo.ops.sampling import U_MAX, draw_ref, uniform_noise_ref
+    from hylo.ops.sampling_triton import draw_triton, uniform_noise_triton
+
+    seeds, steps = torch.tensor([74]), torch.tensor([31])
+    want = uniform_noise_ref(seeds, steps, 4096)
+    assert want[0, 1962] == U_MAX and bool((want < 1).all() and (want > 0).all())
+    assert torch.equal(uniform_noise_triton(seeds.to(dev), steps.to(dev), 4096, 0).cpu(), want)
+    probs = torch.full((1, 4096), 1.0 / 4095)
+    probs[0, 1962] = 0.0
+    got = draw_triton(probs.to(dev), seeds.to(dev), steps.to(dev), 0).cpu()
+    assert got[0] != 1962 and torch.equal(got, draw_ref(probs, seeds, steps, 0))
