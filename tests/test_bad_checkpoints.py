@@ -67,6 +67,8 @@ def _rope(**kv):
     (lambda c: [1, 2], "config.json must hold a JSON object"),
     (lambda c: {k: v for k, v in c.items() if k != "num_attention_heads"}, "has no 'num_attention_heads'"),
     (lambda c: "{'model_type': ", "config.json is not valid JSON"),
+    (_set(architectures=["LlamaForCausalLM"]), "are not Qwen3-Next classes"),
+    (_set(architectures=["Qwen3_5ForConditionalGeneration"]), "the config contradicts itself"),
 ])
 def test_a_config_value_that_would_build_another_model_is_refused(tmp_path, change, words):
     path = _copy(tmp_path)

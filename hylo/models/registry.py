@@ -30,17 +30,23 @@ class Family:
     mtp: type[MTPHead | NemotronMTPHead] | None  # mtp(config, target, dtype, device); None: no MTP head here
     # checkpoint tensors the family never reads, with what they are (reported once at start-up)
     ignored: tuple[tuple[str, str], ...] = ()
+    # how the family's transformers classes begin (config.json's "architectures": a config whose classes are all
+    # another family's contradicts its model_type, and is refused rather than read as this family)
+    architectures: tuple[str, ...] = ()
 
 
 FAMILIES = (
-    Family("Qwen3-Next", ("qwen3_next",), qwen3_next.parse_config, qwen3_next.Qwen3NextForCausalLM, MTPHead),
+    Family("Qwen3-Next", ("qwen3_next",), qwen3_next.parse_config, qwen3_next.Qwen3NextForCausalLM, MTPHead,
+           architectures=("Qwen3Next",)),
     Family("Qwen3.5", qwen3_5.MULTIMODAL_TYPES + qwen3_5.TEXT_TYPES, qwen3_5.parse_config,
-           qwen3_5.Qwen3_5ForCausalLM, MTPHead, ignored=((qwen3_5.VISION_PREFIX, "the vision tower"),)),
+           qwen3_5.Qwen3_5ForCausalLM, MTPHead, ignored=((qwen3_5.VISION_PREFIX, "the vision tower"),),
+           architectures=("Qwen3_5",)),
     Family("Nemotron-H", nemotron_h.MODEL_TYPES, nemotron_h.parse_config, nemotron_h.NemotronHForCausalLM,
-           NemotronMTPHead),
+           NemotronMTPHead, architectures=("NemotronH",)),
     Family("Granite-4.0-H", granite_hybrid.MODEL_TYPES, granite_hybrid.parse_config,
-           granite_hybrid.GraniteMoeHybridForCausalLM, None),
-    Family("Falcon-H1", falcon_h1.MODEL_TYPES, falcon_h1.parse_config, falcon_h1.FalconH1ForCausalLM, None),
+           granite_hybrid.GraniteMoeHybridForCausalLM, None, architectures=("GraniteMoeHybrid",)),
+    Family("Falcon-H1", falcon_h1.MODEL_TYPES, falcon_h1.parse_config, falcon_h1.FalconH1ForCausalLM, None,
+           architectures=("FalconH1",)),
 )
 _BY_TYPE = {t: f for f in FAMILIES for t in f.model_types}
 
@@ -66,6 +72,11 @@ def parse_config(cfg: dict[str, Any]) -> ModelConfig:
     a ValueError naming it)."""
     check_config_values(cfg)
     family = family_of(cfg.get("model_type"))
+    archs = cfg.get("architectures")
+    if (isinstance(archs, list) and archs and all(isinstance(a, str) for a in archs) and family.architectures
+            and not any(a.startswith(family.architectures) for a in archs)):
+        raise ValueError(f"config.json: architectures {archs} are not {family.name} classes, but model_type "
+                         f"{cfg.get('model_type')!r} is: the config contradicts itself")
     try:
         mc = family.parse(cfg)
     except KeyError as e:
