@@ -78,7 +78,7 @@ class LLM:
         with self._lock:
             return self._generate(engine, prompts, sampling_params, use_tqdm)
 
-    def _generate(self, engine, prompts, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
+    def _generate(self, eng, prompts, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
         if prompts is None or isinstance(prompts, (dict, bytes, int)) or not isinstance(prompts, Iterable):
             raise ValueError(f"prompts must be a string, a list of token ids, or a list of those; got "
                              f"{type(prompts).__name__}")
@@ -98,20 +98,19 @@ class LLM:
                 if not isinstance(p, SamplingParams):
                     raise ValueError(f"sampling params must be SamplingParams, got {type(p).__name__}")
                 p.validate()
-                ids = engine.encode_prompt(prompt)
-                room = engine.max_model_len - len(ids)
+                ids = eng.encode_prompt(prompt)
+                room = eng.max_model_len - len(ids)
                 if p.max_tokens > room:
                     raise ValueError(f"max_tokens is {p.max_tokens}, but the prompt has {len(ids)} tokens and the "
-                                     f"context limit (max_model_len) is {engine.max_model_len}: at most {room} "
+                                     f"context limit (max_model_len) is {eng.max_model_len}: at most {room} "
                                      f"tokens fit")
-                vocab = engine.model_config.vocab_size
+                vocab = eng.model_config.vocab_size
                 bad = [t for t in (p.logit_bias or ()) if t >= vocab] + [t for t in p.stop_token_ids or () if t >= vocab]
                 if bad:
                     raise ValueError(f"token ids {sorted(set(bad))[:8]} (logit_bias / stop_token_ids) are out of "
                                      f"vocabulary (ids are 0..{vocab - 1})")
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
-        eng = engine
         # n samples of a prompt are n requests, sample i seeded with seed + i (drawn once when the seed is None)
         groups = []
         for prompt, p in zip(prompts, params):

@@ -27,8 +27,9 @@ REPETITION_PENALTY_RANGE = (0.01, 100.0)  # below 0.01 a penalized logit grows p
 class SamplingParams:
     """How to sample one request's continuation.
 
-    ``temperature == 0`` is greedy (so is any temperature below ``GREEDY_BELOW``, 1e-5). ``top_k <= 0`` (or -1) and ``top_p == 1`` disable those filters. ``seed`` makes
-    the sample reproducible whatever else runs in the same batch. ``stop`` strings end the output before the match
+    ``temperature == 0`` is greedy (so is any temperature below ``GREEDY_BELOW``, 1e-5). ``top_k <= 0`` (or -1)
+    and ``top_p == 1`` disable those filters. ``seed`` makes the sample reproducible whatever else runs in the same
+    batch. ``stop`` strings end the output before the match
     (the match itself is not returned); ``stop_token_ids`` end it after the token (also not returned in ``text``).
 
     The logits are changed before temperature, top-k and top-p, in this order: ``logit_bias`` (token id -> added
@@ -94,17 +95,14 @@ class SamplingParams:
         if self.seed is not None and not INT64_MIN <= self.seed <= INT64_MAX:
             # the seed is held in an int64 device table: outside that range it cannot be represented
             raise ValueError(f"seed must be between {INT64_MIN} and {INT64_MAX} (a 64-bit integer), got {self.seed}")
-        if self.stop is not None and not isinstance(self.stop, (str, list, tuple)):
-            raise ValueError(f"stop must be a non-empty string or a list of non-empty strings, got {self.stop!r}")
-        if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
-            raise ValueError(f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
-        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
-        if not all(isinstance(s, str) and s for s in stops):
+        stops = [self.stop] if isinstance(self.stop, str) else [] if self.stop is None else self.stop
+        if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) and s for s in stops):
             raise ValueError(f"stop must be a non-empty string or a list of non-empty strings, got {self.stop!r}")
-        ids = self.stop_token_ids or []
-        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+        ids = [] if self.stop_token_ids is None else self.stop_token_ids
+        if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                                         for t in ids):
             raise ValueError(f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}")
         for name, low, high in (("min_tokens", 0, None), ("n", 1, 128), ("logprobs", 0, MAX_LOGPROBS),
                                 ("prompt_logprobs", 0, MAX_LOGPROBS)):

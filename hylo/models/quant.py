@@ -86,16 +86,16 @@ def check_tensors(reader: TensorReader, quant: QuantConfig | None) -> None:
     """Refuse, from names, shapes and dtypes alone (no weight is read), a checkpoint whose tensors do not match its
     quantization_config: quantized tensors without one, FP8 weights without their scales, scales of the wrong grid."""
     names = list(reader.keys())
+    kinds = {name: reader.dtype_of(name) for name in names}  # from the headers, once: each name is asked below
     present = set(names)
-    for name in names:  # integers or booleans cast to a float weight would load without a word, and compute garbage
-        kind = reader.dtype_of(name)
+    for name, kind in kinds.items():  # integers or booleans cast to a float weight would load without a word
         if kind in _NOT_WEIGHTS and not _BUFFER_NAME.search(name):
             raise CheckpointError(f"checkpoint tensor {name!r} is stored as {kind}: hylo reads weights of a floating "
                                   f"point dtype ({SUPPORTED})")
     if quant is None:
         for name in names:
-            if _QUANTIZED_NAME.search(name) or reader.dtype_of(name) in _LOW_PRECISION:
-                raise CheckpointError(f"checkpoint tensor {name!r} ({reader.dtype_of(name)}) is quantized, but "
+            if _QUANTIZED_NAME.search(name) or kinds[name] in _LOW_PRECISION:
+                raise CheckpointError(f"checkpoint tensor {name!r} ({kinds[name]}) is quantized, but "
                                       f"config.json has no quantization_config; hylo runs {SUPPORTED}")
         return
     for name in names:
@@ -103,8 +103,8 @@ def check_tensors(reader: TensorReader, quant: QuantConfig | None) -> None:
             weight = name[:-len(SCALE_SUFFIX)]
             if weight not in present:
                 raise CheckpointError(f"checkpoint has the FP8 scales {name!r} but not their weight {weight!r}")
-            if reader.dtype_of(weight) not in _FP8:
-                raise CheckpointError(f"checkpoint tensor {weight!r} has FP8 scales but is {reader.dtype_of(weight)}"
+            if kinds[weight] not in _FP8:
+                raise CheckpointError(f"checkpoint tensor {weight!r} has FP8 scales but is {kinds[weight]}"
                                       f", not float8_e4m3fn")
             grid = scale_grid(reader.shape_of(weight), quant.block)
             if reader.shape_of(name) != grid:
@@ -114,8 +114,8 @@ def check_tensors(reader: TensorReader, quant: QuantConfig | None) -> None:
         elif _QUANTIZED_NAME.search(name):
             raise CheckpointError(f"checkpoint tensor {name!r} belongs to a quantization scheme hylo does not run "
                                   f"(block FP8 has only '{SCALE_SUFFIX}' scales)")
-        elif reader.dtype_of(name) in _LOW_PRECISION and name + SCALE_SUFFIX not in present:
-            raise CheckpointError(f"checkpoint tensor {name!r} is {reader.dtype_of(name)} without its scales "
+        elif kinds[name] in _LOW_PRECISION and name + SCALE_SUFFIX not in present:
+            raise CheckpointError(f"checkpoint tensor {name!r} is {kinds[name]} without its scales "
                                   f"{name + SCALE_SUFFIX!r}")
 
 

@@ -13,7 +13,10 @@ import torch
 import triton
 import triton.language as tl
 
+from .sampling import U_MAX
+
 _M32 = tl.constexpr(0xFFFFFFFF)
+_U_MAX = tl.constexpr(U_MAX)  # the noise's top value, below 1 (``sampling.uniform_noise_ref``)
 
 
 @triton.jit
@@ -49,7 +52,7 @@ def _column_noise(key, cols):
     x = _mix32((key ^ ((cols.to(tl.int64) * _i64(0x27D4EB2F)) & m32)) & m32)
     x = _mix32(x ^ _i64(0x165667B1)) >> 8
     # clamped below 1 as ``sampling.uniform_noise_ref`` is (the top value's sum rounds up to 2^24)
-    return tl.minimum((x.to(tl.float32) + 0.5) * (1.0 / 16777216.0), 0.99999994039535522461)
+    return tl.minimum((x.to(tl.float32) + 0.5) * (1.0 / 16777216.0), _U_MAX)
 
 
 @triton.jit

@@ -68,8 +68,8 @@ class Formatter:
             text = self.token(tok)
             out["tokens"].append(text)
             out["text_offset"].append(offset)
-            if i < verbatim or tok not in specials:
-                offset += len(text) if not self.as_ids else len(self.token_bytes(tok).decode("utf-8", "replace"))
+            if i < verbatim or tok not in specials:  # the token's own characters (``text`` may be its id)
+                offset += len(self.token_bytes(tok).decode("utf-8", errors="replace"))
             if lp is None:
                 out["token_logprobs"].append(None)
                 out["top_logprobs"].append(None)
