@@ -6,7 +6,7 @@ import argparse
 import sys
 import time
 
-from .bench.shapes import BENCH_MODELS
+from .bench.shapes import ALIASES, BENCH_MODELS, canonical_name
 from .config import EngineConfig
 
 
@@ -131,6 +131,7 @@ def _generate(args) -> int:
 
 
 def _bench(args) -> int:
+    args.model_name = canonical_name(args.model_name)
     if args.tensor_parallel_size > 1:
         from .bench.tp import run_tp_bench
 
@@ -236,9 +237,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(g)
     g.set_defaults(func=_generate)
     b = sub.add_parser("bench", help="benchmark on the GPU (random-weight benchmark model, no checkpoint)")
-    b.add_argument("--model-name", default="bench-6b", choices=BENCH_MODELS, metavar="NAME",
+    b.add_argument("--model-name", default="bench-6b", choices=BENCH_MODELS + tuple(ALIASES), metavar="NAME",
                    help="benchmark model (random weights at a real shape): bench-6b, qwen3.5-9b, qwen3.5-35b-a3b, "
-                        "or qwen3-next-80b (needs --tensor-parallel-size), each also with -fp8 (block-FP8 "
+                        "or qwen3-next-80b (also qwen3-next-80b-a3b; needs --tensor-parallel-size), each also with -fp8 (block-FP8 "
                         "projections kept FP8: qwen3-next-80b-fp8 fits one H200); default %(default)s")
     b.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="also time decode sharded across this many GPUs (and the collectives' share)")

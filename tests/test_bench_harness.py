@@ -347,3 +347,17 @@ def test_structured_bench_runs_half_constrained_batches(tmp_path):
     assert all(r["requests_still_running"] == 2 and r["ratio"] > 0 for r in records)
     saved = _json.load(open(next(tmp_path.glob("structured-tiny-*.json"))))
     assert saved["meta"]["states"] > 10 and saved["meta"]["compile_seconds"] > 0
+
+
+def test_release_spelling_of_the_80b_shape_is_accepted(monkeypatch):
+    """``hylo bench --model-name qwen3-next-80b-a3b-fp8`` (the release's spelling) runs the 80B FP8 shape; an unknown
+    name is still refused by the parser."""
+    from hylo import cli
+
+    assert bench_config("qwen3-next-80b-a3b-fp8") == bench_config("qwen3-next-80b-fp8")
+    seen = {}
+    monkeypatch.setattr("hylo.bench.run.run_bench", lambda name, **kw: seen.setdefault("name", name))
+    assert cli.main(["bench", "--model-name", "qwen3-next-80b-a3b-fp8"]) == 0
+    assert seen["name"] == "qwen3-next-80b-fp8"
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["bench", "--model-name", "qwen3-next-80b-a3b-int4"])

@@ -2,7 +2,7 @@
 
 - ``bench-6b``: a Qwen3-Next-architecture MoE of 6.3 B parameters (24 layers, 64 experts), the shape the decode
   kernels were tuned on;
-- ``qwen3-next-80b``: Qwen3-Next-80B-A3B (160 GB in bfloat16: more than one GPU holds, for tensor parallelism);
+- ``qwen3-next-80b`` (also ``qwen3-next-80b-a3b``): Qwen3-Next-80B-A3B (160 GB in bfloat16: more than one GPU holds, for tensor parallelism);
 - ``qwen3.5-9b``: Qwen3.5-9B (dense: a SwiGLU MLP in each of its 32 layers);
 - ``qwen3.5-35b-a3b``: Qwen3.5-35B-A3B (40 layers, 256 experts, 8 routed and a shared one; 67 GiB in bfloat16);
 - ``nemotron-h-8b``: a Nemotron-H of Nemotron-H-8B's sizes (hidden 4096; 52 blocks: 24 Mamba2 of 128 heads x 64
@@ -27,6 +27,13 @@ from ..config import ModelConfig, QuantConfig, replace_fields
 BASE_MODELS = ("bench-6b", "qwen3-next-80b", "qwen3.5-9b", "qwen3.5-35b-a3b", "tiny", "tiny-dense")
 MAMBA2_MODELS = ("nemotron-h-8b", "nemotron-3-nano-30b-a3b", "tiny-mamba2")  # no FP8 copies: quantized Mamba2 checkpoints are not served yet
 BENCH_MODELS = BASE_MODELS + tuple(f"{m}-fp8" for m in BASE_MODELS) + MAMBA2_MODELS
+# the release's own spelling (Qwen3-Next-80B-A3B) of the 80B shape, with or without -fp8
+ALIASES = {"qwen3-next-80b-a3b": "qwen3-next-80b", "qwen3-next-80b-a3b-fp8": "qwen3-next-80b-fp8"}
+
+
+def canonical_name(name: str) -> str:
+    """The benchmark model's own name for ``name`` (an alias or the name itself)."""
+    return ALIASES.get(name, name)
 
 
 def _nemotron(pattern: str, **fields) -> ModelConfig:
@@ -50,6 +57,7 @@ def _hybrid(n_layers: int, **fields) -> ModelConfig:
 
 
 def bench_config(name: str) -> ModelConfig:
+    name = canonical_name(name)
     if name not in BENCH_MODELS:
         raise ValueError(f"unknown benchmark model {name!r} (known: {', '.join(BENCH_MODELS)})")
     if name.endswith("-fp8"):
