@@ -18,7 +18,7 @@
 # (.whl holds outlines-core for several Pythons: pip picks the one that fits)
 # ($PWD too: the tools run as scripts import hylo from the checkout).
 set -u
-phase=${1:?tests, tests-host, tests-bench, check, tune-bench, bench, bench-first, bench-short, fma, changed, model, prefix, mamba2, structured, s25, s26, s27-nemotron, s27-fp8, s28, s28b, s28c, s29, s29-80b, s29-tiles, s29-final or s20}
+phase=${1:?tests, tests-host, tests-bench, check, tune-bench, bench, bench-first, bench-short, fma, changed, model, prefix, mamba2, structured, s25, s26, s27-nemotron, s27-fp8, s28, s28b, s28c, s29, s29-80b, s29-tiles, s29-final, s30 or s20}
 out=${2:?output folder}
 mkdir -p "$out"
 # The GPU tests run in parallel workers where pytest-xdist is installed (the device image has it), so that a fresh
@@ -250,6 +250,18 @@ case "$phase" in
     big=$(python3 -c "import torch; print(int(torch.cuda.get_device_properties(0).total_memory > 100 * 2 ** 30))")
     if [ "$big" = 1 ]; then bench "${S29_BENCH_S:-330}" --model-name qwen3-next-80b-fp8 --short
     else bench "${S29_BENCH_S:-330}" --model-name qwen3.5-35b-a3b-fp8 --short; fi
+    ;;
+  s30)  # session 30: the FP8 grouped table's test, its sweep on the card's shape (80B on an H200, else 35B), then
+         # that shape's FP8 bench with the sweep's winners, in the time left of the call's 600 s
+    timeout 60 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_kernels_fp8.py -k "grouped" \
+      > "$out/gputests.txt" 2>&1
+    echo "pytest rc=$?"; grep -E "passed|failed|FAILED|Error" "$out/gputests.txt" | tail -5
+    big=$(python3 -c "import torch; print(int(torch.cuda.get_device_properties(0).total_memory > 100 * 2 ** 30))")
+    if [ "$big" = 1 ]; then shape=80b; model=qwen3-next-80b-fp8; else shape=35b; model=qwen3.5-35b-a3b-fp8; fi
+    timeout "${S30_TUNE_S:-170}" python3 tools/tune_fp8.py --shape $shape --out "$out" --env "$out/tuned.env" \
+      > "$out/tune_fp8.txt" 2>&1; echo "tune rc=$?"
+    grep -v "^    " "$out/tune_fp8.txt" | tail -12; [ -f "$out/tuned.env" ] && . "$out/tuned.env"
+    bench $((585 - SECONDS)) --model-name $model --short
     ;;
   *) echo "unknown phase $phase" >&2; exit 2 ;;
 esac

@@ -46,8 +46,8 @@ def sweep(name, configs, make_fn, floor_us, results, layers=LAYERS):
         print(f"    {us:7.1f} us  {cfg}")
 
 
-def kernel_split(name, fn, results):
-    """Microseconds per layer of each kernel that ``fn`` (LAYERS calls) launches, from the torch profiler: which
+def kernel_split(name, fn, results, layers=LAYERS):
+    """Microseconds per layer of each kernel that ``fn`` (``layers`` calls) launches, from the torch profiler: which
     part of a whole-layer time to work on."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -56,7 +56,7 @@ def kernel_split(name, fn, results):
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    split = {e.key[:60]: e.device_time_total / LAYERS for e in prof.key_averages() if e.device_time_total > 0}
+    split = {e.key[:60]: e.device_time_total / layers for e in prof.key_averages() if e.device_time_total > 0}
     results[name]["kernels_us"] = split
     print("    per kernel: " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(split.items(), key=lambda kv: -kv[1])))
 

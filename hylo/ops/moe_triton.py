@@ -187,22 +187,29 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int):
 GROUPED_CFG = ((1024, (16, 64, 128, 4, 3)), (1 << 62, (64, 64, 64, 4, 3, 128, 64, 4, 3)))
 
 
-def parse_grouped_cfg(text: str) -> tuple:
+def parse_grouped_cfg(text: str, var: str = "HYLO_GROUPED_CFG") -> tuple:
     """``"LIMIT:BM,BN,BK,W,S[,BN,BK,W,S];..."`` (LIMIT a pair count or ``max``) -> a GROUPED_CFG table."""
     table = []
     for part in filter(None, (p.strip() for p in text.split(";"))):
         limit, _, cfg = part.partition(":")
         values = tuple(int(v) for v in cfg.split(","))
         if len(values) not in (5, 9):
-            raise ValueError(f"HYLO_GROUPED_CFG entry {part!r}: expected 5 or 9 integers after the pair limit")
+            raise ValueError(f"{var} entry {part!r}: expected 5 or 9 integers after the pair limit")
         table.append((1 << 62 if limit.strip() == "max" else int(limit), values))
     if not table or table[-1][0] != 1 << 62:
-        raise ValueError(f"HYLO_GROUPED_CFG {text!r}: the last entry's limit must be 'max'")
+        raise ValueError(f"{var} {text!r}: the last entry's limit must be 'max'")
     return tuple(table)
 
 
 if os.environ.get("HYLO_GROUPED_CFG"):
     GROUPED_CFG = parse_grouped_cfg(os.environ["HYLO_GROUPED_CFG"])
+# Block-FP8 experts' table (same form; HYLO_GROUPED_FP8_CFG replaces it). bfloat16 experts on Hopper leave these
+# kernels to torch._grouped_mm past a few hundred pairs, but FP8 ones stay here at every size, and the table above
+# was tuned on bfloat16 tiles (BK <= SBK caps an FP8 tile at its block's 128 columns). Until it is swept
+# (``tools/tune_fp8.py``), the FP8 table is the bfloat16 one.
+GROUPED_FP8_CFG = GROUPED_CFG
+if os.environ.get("HYLO_GROUPED_FP8_CFG"):
+    GROUPED_FP8_CFG = parse_grouped_cfg(os.environ["HYLO_GROUPED_FP8_CFG"], "HYLO_GROUPED_FP8_CFG")
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -233,7 +240,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
                                      reduce=False, gated=gated)
         return pairs.reduce().view(num_tokens, hidden).to(x.dtype) if reduce else pairs
     else:
-        cfg = next(cfg for limit, cfg in GROUPED_CFG if num_pairs <= limit)
+        cfg = next(cfg for limit, cfg in (GROUPED_FP8_CFG if fp8 else GROUPED_CFG) if num_pairs <= limit)
         bm, bn, bk, warps, stages = cfg[:5]
         dbn, dbk, dwarps, dstages = cfg[5:] or cfg[1:5]
         prec = "ieee" if x.dtype == torch.float32 else "tf32"

@@ -130,6 +130,28 @@ def test_fp8_fused_moe_matches_the_dequantized_experts(dev, tokens, experts, top
     _close(out, ref, dt)
 
 
+@pytest.mark.parametrize("cfg", [(16, 64, 128, 4, 3), (32, 128, 128, 8, 4, 128, 128, 8, 3),
+                                 (16, 32, 128, 4, 3, 256, 64, 8, 3)])
+def test_fp8_grouped_moe_with_its_own_table(dev, cfg, monkeypatch):
+    """FP8 experts take the grouped kernels' FP8 table (``GROUPED_FP8_CFG``), not the bfloat16 one: tiles as
+    ``tools/tune_fp8.py`` sweeps them (BK a whole 128-column block, a down tile of its own, BN past H's end)."""
+    from hylo.ops import moe_triton
+
+    monkeypatch.setattr(moe_triton, "PAIR_GEMV_MAX_PAIRS", 0)
+    monkeypatch.setattr(moe_triton, "GROUPED_FP8_CFG", ((1 << 62, cfg),))
+    monkeypatch.setattr(moe_triton, "GROUPED_CFG", ((1 << 62, (3, 16, 16, 1, 1)),))  # BM = 3 cannot compile
+    g = torch.Generator().manual_seed(5)
+    dt = _dtype(dev)
+    tokens, experts, top_k, hidden, inter = 37, 8, 3, 192, 128
+    x = torch.randn(tokens, hidden, generator=g).to(dt)
+    w13 = _fp8(torch.randn(experts, 2 * inter, hidden, generator=g) / hidden ** 0.5, (128, 128), dev)
+    w2 = _fp8(torch.randn(experts, hidden, inter, generator=g) / inter ** 0.5, (128, 128), dev)
+    weights, ids = route_topk(torch.randn(tokens, experts, generator=g), top_k, True)
+    ref = fused_moe_ref(x.double(), w13.dequantize(dt).double().cpu(), w2.dequantize(dt).double().cpu(),
+                        weights.double(), ids)
+    _close(moe_triton.fused_moe(x.to(dev), w13, w2, weights.to(dev, dt), ids.to(dev)), ref, dt)
+
+
 @pytest.mark.parametrize("n,k,block", [(300, 200, (128, 128)), (96, 512, (16, 32))])
 def test_fp8_prefill_projection_dequantizes_the_weight_in_one_pass(dev, n, k, block):
     """At prefill sizes (``FP8_DEQUANT_ROWS`` rows and more) the projection is the weight dequantized by the Triton

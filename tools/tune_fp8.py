@@ -1,0 +1,107 @@
+"""The grouped MoE kernels' tiles on block-FP8 experts (``moe_triton.GROUPED_FP8_CFG``), at the sizes where FP8
+experts reach them: a decode batch of 64 and the verify of k = 3 drafts at batch 64 (256 tokens), on the released
+MoE shapes, where a 256-token verify leaves only a few pairs per expert (Qwen3.5-35B-A3B: 256 experts, 8 routed and a
+shared one, about 9 pairs an expert; Qwen3-Next-80B-A3B: 512 experts, 10 routed, about 5). bfloat16 experts leave
+these sizes to ``torch._grouped_mm``; FP8 ones stay in the Triton kernels, whose table was tuned on bfloat16 tiles.
+
+Each configuration times the whole grouped path (alignment, gate/up, down) over LAYERS independent weight sets in a
+CUDA graph, against the bytes of the experts the pairs touch read once at the copy rate. Usage:
+python tools/tune_fp8.py [--shape 35b|80b ...] [--out DIR] [--env FILE] (run from the checkout; writes
+tune_fp8.json, and with --env the winners as HYLO_GROUPED_FP8_CFG for a benchmark run right after).
+"""
+
+import argparse
+import json
+import os
+
+import torch
+
+from hylo.ops import moe_triton as M
+from hylo.ops.fp8 import Fp8Weight, quantize_fp8_block
+from tune_common import COPY_TBPS, kernel_split, sweep
+
+H, I, BLOCK = 2048, 512, (128, 128)
+SHAPES = {"35b": (256, 8), "80b": (512, 10)}  # (routed experts, routed per token); plus one shared expert
+LAYERS = 8  # 8 x 257 experts of 3 MB: far past L2, as in the model
+# (BM, BN, BK, warps, stages): BK is an FP8 tile's whole scale block or half of it; few rows per expert favour small
+# BM (one block per expert, no padding rows to multiply); the first two rows are the bfloat16 table's
+UP_CFGS = [(16, 64, 128, 4, 3), (64, 64, 64, 4, 3)] + [
+    (bm, bn, 128, w, st) for bm in (16, 32) for bn, w in ((32, 4), (64, 4), (128, 4), (128, 8)) for st in (3, 4)]
+UP_CFGS += [(16, 64, 64, 4, 4), (16, 256, 128, 8, 3), (64, 128, 128, 8, 3)]
+# the down kernel's own (BN, BK, warps, stages), gate/up's best kept (N = H = 2048, K = I = 512)
+DOWN_CFGS = [(64, 128, 4, 3), (128, 128, 4, 3), (128, 128, 8, 3), (256, 128, 8, 3), (64, 128, 4, 4), (128, 64, 4, 3),
+             (32, 128, 4, 3)]
+
+
+def fp8_experts(experts: int, dev, layers: int = LAYERS):
+    """``layers`` sets of routed plus shared experts as FP8 weights with random block scales: (w13s, w2s)."""
+    def one(n, k):
+        q, s = quantize_fp8_block(torch.randn(experts + 1, n, k, device=dev, dtype=torch.bfloat16) * 0.02, BLOCK)
+        return Fp8Weight(q, s, BLOCK)
+    return [one(2 * I, H) for _ in range(layers)], [one(H, I) for _ in range(layers)]
+
+
+def tune_grouped_fp8(dev, shape: str, results, tokens_list=(64, 256)):
+    experts, top_k = SHAPES[shape]
+    w13, w2 = fp8_experts(experts, dev)
+    for tokens in tokens_list:
+        ids = [torch.cat([torch.stack([torch.randperm(experts, device=dev)[:top_k] for _ in range(tokens)]),
+                          torch.full((tokens, 1), experts, device=dev)], 1).contiguous() for _ in range(LAYERS)]
+        uniq = sum(int(i.unique().numel()) for i in ids) / LAYERS
+        floor = uniq * 3 * I * H / COPY_TBPS / 1e6  # a byte a weight (the scales are 1/16384 of that)
+        x = torch.randn(tokens, H, device=dev, dtype=torch.bfloat16)
+        tw = torch.rand(tokens, top_k + 1, device=dev, dtype=torch.bfloat16)
+
+        def whole(cfg):
+            def fn():
+                saved = M.PAIR_GEMV_MAX_PAIRS, M.GROUPED_FP8_CFG
+                M.PAIR_GEMV_MAX_PAIRS, M.GROUPED_FP8_CFG = 0, ((1 << 62, cfg),)
+                try:
+                    for layer in range(LAYERS):
+                        M.fused_moe(x, w13[layer], w2[layer], tw, ids[layer], reduce=False)
+                finally:
+                    M.PAIR_GEMV_MAX_PAIRS, M.GROUPED_FP8_CFG = saved
+            return fn
+        name = f"grouped_fp8_{shape}_t{tokens}"
+        sweep(name, UP_CFGS, whole, floor, results, layers=LAYERS)
+        up = tuple(results[name]["rows"][0]["cfg"])
+        sweep(name + "_down", [up + d for d in DOWN_CFGS], whole, floor, results, layers=LAYERS)
+        best = tuple(results[name + "_down"]["rows"][0]["cfg"])
+        if results[name + "_down"]["rows"][0]["us"] > results[name]["rows"][0]["us"]:
+            best = up  # gate/up's tiles for the down kernel too
+        results[name]["best"] = list(best)
+        kernel_split(name, whole(best), results, layers=LAYERS)
+    del w13, w2
+    torch.cuda.empty_cache()
+
+
+def fp8_env(results, shape: str) -> str | None:
+    """HYLO_GROUPED_FP8_CFG from one shape's winners: the 64-token one up to 1024 pairs, the 256-token one past."""
+    small, large = results.get(f"grouped_fp8_{shape}_t64"), results.get(f"grouped_fp8_{shape}_t256")
+    if not small or not large:
+        return None
+    cfg = lambda r: ",".join(map(str, r["best"]))  # noqa: E731
+    return f"export HYLO_GROUPED_FP8_CFG='1024:{cfg(small)};max:{cfg(large)}'"
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", nargs="+", default=["35b"], choices=sorted(SHAPES))
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--env", default=None, help="write the first shape's winners as a shell export to this file")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    results = {}
+    for shape in args.shape:
+        tune_grouped_fp8(torch.device("cuda"), shape, results)
+        with open(os.path.join(args.out, "tune_fp8.json"), "w") as f:  # after each shape: a cut run keeps it
+            json.dump(results, f, indent=1)
+        line = fp8_env(results, args.shape[0])
+        if args.env and line:
+            with open(args.env, "w") as f:
+                f.write(line + "\n")
+            print(line)
+
+
+if __name__ == "__main__":
+    main()
