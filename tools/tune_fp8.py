@@ -52,10 +52,10 @@ def tune_grouped_fp8(dev, shape: str, results, tokens_list=(64, 256)):
         x = torch.randn(tokens, H, device=dev, dtype=torch.bfloat16)
         tw = torch.rand(tokens, top_k + 1, device=dev, dtype=torch.bfloat16)
 
-        def whole(cfg):
+        def whole(cfg, pair_limit=0):
             def fn():
                 saved = M.PAIR_GEMV_MAX_PAIRS, M.GROUPED_FP8_CFG
-                M.PAIR_GEMV_MAX_PAIRS, M.GROUPED_FP8_CFG = 0, ((1 << 62, cfg),)
+                M.PAIR_GEMV_MAX_PAIRS, M.GROUPED_FP8_CFG = pair_limit, ((1 << 62, cfg),)
                 try:
                     for layer in range(LAYERS):
                         M.fused_moe(x, w13[layer], w2[layer], tw, ids[layer], reduce=False)
@@ -71,6 +71,9 @@ def tune_grouped_fp8(dev, shape: str, results, tokens_list=(64, 256)):
             best = up  # gate/up's tiles for the down kernel too
         results[name]["best"] = list(best)
         kernel_split(name, whole(best), results, layers=LAYERS)
+        # the pair kernels (one GEMV per pair, decode's path) pushed to this size, for comparison
+        sweep(name + "_pairs", [("pairs",)], lambda cfg: whole(best, pair_limit=tokens * (top_k + 1)), floor,
+              results, layers=LAYERS)
     del w13, w2
     torch.cuda.empty_cache()
 
