@@ -258,7 +258,7 @@ case "$phase" in
     echo "pytest rc=$?"; grep -E "passed|failed|FAILED|Error" "$out/gputests.txt" | tail -5
     big=$(python3 -c "import torch; print(int(torch.cuda.get_device_properties(0).total_memory > 100 * 2 ** 30))")
     if [ "$big" = 1 ]; then shape=80b; model=qwen3-next-80b-fp8; else shape=35b; model=qwen3.5-35b-a3b-fp8; fi
-    timeout "${S30_TUNE_S:-170}" python3 tools/tune_fp8.py --shape $shape --out "$out" --env "$out/tuned.env" \
+    timeout "${S30_TUNE_S:-200}" python3 tools/tune_fp8.py --shape $shape --out "$out" --env "$out/tuned.env" \
       > "$out/tune_fp8.txt" 2>&1; echo "tune rc=$?"
     grep -v "^    " "$out/tune_fp8.txt" | tail -12; [ -f "$out/tuned.env" ] && . "$out/tuned.env"
     bench $((585 - SECONDS)) --model-name $model --short

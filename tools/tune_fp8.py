@@ -25,12 +25,11 @@ SHAPES = {"35b": (256, 8), "80b": (512, 10)}  # (routed experts, routed per toke
 LAYERS = 8  # 8 x 257 experts of 3 MB: far past L2, as in the model
 # (BM, BN, BK, warps, stages): BK is an FP8 tile's whole scale block or half of it; few rows per expert favour small
 # BM (one block per expert, no padding rows to multiply); the first two rows are the bfloat16 table's
-UP_CFGS = [(16, 64, 128, 4, 3), (64, 64, 64, 4, 3)] + [
-    (bm, bn, 128, w, st) for bm in (16, 32) for bn, w in ((32, 4), (64, 4), (128, 4), (128, 8)) for st in (3, 4)]
-UP_CFGS += [(16, 64, 64, 4, 4), (16, 256, 128, 8, 3), (64, 128, 128, 8, 3)]
+UP_CFGS = [(16, 64, 128, 4, 3), (64, 64, 64, 4, 3), (16, 32, 128, 4, 3), (16, 64, 128, 4, 4), (16, 128, 128, 4, 3),
+           (16, 128, 128, 8, 3), (32, 64, 128, 4, 3), (32, 128, 128, 8, 3), (16, 256, 128, 8, 3), (16, 64, 64, 4, 4),
+           (64, 128, 128, 8, 3), (32, 32, 128, 4, 3)]
 # the down kernel's own (BN, BK, warps, stages), gate/up's best kept (N = H = 2048, K = I = 512)
-DOWN_CFGS = [(64, 128, 4, 3), (128, 128, 4, 3), (128, 128, 8, 3), (256, 128, 8, 3), (64, 128, 4, 4), (128, 64, 4, 3),
-             (32, 128, 4, 3)]
+DOWN_CFGS = [(64, 128, 4, 3), (128, 128, 4, 3), (128, 128, 8, 3), (256, 128, 8, 3), (32, 128, 4, 3), (128, 64, 4, 3)]
 
 
 def fp8_experts(experts: int, dev, layers: int = LAYERS):
@@ -42,6 +41,8 @@ def fp8_experts(experts: int, dev, layers: int = LAYERS):
 
 
 def tune_grouped_fp8(dev, shape: str, results, tokens_list=(64, 256)):
+    """Per token count: the gate/up tiles, then the down kernel's own, each with the dot's operands as they are
+    and swapped (``GROUPED_FP8_SWAP``); then the pair kernels pushed to that size, for comparison."""
     experts, top_k = SHAPES[shape]
     w13, w2 = fp8_experts(experts, dev)
     for tokens in tokens_list:
@@ -52,39 +53,50 @@ def tune_grouped_fp8(dev, shape: str, results, tokens_list=(64, 256)):
         x = torch.randn(tokens, H, device=dev, dtype=torch.bfloat16)
         tw = torch.rand(tokens, top_k + 1, device=dev, dtype=torch.bfloat16)
 
-        def whole(cfg, pair_limit=0):
+        def whole(cfg, swap=False, pair_limit=0):
             def fn():
-                saved = M.PAIR_GEMV_MAX_PAIRS, M.GROUPED_FP8_CFG
-                M.PAIR_GEMV_MAX_PAIRS, M.GROUPED_FP8_CFG = pair_limit, ((1 << 62, cfg),)
+                saved = M.PAIR_GEMV_MAX_PAIRS, M.GROUPED_FP8_CFG, M.GROUPED_FP8_SWAP
+                M.PAIR_GEMV_MAX_PAIRS, M.GROUPED_FP8_CFG, M.GROUPED_FP8_SWAP = pair_limit, ((1 << 62, cfg),), swap
                 try:
                     for layer in range(LAYERS):
                         M.fused_moe(x, w13[layer], w2[layer], tw, ids[layer], reduce=False)
                 finally:
-                    M.PAIR_GEMV_MAX_PAIRS, M.GROUPED_FP8_CFG = saved
+                    M.PAIR_GEMV_MAX_PAIRS, M.GROUPED_FP8_CFG, M.GROUPED_FP8_SWAP = saved
             return fn
-        name = f"grouped_fp8_{shape}_t{tokens}"
-        sweep(name, UP_CFGS, whole, floor, results, layers=LAYERS)
-        up = tuple(results[name]["rows"][0]["cfg"])
-        sweep(name + "_down", [up + d for d in DOWN_CFGS], whole, floor, results, layers=LAYERS)
-        best = tuple(results[name + "_down"]["rows"][0]["cfg"])
-        if results[name + "_down"]["rows"][0]["us"] > results[name]["rows"][0]["us"]:
-            best = up  # gate/up's tiles for the down kernel too
-        results[name]["best"] = list(best)
-        kernel_split(name, whole(best), results, layers=LAYERS)
+        for swap in (False, True):
+            name = f"grouped_fp8_{shape}_t{tokens}" + ("_swap" if swap else "")
+            try:
+                sweep(name, UP_CFGS, lambda cfg: whole(cfg, swap), floor, results, layers=LAYERS)
+            except IndexError:  # every configuration failed to compile
+                print(f"{name}: no configuration ran")
+                results.pop(name, None)
+                continue
+            up = tuple(results[name]["rows"][0]["cfg"])
+            sweep(name + "_down", [up + d for d in DOWN_CFGS], lambda cfg: whole(cfg, swap), floor, results,
+                  layers=LAYERS)
+            down = results[name + "_down"]["rows"][0]
+            best = tuple(down["cfg"]) if down["us"] < results[name]["rows"][0]["us"] else up
+            results[name]["best"] = list(best)
+            results[name]["best_us"] = min(down["us"], results[name]["rows"][0]["us"])
+            kernel_split(name, whole(best, swap), results, layers=LAYERS)
         # the pair kernels (one GEMV per pair, decode's path) pushed to this size, for comparison
-        sweep(name + "_pairs", [("pairs",)], lambda cfg: whole(best, pair_limit=tokens * (top_k + 1)), floor,
-              results, layers=LAYERS)
+        sweep(f"grouped_fp8_{shape}_t{tokens}_pairs", [("pairs",)],
+              lambda cfg: whole(UP_CFGS[0], pair_limit=tokens * (top_k + 1)), floor, results, layers=LAYERS)
     del w13, w2
     torch.cuda.empty_cache()
 
 
-def fp8_env(results, shape: str) -> str | None:
-    """HYLO_GROUPED_FP8_CFG from one shape's winners: the 64-token one up to 1024 pairs, the 256-token one past."""
-    small, large = results.get(f"grouped_fp8_{shape}_t64"), results.get(f"grouped_fp8_{shape}_t256")
-    if not small or not large:
-        return None
+def fp8_env(results, shape: str) -> list[str]:
+    """HYLO_GROUPED_FP8_CFG (the 64-token winner up to 1024 pairs, the 256-token one past) and, where the swapped
+    dot's winners take less time over both sizes together, HYLO_GROUPED_FP8_SWAP=1 with their table."""
+    runs = {swap: [results.get(f"grouped_fp8_{shape}_t{t}{swap}") for t in (64, 256)] for swap in ("", "_swap")}
+    if not all(runs[""]):
+        return []
+    swap = all(runs["_swap"]) and sum(r["best_us"] for r in runs["_swap"]) < sum(r["best_us"] for r in runs[""])
+    small, large = runs["_swap" if swap else ""]
     cfg = lambda r: ",".join(map(str, r["best"]))  # noqa: E731
-    return f"export HYLO_GROUPED_FP8_CFG='1024:{cfg(small)};max:{cfg(large)}'"
+    return [f"export HYLO_GROUPED_FP8_CFG='1024:{cfg(small)};max:{cfg(large)}'",
+            f"export HYLO_GROUPED_FP8_SWAP={int(swap)}"]
 
 
 def main():
@@ -99,11 +111,11 @@ def main():
         tune_grouped_fp8(torch.device("cuda"), shape, results)
         with open(os.path.join(args.out, "tune_fp8.json"), "w") as f:  # after each shape: a cut run keeps it
             json.dump(results, f, indent=1)
-        line = fp8_env(results, args.shape[0])
-        if args.env and line:
+        lines = fp8_env(results, args.shape[0])
+        if args.env and lines:
             with open(args.env, "w") as f:
-                f.write(line + "\n")
-            print(line)
+                f.write("\n".join(lines) + "\n")
+        print("\n".join(lines))
 
 
 if __name__ == "__main__":

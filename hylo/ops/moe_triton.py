@@ -27,16 +27,48 @@ from .fp8_triton import block_scale, fp8_kernel_args, weight_values
 from .moe_pairs_triton import PAIR_GEMV_MAX_PAIRS, expert_activation, pair_moe
 from .pair_rows import SortedPairRows
 from .moe_grouped_mm import fused_moe_grouped_mm, grouped_mm_usable
-from .triton_utils import next_pow2
+from .triton_utils import env_flag, next_pow2
 
 
 # ---- many pairs: grouped GEMM over expert-sorted blocks --------------------------------------------------------
 @triton.jit
+def _expert_tile(acc, x, w_base, rows, mn, offs_k, mk, k0, K: tl.constexpr, s_base, SK: tl.constexpr,
+                 SBN: tl.constexpr, SBK: tl.constexpr, FP8: tl.constexpr, SWAP: tl.constexpr, PREC: tl.constexpr):
+    """acc plus one K tile's products of the block's rows with the expert's weight rows ``rows`` (K columns each,
+    from ``w_base``): x [BM, BK] and acc [BM, BN]; with SWAP, x^T [BK, BM] and acc^T [BN, BM], the weight tile the
+    dot's first operand (on Hopper the first operand may come from registers, where an FP8 tile converted to x's
+    dtype already is, instead of going back through shared memory; the block's few rows are the dot's N). FP8
+    values are exact in x's dtype: the dot on them, then the tile's one scale per weight row."""
+    if SWAP:
+        w = tl.load(w_base + rows[:, None] * K + offs_k[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
+        part = tl.dot(w.to(x.dtype), x, input_precision=PREC)
+        if FP8:
+            part = part * block_scale(s_base, rows, mn, k0, SK, SBN, SBK)[:, None]
+    else:
+        w = tl.load(w_base + rows[None, :] * K + offs_k[:, None], mask=mk[:, None] & mn[None, :], other=0.0)
+        part = tl.dot(x, w.to(x.dtype), input_precision=PREC)
+        if FP8:
+            part = part * block_scale(s_base, rows, mn, k0, SK, SBN, SBK)[None, :]
+    return acc + part
+
+
+@triton.jit
+def _block_rows(ptr, rows, mp, offs_k, mk, K: tl.constexpr, SWAP: tl.constexpr):
+    """Rows ``rows`` of a [*, K] matrix at columns ``offs_k``: [BM, BK], or with SWAP transposed, [BK, BM]."""
+    if SWAP:
+        out = tl.load(ptr + rows[None, :] * K + offs_k[:, None], mask=mp[None, :] & mk[:, None], other=0.0)
+    else:
+        out = tl.load(ptr + rows[:, None] * K + offs_k[None, :], mask=mp[:, None] & mk[None, :], other=0.0)
+    return out
+
+
+@triton.jit
 def _grouped_gate_up_kernel(x_ptr, w13_ptr, sorted_ptr, block_expert_ptr, act_ptr, H: tl.constexpr,
                             I: tl.constexpr, P,
                             TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                            PREC: tl.constexpr, s_ptr=None, S_E: tl.constexpr = 0, SK: tl.constexpr = 1, SBN: tl.constexpr = 1,
-                         SBK: tl.constexpr = 1, FP8: tl.constexpr = False, GATED: tl.constexpr = True):
+                            PREC: tl.constexpr, s_ptr=None, S_E: tl.constexpr = 0, SK: tl.constexpr = 1,
+                            SBN: tl.constexpr = 1, SBK: tl.constexpr = 1, FP8: tl.constexpr = False,
+                            GATED: tl.constexpr = True, SWAP: tl.constexpr = False):
     blk = tl.program_id(0)
     e = tl.load(block_expert_ptr + blk).to(tl.int64)
     if e < 0:
@@ -49,26 +81,20 @@ def _grouped_gate_up_kernel(x_ptr, w13_ptr, sorted_ptr, block_expert_ptr, act_pt
     UP0: tl.constexpr = I if GATED else 0  # the first up row of an expert (GATED: gate rows first)
     w_base = w13_ptr + e * ((UP0 + I) * H)
     s_base = s_ptr + e * S_E if FP8 else s_ptr
-    acc_g = tl.zeros([BM, BN], dtype=tl.float32)
-    acc_u = tl.zeros([BM, BN], dtype=tl.float32)
+    shape: tl.constexpr = (BN, BM) if SWAP else (BM, BN)
+    acc_g = tl.zeros(shape, dtype=tl.float32)
+    acc_u = tl.zeros(shape, dtype=tl.float32)
     for k0 in range(0, H, BK):
         offs_k = k0 + tl.arange(0, BK)
         mk = offs_k < H
-        x = tl.load(x_ptr + toks[:, None] * H + offs_k[None, :], mask=mp[:, None] & mk[None, :], other=0.0)
-        m2 = mk[:, None] & mn[None, :]
-        wu = tl.load(w_base + (UP0 + offs_n)[None, :] * H + offs_k[:, None], mask=m2, other=0.0)
-        if FP8:  # FP8 values are exact in x's dtype; the tile's one scale per output column after the dot
-            acc_u += tl.dot(x, wu.to(x.dtype), input_precision=PREC) * block_scale(s_base, UP0 + offs_n, mn, k0, SK,
-                                                                                SBN, SBK)[None, :]
-        else:
-            acc_u += tl.dot(x, wu, input_precision=PREC)
+        x = _block_rows(x_ptr, toks, mp, offs_k, mk, H, SWAP)
+        acc_u = _expert_tile(acc_u, x, w_base, UP0 + offs_n, mn, offs_k, mk, k0, H, s_base, SK, SBN, SBK, FP8, SWAP,
+                             PREC)
         if GATED:
-            wg = tl.load(w_base + offs_n[None, :] * H + offs_k[:, None], mask=m2, other=0.0)
-            if FP8:
-                acc_g += tl.dot(x, wg.to(x.dtype), input_precision=PREC) * block_scale(s_base, offs_n, mn, k0, SK,
-                                                                                    SBN, SBK)[None, :]
-            else:
-                acc_g += tl.dot(x, wg, input_precision=PREC)
+            acc_g = _expert_tile(acc_g, x, w_base, offs_n, mn, offs_k, mk, k0, H, s_base, SK, SBN, SBK, FP8, SWAP,
+                                 PREC)
+    if SWAP:
+        acc_g, acc_u = tl.trans(acc_g), tl.trans(acc_u)
     act = expert_activation(acc_g, acc_u, GATED)
     tl.store(act_ptr + pairs[:, None] * I + offs_n[None, :], act.to(act_ptr.dtype.element_ty),
              mask=mp[:, None] & mn[None, :])
@@ -79,7 +105,7 @@ def _grouped_down_kernel(act_ptr, w2_ptr, sorted_ptr, block_expert_ptr, wts_ptr,
                          I: tl.constexpr, P,
                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
                          s_ptr=None, S_E: tl.constexpr = 0, SK: tl.constexpr = 1, SBN: tl.constexpr = 1,
-                         SBK: tl.constexpr = 1, FP8: tl.constexpr = False):
+                         SBK: tl.constexpr = 1, FP8: tl.constexpr = False, SWAP: tl.constexpr = False):
     blk = tl.program_id(0)
     e = tl.load(block_expert_ptr + blk).to(tl.int64)
     if e < 0:
@@ -90,17 +116,14 @@ def _grouped_down_kernel(act_ptr, w2_ptr, sorted_ptr, block_expert_ptr, wts_ptr,
     mn = offs_n < H
     w_base = w2_ptr + e * (H * I)
     s_base = s_ptr + e * S_E if FP8 else s_ptr
-    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    acc = tl.zeros((BN, BM) if SWAP else (BM, BN), dtype=tl.float32)
     for k0 in range(0, I, BK):
         offs_k = k0 + tl.arange(0, BK)
         mk = offs_k < I
-        a = tl.load(act_ptr + pairs[:, None] * I + offs_k[None, :], mask=mp[:, None] & mk[None, :], other=0.0)
-        w = tl.load(w_base + offs_n[None, :] * I + offs_k[:, None], mask=mk[:, None] & mn[None, :], other=0.0)
-        if FP8:
-            acc += tl.dot(a, w.to(a.dtype), input_precision=PREC) * block_scale(s_base, offs_n, mn, k0, SK, SBN,
-                                                                               SBK)[None, :]
-        else:
-            acc += tl.dot(a, w, input_precision=PREC)
+        a = _block_rows(act_ptr, pairs, mp, offs_k, mk, I, SWAP)
+        acc = _expert_tile(acc, a, w_base, offs_n, mn, offs_k, mk, k0, I, s_base, SK, SBN, SBK, FP8, SWAP, PREC)
+    if SWAP:
+        acc = tl.trans(acc)
     wts = tl.load(wts_ptr + pairs, mask=mp, other=0.0).to(tl.float32)
     acc = acc * wts[:, None]
     tl.store(out_ptr + pairs[:, None] * H + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
@@ -210,6 +233,8 @@ if os.environ.get("HYLO_GROUPED_CFG"):
 GROUPED_FP8_CFG = GROUPED_CFG
 if os.environ.get("HYLO_GROUPED_FP8_CFG"):
     GROUPED_FP8_CFG = parse_grouped_cfg(os.environ["HYLO_GROUPED_FP8_CFG"], "HYLO_GROUPED_FP8_CFG")
+# The FP8 tiles' dot with its operands swapped (``_expert_tile``); off until measured (``tools/tune_fp8.py``).
+GROUPED_FP8_SWAP = env_flag("HYLO_GROUPED_FP8_SWAP", False)
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -251,11 +276,12 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         _grouped_gate_up_kernel[(grid_blocks, triton.cdiv(inter, bn))](
             x, weight_values(w13), sorted_pairs, block_expert, act, hidden, inter, num_pairs, TOP_K=top_k, BM=bm,
             BN=bn, BK=_bk(bk, w13),
-            PREC=prec, GATED=gated, num_warps=warps, num_stages=stages, **fp8_kernel_args(w13))
+            PREC=prec, GATED=gated, SWAP=fp8 and GROUPED_FP8_SWAP, num_warps=warps, num_stages=stages,
+            **fp8_kernel_args(w13))
         _grouped_down_kernel[(grid_blocks, triton.cdiv(hidden, dbn))](
             act, weight_values(w2), sorted_pairs, block_expert, wts, out, hidden, inter, num_pairs, BM=bm, BN=dbn,
             BK=_bk(dbk, w2),
-            PREC=prec, num_warps=dwarps, num_stages=dstages, **fp8_kernel_args(w2))
+            PREC=prec, SWAP=fp8 and GROUPED_FP8_SWAP, num_warps=dwarps, num_stages=dstages, **fp8_kernel_args(w2))
     out = out.view(num_tokens, top_k, hidden)
     return out.sum(1, dtype=torch.float32).to(x.dtype) if reduce else out
 

@@ -132,12 +132,15 @@ def test_fp8_fused_moe_matches_the_dequantized_experts(dev, tokens, experts, top
 
 @pytest.mark.parametrize("cfg", [(16, 64, 128, 4, 3), (32, 128, 128, 8, 4, 128, 128, 8, 3),
                                  (16, 32, 128, 4, 3, 256, 64, 8, 3)])
-def test_fp8_grouped_moe_with_its_own_table(dev, cfg, monkeypatch):
+@pytest.mark.parametrize("swap", [False, True])
+def test_fp8_grouped_moe_with_its_own_table(dev, cfg, swap, monkeypatch):
     """FP8 experts take the grouped kernels' FP8 table (``GROUPED_FP8_CFG``), not the bfloat16 one: tiles as
-    ``tools/tune_fp8.py`` sweeps them (BK a whole 128-column block, a down tile of its own, BN past H's end)."""
+    ``tools/tune_fp8.py`` sweeps them (BK a whole 128-column block, a down tile of its own, BN past H's end), with
+    the dot's operands as they are or swapped (``GROUPED_FP8_SWAP``)."""
     from hylo.ops import moe_triton
 
     monkeypatch.setattr(moe_triton, "PAIR_GEMV_MAX_PAIRS", 0)
+    monkeypatch.setattr(moe_triton, "GROUPED_FP8_SWAP", swap)
     monkeypatch.setattr(moe_triton, "GROUPED_FP8_CFG", ((1 << 62, cfg),))
     monkeypatch.setattr(moe_triton, "GROUPED_CFG", ((1 << 62, (3, 16, 16, 1, 1)),))  # BM = 3 cannot compile
     g = torch.Generator().manual_seed(5)
