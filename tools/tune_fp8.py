@@ -4,10 +4,11 @@ MoE shapes, where a 256-token verify leaves only a few pairs per expert (Qwen3.5
 shared one, about 9 pairs an expert; Qwen3-Next-80B-A3B: 512 experts, 10 routed, about 5). bfloat16 experts leave
 these sizes to ``torch._grouped_mm``; FP8 ones stay in the Triton kernels, whose table was tuned on bfloat16 tiles.
 
-Each configuration times the whole grouped path (alignment, gate/up, down) over LAYERS independent weight sets in a
+Then the W8A16 matmul's one tile (``fp8_triton.FP8_MATMUL_CFG``, never swept before) at 64 and 256 rows on the
+GDN projections' shapes. Each grouped configuration times the whole grouped path (alignment, gate/up, down) over LAYERS independent weight sets in a
 CUDA graph, against the bytes of the experts the pairs touch read once at the copy rate. Usage:
 python tools/tune_fp8.py [--shape 35b|80b ...] [--out DIR] [--env FILE] (run from the checkout; writes
-tune_fp8.json, and with --env the winners as HYLO_GROUPED_FP8_CFG for a benchmark run right after).
+tune_fp8.json, and with --env the winners as HYLO_GROUPED_FP8_CFG / _SWAP and HYLO_FP8_MATMUL_CFG for a benchmark run right after).
 """
 
 import argparse
@@ -86,6 +87,38 @@ def tune_grouped_fp8(dev, shape: str, results, tokens_list=(64, 256)):
     torch.cuda.empty_cache()
 
 
+# the W8A16 matmul (``fp8_triton.FP8_MATMUL_CFG``, one tile for 17 to 511 rows: decode batches past the GEMV and
+# verifies): (BM, BN, BK, warps, stages), the first row the committed default (never swept before)
+MATMUL_CFGS = [(64, 128, 128, 8, 3), (16, 128, 128, 4, 3), (32, 128, 128, 4, 3), (32, 64, 128, 4, 4),
+               (64, 64, 128, 4, 3), (64, 128, 128, 4, 4), (64, 256, 128, 8, 3), (128, 128, 128, 8, 3),
+               (32, 256, 128, 8, 3), (16, 64, 128, 4, 4)]
+# the GDN input projection and the output projection of the 35B / 80B shapes (N, K)
+MATMUL_SHAPES = ((12288, 2048), (2048, 4096))
+
+
+def tune_matmul(dev, results, rows_list=(64, 256)):
+    from hylo.ops import fp8_triton as F8
+
+    ws = {nk: [Fp8Weight(*quantize_fp8_block(torch.randn(*nk, device=dev, dtype=torch.bfloat16) * .02, BLOCK),
+                         BLOCK) for _ in range(LAYERS)] for nk in MATMUL_SHAPES}
+    for rows in rows_list:
+        x = torch.randn(rows, 4096, device=dev, dtype=torch.bfloat16)
+
+        def run(cfg):
+            def fn():
+                saved = F8.FP8_MATMUL_CFG
+                F8.FP8_MATMUL_CFG = cfg
+                try:
+                    for layer in range(LAYERS):
+                        for (n, k), w in ws.items():
+                            F8.fp8_matmul(x[:, :k], w[layer])
+                finally:
+                    F8.FP8_MATMUL_CFG = saved
+            return fn
+        floor = sum(n * k for n, k in MATMUL_SHAPES) / COPY_TBPS / 1e6
+        sweep(f"fp8_matmul_t{rows}", MATMUL_CFGS, run, floor, results, layers=LAYERS)
+
+
 def fp8_env(results, shape: str) -> list[str]:
     """HYLO_GROUPED_FP8_CFG (the 64-token winner up to 1024 pairs, the 256-token one past) and, where the swapped
     dot's winners take less time over both sizes together, HYLO_GROUPED_FP8_SWAP=1 with their table."""
@@ -95,8 +128,17 @@ def fp8_env(results, shape: str) -> list[str]:
     swap = all(runs["_swap"]) and sum(r["best_us"] for r in runs["_swap"]) < sum(r["best_us"] for r in runs[""])
     small, large = runs["_swap" if swap else ""]
     cfg = lambda r: ",".join(map(str, r["best"]))  # noqa: E731
-    return [f"export HYLO_GROUPED_FP8_CFG='1024:{cfg(small)};max:{cfg(large)}'",
-            f"export HYLO_GROUPED_FP8_SWAP={int(swap)}"]
+    lines = [f"export HYLO_GROUPED_FP8_CFG='1024:{cfg(small)};max:{cfg(large)}'",
+             f"export HYLO_GROUPED_FP8_SWAP={int(swap)}"]
+    matmul = [results.get(f"fp8_matmul_t{t}") for t in (64, 256)]
+    if all(matmul):  # the tile with the least sum of time over each size's best
+        score = {}
+        for r in matmul:
+            for row in r["rows"]:
+                score.setdefault(tuple(row["cfg"]), []).append(row["us"] / r["rows"][0]["us"])
+        full = {c: sum(v) for c, v in score.items() if len(v) == len(matmul)}
+        lines.append("export HYLO_FP8_MATMUL_CFG=" + ",".join(map(str, min(full, key=full.get))))
+    return lines
 
 
 def main():
@@ -107,15 +149,21 @@ def main():
     args = ap.parse_args()
     torch.manual_seed(0)
     results = {}
-    for shape in args.shape:
-        tune_grouped_fp8(torch.device("cuda"), shape, results)
-        with open(os.path.join(args.out, "tune_fp8.json"), "w") as f:  # after each shape: a cut run keeps it
+
+    def save():  # after every section: a run cut by its time limit keeps what it measured
+        with open(os.path.join(args.out, "tune_fp8.json"), "w") as f:
             json.dump(results, f, indent=1)
         lines = fp8_env(results, args.shape[0])
         if args.env and lines:
             with open(args.env, "w") as f:
                 f.write("\n".join(lines) + "\n")
-        print("\n".join(lines))
+        print("\n".join(lines), flush=True)
+    for i, shape in enumerate(args.shape):
+        tune_grouped_fp8(torch.device("cuda"), shape, results)
+        save()
+        if i == 0:
+            tune_matmul(torch.device("cuda"), results)
+            save()
 
 
 if __name__ == "__main__":
