@@ -257,8 +257,9 @@ case "$phase" in
       > "$out/gputests.txt" 2>&1
     echo "pytest rc=$?"; grep -E "passed|failed|FAILED|Error" "$out/gputests.txt" | tail -5
     big=$(python3 -c "import torch; print(int(torch.cuda.get_device_properties(0).total_memory > 100 * 2 ** 30))")
-    tune() {  # tune SHAPE LIMIT
-      timeout "$2" python3 tools/tune_fp8.py --shape "$1" --out "$out" --env "$out/tuned.env" > "$out/tune_fp8.txt" 2>&1
+    tune() {  # tune SHAPE LIMIT (S30_TOKENS: the sizes swept, 256 alone for a short budget)
+      timeout "$2" python3 tools/tune_fp8.py --shape "$1" --tokens ${S30_TOKENS:-256 64} --out "$out" \
+        --env "$out/tuned.env" > "$out/tune_fp8.txt" 2>&1
       echo "tune rc=$?"; grep -v "^    " "$out/tune_fp8.txt" | tail -16
     }
     end=${S30_END_S:-585}  # seconds into the call by which everything has ended (the device's limit is 600)

@@ -123,13 +123,14 @@ def fp8_env(results, shape: str) -> list[str]:
     """HYLO_GROUPED_FP8_CFG (the 64-token winner up to 1024 pairs, the 256-token one past) and, where the swapped
     dot's winners take less time over both sizes together, HYLO_GROUPED_FP8_SWAP=1 with their table."""
     runs = {swap: [results.get(f"grouped_fp8_{shape}_t{t}{swap}") for t in (64, 256)] for swap in ("", "_swap")}
-    if not all(runs[""]):
-        return []
-    swap = all(runs["_swap"]) and sum(r["best_us"] for r in runs["_swap"]) < sum(r["best_us"] for r in runs[""])
-    small, large = runs["_swap" if swap else ""]
-    cfg = lambda r: ",".join(map(str, r["best"]))  # noqa: E731
-    lines = [f"export HYLO_GROUPED_FP8_CFG='1024:{cfg(small)};max:{cfg(large)}'",
-             f"export HYLO_GROUPED_FP8_SWAP={int(swap)}"]
+    lines = []
+    if runs[""][1]:  # (without the 64-token sweep, the committed tile up to 1024 pairs, unswapped)
+        paired = [(plain, swapped) for plain, swapped in zip(runs[""], runs["_swap"]) if plain and swapped]
+        swap = bool(paired) and sum(b["best_us"] - a["best_us"] for a, b in paired) < 0
+        small, large = runs["_swap" if swap else ""]
+        cfg = lambda r: ",".join(map(str, r["best"] if r else M.GROUPED_FP8_CFG[0][1]))  # noqa: E731
+        lines += [f"export HYLO_GROUPED_FP8_CFG='1024:{cfg(small)};max:{cfg(large)}'",
+                  f"export HYLO_GROUPED_FP8_SWAP={int(swap)}"]
     matmul = [results.get(f"fp8_matmul_t{t}") for t in (64, 256)]
     if all(matmul):  # the tile with the least sum of time over each size's best
         score = {}
@@ -145,6 +146,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", nargs="+", default=["35b"], choices=sorted(SHAPES))
     ap.add_argument("--out", default=".")
+    ap.add_argument("--tokens", type=int, nargs="+", default=[64, 256], choices=[64, 256])
     ap.add_argument("--env", default=None, help="write the first shape's winners as a shell export to this file")
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -159,7 +161,7 @@ def main():
                 f.write("\n".join(lines) + "\n")
         print("\n".join(lines), flush=True)
     for i, shape in enumerate(args.shape):
-        tune_grouped_fp8(torch.device("cuda"), shape, results)
+        tune_grouped_fp8(torch.device("cuda"), shape, results, tuple(sorted(args.tokens, reverse=True)))
         save()
         if i == 0:
             tune_matmul(torch.device("cuda"), results)
