@@ -264,7 +264,7 @@ case "$phase" in
     }
     end=${S30_END_S:-585}  # seconds into the call by which everything has ended (the device's limit is 600)
     if [ "$big" = 1 ]; then  # the 80B records have never run: they come first, with the committed tiles
-      bench $((end - 150 - SECONDS)) --model-name qwen3-next-80b-fp8 --short
+      bench $((end - ${S30_TUNE_RESERVE:-150} - SECONDS)) --model-name qwen3-next-80b-fp8 --short
       tune 80b $((end - SECONDS))
     else
       tune 35b $(((end - SECONDS) * 2 / 5)); [ -f "$out/tuned.env" ] && . "$out/tuned.env"
