@@ -267,8 +267,10 @@ case "$phase" in
       bench $((end - ${S30_TUNE_RESERVE:-150} - SECONDS)) --model-name qwen3-next-80b-fp8 --short
       tune 80b $((end - SECONDS))
     else
-      tune 35b $(((end - SECONDS) * 2 / 5)); [ -f "$out/tuned.env" ] && . "$out/tuned.env"
-      bench $((end - SECONDS)) --model-name qwen3.5-35b-a3b-fp8 --short
+      if [ "${S30_TUNE_ONLY:-0}" = 1 ]; then tune 35b $((end - SECONDS)); else  # (the sweep is its own A/B)
+        tune 35b $(((end - SECONDS) * 2 / 5)); [ -f "$out/tuned.env" ] && . "$out/tuned.env"
+        bench $((end - SECONDS)) --model-name qwen3.5-35b-a3b-fp8 --short
+      fi
     fi
     ;;
   *) echo "unknown phase $phase" >&2; exit 2 ;;
