@@ -41,15 +41,19 @@ def _expert_tile(acc, x, w_base, rows, mn, offs_k, mk, k0, K: tl.constexpr, s_ba
     values are exact in x's dtype: the dot on them, then the tile's one scale per weight row."""
     if SWAP:
         w = tl.load(w_base + rows[:, None] * K + offs_k[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
-        part = tl.dot(w.to(x.dtype), x, input_precision=PREC)
         if FP8:
-            part = part * block_scale(s_base, rows, mn, k0, SK, SBN, SBK)[:, None]
+            out = acc + tl.dot(w.to(x.dtype), x, input_precision=PREC) * block_scale(s_base, rows, mn, k0, SK, SBN,
+                                                                                    SBK)[:, None]
+        else:
+            out = tl.dot(w, x, acc, input_precision=PREC)
     else:
         w = tl.load(w_base + rows[None, :] * K + offs_k[:, None], mask=mk[:, None] & mn[None, :], other=0.0)
-        part = tl.dot(x, w.to(x.dtype), input_precision=PREC)
         if FP8:
-            part = part * block_scale(s_base, rows, mn, k0, SK, SBN, SBK)[None, :]
-    return acc + part
+            out = acc + tl.dot(x, w.to(x.dtype), input_precision=PREC) * block_scale(s_base, rows, mn, k0, SK, SBN,
+                                                                                    SBK)[None, :]
+        else:
+            out = tl.dot(x, w, acc, input_precision=PREC)
+    return out
 
 
 @triton.jit
