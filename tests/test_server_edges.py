@@ -97,7 +97,11 @@ def test_chat_logprobs_streamed_and_not(http):
     with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as s:
         chunks = [_json.loads(ln[6:]) for ln in s.iter_lines() if ln.startswith("data: {")]
     streamed = [e for ch in chunks for c in ch["choices"] if c.get("logprobs") for e in c["logprobs"]["content"]]
-    assert [(e["token"], e["logprob"]) for e in streamed] == [(e["token"], e["logprob"]) for e in full]
+    assert [e["token"] for e in streamed] == [e["token"] for e in full]
+    # the same values up to float32 rounding: the second request reuses the first's cached prefix, so its prompt is
+    # split at another point than the first's (which may reuse an earlier test's template prefix), and the sums over
+    # the two parts round differently (docs/INTERNALS.md, "Log probabilities and logit processing")
+    assert [e["logprob"] for e in streamed] == pytest.approx([e["logprob"] for e in full], abs=1e-5)
     r = http.post("/v1/chat/completions", json={**body, "logprobs": False})
     assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
 
