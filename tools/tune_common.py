@@ -65,3 +65,24 @@ def time_eager(fn, reps=3) -> float:
     """Milliseconds per call of ``fn`` after one warm-up call (no graph: the kernels are long)."""
     fn()
     return _time_cuda(fn, reps)
+
+
+def overall_winner(sweeps) -> tuple | None:
+    """The configuration with the least sum, over the given sweeps (all of them present), of its time over that
+    sweep's best time; None when a sweep is missing."""
+    if not sweeps or any(s is None for s in sweeps):
+        return None
+    score = {}
+    for s in sweeps:
+        best = s["rows"][0]["us"]
+        for row in s["rows"]:
+            score.setdefault(tuple(row["cfg"]), []).append(row["us"] / best)
+    complete = {cfg: sum(v) for cfg, v in score.items() if len(v) == len(sweeps)}
+    return min(complete, key=complete.get) if complete else None
+
+
+def routed_ids(tokens, dev, experts=E, top_k=TOP_K) -> torch.Tensor:
+    """[tokens, top_k + 1]: top_k distinct random experts of ``experts`` per token, then the shared expert (id
+    ``experts``); bench-6b's by default."""
+    return torch.cat([torch.stack([torch.randperm(experts, device=dev)[:top_k] for _ in range(tokens)]),
+                      torch.full((tokens, 1), experts, device=dev)], 1).contiguous()

@@ -5,10 +5,12 @@ shared one, about 9 pairs an expert; Qwen3-Next-80B-A3B: 512 experts, 10 routed,
 these sizes to ``torch._grouped_mm``; FP8 ones stay in the Triton kernels, whose table was tuned on bfloat16 tiles.
 
 Then the W8A16 matmul's one tile (``fp8_triton.FP8_MATMUL_CFG``, never swept before) at 64 and 256 rows on the
-GDN projections' shapes. Each grouped configuration times the whole grouped path (alignment, gate/up, down) over LAYERS independent weight sets in a
-CUDA graph, against the bytes of the experts the pairs touch read once at the copy rate. Usage:
-python tools/tune_fp8.py [--shape 35b|80b ...] [--out DIR] [--env FILE] (run from the checkout; writes
-tune_fp8.json, and with --env the winners as HYLO_GROUPED_FP8_CFG / _SWAP and HYLO_FP8_MATMUL_CFG for a benchmark run right after).
+GDN projections' shapes. Each grouped configuration times the whole grouped path (alignment, gate/up, down) over
+LAYERS independent weight sets in a CUDA graph, against the bytes of the experts the pairs touch read once at the
+copy rate. Usage (from the checkout):
+python tools/tune_fp8.py [--shape 35b|80b ...] [--tokens 256 64] [--out DIR] [--env FILE]
+writes tune_fp8.json, and with --env the winners as HYLO_GROUPED_FP8_CFG / _SWAP and HYLO_FP8_MATMUL_CFG for a
+benchmark run right after.
 """
 
 import argparse
@@ -19,7 +21,7 @@ import torch
 
 from hylo.ops import moe_triton as M
 from hylo.ops.fp8 import Fp8Weight, quantize_fp8_block
-from tune_common import COPY_TBPS, kernel_split, sweep
+from tune_common import COPY_TBPS, kernel_split, overall_winner, routed_ids, sweep
 
 H, I, BLOCK = 2048, 512, (128, 128)
 SHAPES = {"35b": (256, 8), "80b": (512, 10)}  # (routed experts, routed per token); plus one shared expert
@@ -47,8 +49,7 @@ def tune_grouped_fp8(dev, shape: str, results, tokens_list=(64, 256)):
     experts, top_k = SHAPES[shape]
     w13, w2 = fp8_experts(experts, dev)
     for tokens in tokens_list:
-        ids = [torch.cat([torch.stack([torch.randperm(experts, device=dev)[:top_k] for _ in range(tokens)]),
-                          torch.full((tokens, 1), experts, device=dev)], 1).contiguous() for _ in range(LAYERS)]
+        ids = [routed_ids(tokens, dev, experts, top_k) for _ in range(LAYERS)]
         uniq = sum(int(i.unique().numel()) for i in ids) / LAYERS
         floor = uniq * 3 * I * H / COPY_TBPS / 1e6  # a byte a weight (the scales are 1/16384 of that)
         x = torch.randn(tokens, H, device=dev, dtype=torch.bfloat16)
@@ -121,7 +122,8 @@ def tune_matmul(dev, results, rows_list=(64, 256)):
 
 def fp8_env(results, shape: str) -> list[str]:
     """HYLO_GROUPED_FP8_CFG (the 64-token winner up to 1024 pairs, the 256-token one past) and, where the swapped
-    dot's winners take less time over both sizes together, HYLO_GROUPED_FP8_SWAP=1 with their table."""
+    dot's winners take less time over the sizes swept both ways, HYLO_GROUPED_FP8_SWAP=1 with their table; the
+    W8A16 matmul's tile (HYLO_FP8_MATMUL_CFG) that does best over 64 and 256 rows together."""
     runs = {swap: [results.get(f"grouped_fp8_{shape}_t{t}{swap}") for t in (64, 256)] for swap in ("", "_swap")}
     lines = []
     if runs[""][1]:  # (without the 64-token sweep, the committed tile up to 1024 pairs, unswapped)
@@ -131,14 +133,9 @@ def fp8_env(results, shape: str) -> list[str]:
         cfg = lambda r: ",".join(map(str, r["best"] if r else M.GROUPED_FP8_CFG[0][1]))  # noqa: E731
         lines += [f"export HYLO_GROUPED_FP8_CFG='1024:{cfg(small)};max:{cfg(large)}'",
                   f"export HYLO_GROUPED_FP8_SWAP={int(swap)}"]
-    matmul = [results.get(f"fp8_matmul_t{t}") for t in (64, 256)]
-    if all(matmul):  # the tile with the least sum of time over each size's best
-        score = {}
-        for r in matmul:
-            for row in r["rows"]:
-                score.setdefault(tuple(row["cfg"]), []).append(row["us"] / r["rows"][0]["us"])
-        full = {c: sum(v) for c, v in score.items() if len(v) == len(matmul)}
-        lines.append("export HYLO_FP8_MATMUL_CFG=" + ",".join(map(str, min(full, key=full.get))))
+    matmul = overall_winner([results.get(f"fp8_matmul_t{t}") for t in (64, 256)])
+    if matmul:  # the tile with the least sum of time over each size's best
+        lines.append("export HYLO_FP8_MATMUL_CFG=" + ",".join(map(str, matmul)))
     return lines
 
 

@@ -23,7 +23,8 @@ from hylo.bench.floors import measure_matmul_rate
 from hylo.ops import moe_grouped_mm as G
 from hylo.ops import moe_pairs_triton as MP
 from hylo.ops import moe_triton as M
-from tune_common import COPY_TBPS, E, H, I, LAYERS, TOP_K, kernel_split, sweep, time_eager
+from tune_common import (COPY_TBPS, E, H, I, LAYERS, TOP_K, kernel_split, overall_winner, routed_ids, sweep,
+                         time_eager)
 from tune_gdn import time_sampling, tune_conv_prefill, tune_steps
 from tune_gemv import tune_fma, tune_gates, tune_gemv, tune_split
 
@@ -76,30 +77,10 @@ def tuned_env(results) -> list[str]:
     return lines
 
 
-def overall_winner(sweeps) -> tuple | None:
-    """The configuration with the least sum, over the given sweeps (all of them present), of its time over that
-    sweep's best time; None when a sweep is missing."""
-    if not sweeps or any(s is None for s in sweeps):
-        return None
-    score = {}
-    for s in sweeps:
-        best = s["rows"][0]["us"]
-        for row in s["rows"]:
-            score.setdefault(tuple(row["cfg"]), []).append(row["us"] / best)
-    complete = {cfg: sum(v) for cfg, v in score.items() if len(v) == len(sweeps)}
-    return min(complete, key=complete.get) if complete else None
-
-
 def expert_weights(dev, dt, layers=LAYERS):
     """bench-6b's routed experts plus the folded shared one, ``layers`` independent sets: (w13 list, w2 list)."""
     return ([torch.randn(E + 1, 2 * I, H, device=dev, dtype=dt) * 0.02 for _ in range(layers)],
             [torch.randn(E + 1, H, I, device=dev, dtype=dt) * 0.02 for _ in range(layers)])
-
-
-def routed_ids(tokens, dev) -> torch.Tensor:
-    """[tokens, TOP_K + 1]: TOP_K distinct random experts per token, then the shared expert E."""
-    return torch.cat([torch.stack([torch.randperm(E, device=dev)[:TOP_K] for _ in range(tokens)]),
-                      torch.full((tokens, 1), E, device=dev)], 1).contiguous()
 
 
 def tune_moe(dev, dt, results):
