@@ -8,6 +8,16 @@ import os
 from ..layers.weights import CheckpointError, TensorReader
 
 
+def read_json(path: str):
+    """A checkpoint's JSON file (config, index), or a CheckpointError naming the file and where its text stops
+    being JSON."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path} is not valid JSON ({e})") from None
+
+
 class SafetensorsReader(TensorReader):
     def __init__(self, path: str):
         super().__init__()
@@ -16,11 +26,8 @@ class SafetensorsReader(TensorReader):
         index = os.path.join(path, "model.safetensors.index.json")
         single = os.path.join(path, "model.safetensors")
         if os.path.isfile(index):
-            try:
-                with open(index, encoding="utf-8") as f:
-                    weight_map = json.load(f).get("weight_map")
-            except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
-                raise CheckpointError(f"{index} is not a JSON object ({e})") from None
+            contents = read_json(index)
+            weight_map = contents.get("weight_map") if isinstance(contents, dict) else None
             if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
                 raise CheckpointError(f"{index} has no weight_map of tensor names to shard files")
             files = sorted(set(weight_map.values()))

@@ -7,7 +7,6 @@ read, with the list of the supported ones.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -16,6 +15,7 @@ from typing import Any
 from ..config import ModelConfig, check_config_values, eos_ids, replace_fields
 from . import falcon_h1, granite_hybrid, nemotron_h, qwen3_5, qwen3_next
 from .hybrid import HybridForCausalLM
+from .loader import read_json
 from .mtp import MTPHead
 from .nemotron_mtp import NemotronMTPHead
 from .quant import parse_quantization
@@ -97,25 +97,16 @@ def read_config(path: str) -> ModelConfig:
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
         raise FileNotFoundError(f"no config.json in model directory {path!r}")
-    mc = parse_config(_read_json(cfg_path))
+    mc = parse_config(read_json(cfg_path))
     gen_path = os.path.join(path, "generation_config.json")
     if os.path.isfile(gen_path):
-        gen = _read_json(gen_path)
+        gen = read_json(gen_path)
         if not isinstance(gen, dict):
             raise ValueError(f"{gen_path} must hold a JSON object, got {type(gen).__name__}")
         eos = eos_ids(gen.get("eos_token_id"), "generation_config.json")
         mc = replace_fields(mc, eos_token_ids=tuple(dict.fromkeys(mc.eos_token_ids + eos)))
         mc.validate()  # its ids inside the vocabulary
     return mc
-
-
-def _read_json(path: str):
-    """A checkpoint's JSON file, or a ValueError naming the file and where its text stops being JSON."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path} is not valid JSON ({e})") from None
 
 
 def build_model(mc: ModelConfig, dtype, device, tp) -> HybridForCausalLM:
