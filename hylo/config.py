@@ -298,8 +298,8 @@ def check_config_values(cfg: dict[str, Any], where: str = "config.json") -> None
             if key in _POSITIVE_INTS or key in _COUNT_INTS:
                 low = 1 if key in _POSITIVE_INTS else 0
                 high = _INT_LIMITS.get(key, 1 << 22)
-                if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) \
-                        or not low <= value <= high:
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                        or value != int(value) or not low <= value <= high:
                     raise ValueError(f"{name} must be an integer in [{low}, {high}], got {value!r}")
             elif key in _POSITIVE_FLOATS or key == "partial_rotary_factor":
                 if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \

@@ -54,6 +54,8 @@ def _rope(**kv):
     (_rope(partial_rotary_factor=2.0), "partial_rotary_factor must be in (0, 1]"),
     (_set(hidden_size=256.7), "hidden_size must be an integer"),
     (_set(hidden_size=True), "hidden_size must be an integer"),
+    (_set(hidden_size=float("inf")), "hidden_size must be an integer"),  # (JSON's Infinity)
+    (_set(head_dim=float("nan")), "head_dim must be an integer"),
     (_set(hidden_size=-8), "hidden_size must be an integer in [1,"),
     (_set(head_dim=0), "head_dim must be an integer in [1,"),
     (_set(decoder_sparse_step=0), "decoder_sparse_step must be an integer in [1,"),
