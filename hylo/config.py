@@ -395,9 +395,6 @@ class EngineConfig:
             value = getattr(self, name, None)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
                 raise ValueError(f"{name} must be an integer, got {value!r}")
-        budget = self.memory_budget_gb
-        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float))):
-            raise ValueError(f"memory_budget_gb must be a number, got {budget!r}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.chunk_size < 1:
@@ -406,8 +403,10 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < 2:
             raise ValueError(f"kv_cache_tokens must be >= 2, got {self.kv_cache_tokens}")
-        if self.memory_budget_gb is not None and not (self.memory_budget_gb > 0 and math.isfinite(self.memory_budget_gb)):
-            raise ValueError(f"memory_budget_gb must be a positive number, got {self.memory_budget_gb}")
+        budget = self.memory_budget_gb
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float))
+                                   or not (budget > 0 and math.isfinite(budget))):
+            raise ValueError(f"memory_budget_gb must be a positive number, got {budget!r}")
         if self.state_dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"state_dtype must be float32, bfloat16 or float16, got {self.state_dtype!r}")
         if self.spec_commit not in ("replay", "checkpoints"):
