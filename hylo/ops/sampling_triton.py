@@ -13,10 +13,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .sampling import U_MAX
-
 _M32 = tl.constexpr(0xFFFFFFFF)
-_U_MAX = tl.constexpr(U_MAX)  # the noise's top value, below 1 (``sampling.uniform_noise_ref``)
+# the noise's top value, the largest float32 below 1 (``sampling.U_MAX``; like the hash constants below, the
+# reference's value written again here, so that the reference module never imports this one back)
+_U_MAX = tl.constexpr(1.0 - 2.0 ** -24)
 
 
 @triton.jit
