@@ -99,6 +99,51 @@ def test_num_nextn_predict_layers_0_means_no_mtp_head(tmp_path):
         LLM(path, device="cpu", speculative="mtp", verbose=False)
 
 
+def _count_weight_reads(monkeypatch) -> list[str]:
+    """The names of the tensors read from checkpoint files from now on (whole or in part)."""
+    from hylo.models.loader import SafetensorsReader
+
+    reads, load, part = [], SafetensorsReader._load, SafetensorsReader.get_part
+    monkeypatch.setattr(SafetensorsReader, "_load", lambda self, n: reads.append(n) or load(self, n))
+    monkeypatch.setattr(SafetensorsReader, "get_part", lambda self, n, *a: reads.append(n) or part(self, n, *a))
+    return reads
+
+
+def _last_layer_wrong(tensors):  # the last tensor the loader reads, one row short
+    name = "model.layers.7.mlp.shared_expert.down_proj.weight"
+    tensors[name] = tensors[name][:-1]
+
+
+@pytest.mark.parametrize("change,spec,words", [
+    (_last_layer_wrong, None, "'model.layers.7.mlp.shared_expert.down_proj.weight' has shape"),
+    (lambda t: t.pop("model.norm.weight"), None, "missing tensor 'model.norm.weight'"),
+    (lambda t: t.pop("mtp.layers.0.self_attn.k_proj.weight"), "mtp", "missing tensor 'mtp.layers.0.self_attn.k_proj"),
+    (lambda t: t.__setitem__("mtp.fc.weight", t["mtp.fc.weight"].T.contiguous()), "mtp", "'mtp.fc.weight' has shape"),
+])
+def test_a_tensor_missing_or_misshapen_anywhere_is_refused_before_any_weight_is_read(tmp_path, monkeypatch, change,
+                                                                                    spec, words):
+    """The header check loads the model (and the MTP head it will use) on the meta device from the files' headers:
+    a problem in the last layer or the head is found before the first weight is read, not after the rest loaded."""
+    path = _copy(tmp_path)
+    _rewrite_weights(path, change)
+    reads = _count_weight_reads(monkeypatch)
+    with pytest.raises(CheckpointError, match=words):
+        LLM(path, device="cpu", speculative=spec, verbose=False)
+    assert reads == []
+
+
+def test_the_mtp_head_is_checked_only_where_it_is_used(tmp_path, monkeypatch):
+    path = _copy(tmp_path)
+    _rewrite_weights(path, lambda t: t.pop("mtp.norm.weight"))
+    assert LLM(path, device="cpu", verbose=False).generate(["def f"], GREEDY)[0].token_ids  # no head asked for
+    path = _copy(tmp_path, "no_head")
+    _edit_config(path, _set(num_nextn_predict_layers=0))
+    reads = _count_weight_reads(monkeypatch)
+    with pytest.raises(ValueError, match="multi-token-prediction head"):
+        LLM(path, device="cpu", speculative="mtp", verbose=False)
+    assert reads == []  # refused before the model loaded
+
+
 def _rewrite_weights(path: str, change) -> None:
     from safetensors.torch import load_file, save_file
 

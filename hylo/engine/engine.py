@@ -56,7 +56,8 @@ class Engine:
         self.dtype = resolve_dtype(dtype, self.device)
         t0 = time.perf_counter()
         lm = (model if isinstance(model, LoadedModel)
-              else load_model(model, self.dtype, self.device, progress=self.ec.verbose and tp.rank == 0, tp=tp))
+              else load_model(model, self.dtype, self.device, progress=self.ec.verbose and tp.rank == 0, tp=tp,
+                               mtp=getattr(spec_setup, "method", None) == "mtp"))
         self.model_name, self.model_config, self.model = lm.name, lm.config, lm.model
         self.tokenizer, self.is_random = lm.tokenizer, lm.is_random
         self.reader = lm.reader

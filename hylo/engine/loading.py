@@ -15,10 +15,10 @@ from ..models.default import (DEFAULT_MODEL_NAME, DEFAULT_SEED, TRAINED_DEFAULT_
                               trained_default_path)
 from ..models.hub import looks_like_repo_id, resolve as resolve_model
 from ..models.hybrid import HybridForCausalLM
-from ..models.loader import SafetensorsReader
+from ..models.loader import HeaderReader, SafetensorsReader
 from ..models.quant import keep_fp8, quantized_reader
 from ..models.random_init import random_checkpoint
-from ..models.registry import build_model, read_config
+from ..models.registry import build_model, build_mtp, read_config
 from ..parallel.group import SINGLE, TPGroup
 from ..parallel.sharding import ShardedReader, local_config
 from ..tokenizer import ByteTokenizer, load_tokenizer
@@ -54,6 +54,12 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     return names[dtype]
 
 
+# Checkpoints from this size on are checked from their headers before any weight is read (``check_shapes``). The
+# check's first run imports torch's Python meta kernels (about 2 s); a smaller checkpoint loads in about that
+# time and meets the same errors while loading.
+HEADER_CHECK_MIN_BYTES = 1 << 30
+
+
 @dataclass
 class LoadedModel:
     name: str
@@ -70,9 +76,10 @@ class LoadedModel:
 
 
 def load_model(path: str | None, dtype: torch.dtype, device: torch.device, progress: bool = False,
-               tp: TPGroup = SINGLE) -> LoadedModel:
+               tp: TPGroup = SINGLE, mtp: bool = False) -> LoadedModel:
     """A checkpoint directory; None for the embedded default (the trained one when it ships, else random weights);
-    ``"hylo-default-random"`` for the random-weight default."""
+    ``"hylo-default-random"`` for the random-weight default. ``mtp``: the MTP head will be loaded too (its tensors
+    are checked with the model's before any weight is read)."""
     if path is not None and not isinstance(path, str) and hasattr(path, "load"):  # a model source (benchmarks)
         return path.load(dtype, device, tp)
     display_name = None
@@ -87,16 +94,39 @@ def load_model(path: str | None, dtype: torch.dtype, device: torch.device, progr
         name = path if looks_like_repo_id(path) else os.path.basename(os.path.normpath(path))
         path = resolve_model(path)  # a directory, or a Hub id through the local cache (a download when online)
         mc = read_config(path)
-        reader = quantized_reader(SafetensorsReader(path), mc.quantization)  # headers checked, nothing read yet
+        files = SafetensorsReader(path)
+        reader = quantized_reader(files, mc.quantization)  # headers checked, nothing read yet
+        if files.nbytes >= HEADER_CHECK_MIN_BYTES:
+            check_shapes(HeaderReader(files), mc, dtype, tp, mtp)
         if mc.quantization is not None and keep_fp8(device):  # FP8 weights stay FP8 in memory (on the GPU)
             mc = replace_fields(mc, quantization=replace_fields(mc.quantization, keep=True))
         name = display_name or name
         tokenizer, is_random = load_tokenizer(path), False
     local = local_config(mc, tp.size)
-    if tp.size > 1:  # each rank reads only its slice of every tensor
-        reader = ShardedReader(reader, mc, tp.rank, tp.size)
+    reader = _rank_reader(reader, mc, tp)
     with torch.device(device):
         model = build_model(local, dtype, device, tp)
     model.load(reader, progress=progress and not is_random)
     model.eval()
     return LoadedModel(name, mc, model, reader, tokenizer, is_random, local)
+
+
+def _rank_reader(reader: TensorReader, mc: ModelConfig, tp: TPGroup) -> TensorReader:
+    """Under tensor parallelism each rank reads only its slice of every tensor."""
+    return ShardedReader(reader, mc, tp.rank, tp.size) if tp.size > 1 else reader
+
+
+def check_shapes(headers: HeaderReader, mc: ModelConfig, dtype: torch.dtype, tp: TPGroup, mtp: bool) -> None:
+    """Load this rank's model (and with ``mtp`` its MTP head) built on the meta device from the checkpoint's
+    headers alone: a tensor that is missing or not of the shape the config gives is a CheckpointError naming it
+    before any weight is read, not after half the model has loaded. The dry run keeps no FP8 weights (it takes
+    the dequantizing path, which reads the same names)."""
+    reader = _rank_reader(quantized_reader(headers, mc.quantization), mc, tp)
+    local, meta = local_config(mc, tp.size), torch.device("meta")
+    with meta:
+        model = build_model(local, dtype, meta, tp)
+    model.load(reader)
+    if mtp:  # (a checkpoint without a head is refused here too, by build_mtp)
+        with meta:
+            head = build_mtp(local, model, dtype, meta)
+        head.load(reader)

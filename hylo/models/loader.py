@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 
+import torch
+
 from ..layers.weights import CheckpointError, TensorReader
 
 
@@ -40,6 +42,7 @@ class SafetensorsReader(TensorReader):
             raise CheckpointError(f"no model.safetensors or model.safetensors.index.json in {path!r}")
         self._handles = {}
         self._where: dict[str, str] = {}
+        self.nbytes = 0  # the files' size
         for fn in files:
             full = os.path.join(path, fn)
             if not os.path.isfile(full):
@@ -50,6 +53,7 @@ class SafetensorsReader(TensorReader):
                 raise CheckpointError(f"checkpoint file {full!r} cannot be read as safetensors "
                                       f"({str(e).strip() or type(e).__name__})") from None
             self._handles[fn] = h
+            self.nbytes += os.path.getsize(full)
             for k in h.keys():
                 self._where[k] = fn
         if weight_map is not None:
@@ -82,3 +86,34 @@ class SafetensorsReader(TensorReader):
         self.used.add(name)
         part = self._handles[self._where[name]].get_slice(name)
         return part[(slice(None),) * dim + (slice(start, stop),)]
+
+
+# safetensors' dtype codes as torch dtypes (a code not here is read as float32: the header check needs shapes)
+_TORCH_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+                 "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I8": torch.int8, "U8": torch.uint8,
+                 "I16": torch.int16, "I32": torch.int32, "I64": torch.int64, "BOOL": torch.bool}
+
+
+class HeaderReader(TensorReader):
+    """A checkpoint's tensors as meta tensors of their stored shape and dtype, from the files' headers: loading a
+    model built on the meta device through it checks every name and shape the model reads, and reads no weight."""
+
+    def __init__(self, files: SafetensorsReader):
+        super().__init__()
+        self.files = files
+
+    def keys(self):
+        return self.files.keys()
+
+    def has(self, name):
+        return self.files.has(name)
+
+    def shape_of(self, name):
+        return self.files.shape_of(name)
+
+    def dtype_of(self, name):
+        return self.files.dtype_of(name)
+
+    def _load(self, name):
+        return torch.empty(self.shape_of(name), dtype=_TORCH_DTYPES.get(self.dtype_of(name), torch.float32),
+                           device="meta")
