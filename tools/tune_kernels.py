@@ -237,7 +237,6 @@ def tune_grouped(dev, dt, results):
             sweep("pair_path_t32", [M.GROUPED_CFG[0][1]], lambda cfg: whole(cfg, pair_limit=P), floor, results)
 
 
-
 def tune_gather(dev, dt, results):
     """The prefill MoE's pair rows in expert order at an 8192-token bench-6b chunk (90112 rows of 2048, shared
     expert included), as the prefill sorts them (random experts per token): torch's ``index_select`` (cfg 0),
