@@ -18,9 +18,27 @@ from ..ops.linear import dense, swiglu_down
 from ..ops.moe import fused_moe, route_hidden
 
 
+def _gate_up_rows(r: TensorReader, prefix: str, inter: int, hidden: int) -> list[torch.Tensor]:
+    """An expert's gate rows, then its up rows: the parts of its ``gate_up`` weight, top to bottom."""
+    return [r.get(f"{prefix}.gate_proj.weight", (inter, hidden)), r.get(f"{prefix}.up_proj.weight", (inter, hidden))]
+
+
 def _load_gate_up(r: TensorReader, prefix: str, inter: int, hidden: int) -> torch.Tensor:
-    return torch.cat([r.get(f"{prefix}.gate_proj.weight", (inter, hidden)),
-                      r.get(f"{prefix}.up_proj.weight", (inter, hidden))], dim=0)
+    return torch.cat(_gate_up_rows(r, prefix, inter, hidden), dim=0)
+
+
+def _whole(rows: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
+    return rows if isinstance(rows, torch.Tensor) else torch.cat(rows, dim=-2)
+
+
+def _copy_rows(param: torch.Tensor, rows: torch.Tensor | list[torch.Tensor]) -> None:
+    """Copy a weight given whole or as parts stacked along its rows (no temporary of the whole)."""
+    if isinstance(rows, torch.Tensor):
+        rows = [rows]
+    start = 0
+    for part in rows:
+        copy_into(param.narrow(-2, start, part.shape[-2]), part)
+        start += part.shape[-2]
 
 
 class MLP(nn.Module):
@@ -90,26 +108,27 @@ class SparseMoE(nn.Module):
         E, H, I = self.num_experts, self.hidden, self.inter
         copy_into(self.router[:E], r.get(f"{prefix}.gate.weight", (E, H)))
         fused = r.has(f"{prefix}.experts.gate_up_proj")
-        parts = []  # (target index, read(reader) -> w13 rows, read(reader) -> w2 rows)
+        parts = []  # (target index, read(reader) -> w13 rows (whole or in parts), read(reader) -> w2 rows)
         if fused:
             parts.append((slice(0, E), lambda rd: rd.get(f"{prefix}.experts.gate_up_proj", (E, 2 * I, H)),
                           lambda rd: rd.get(f"{prefix}.experts.down_proj", (E, H, I))))
         else:
             for e in range(E):
                 ep = f"{prefix}.experts.{e}"
-                parts.append((e, lambda rd, ep=ep: _load_gate_up(rd, ep, I, H),
+                parts.append((e, lambda rd, ep=ep: _gate_up_rows(rd, ep, I, H),
                               lambda rd, ep=ep: rd.get(f"{ep}.down_proj.weight", (H, I))))
         sp = f"{prefix}.shared_expert"
         if self.fold_shared:
-            parts.append((E, lambda rd: _load_gate_up(rd, sp, I, H),
+            parts.append((E, lambda rd: _gate_up_rows(rd, sp, I, H),
                           lambda rd: rd.get(f"{sp}.down_proj.weight", (H, I))))
             copy_into(self.router[E:], r.get(f"{prefix}.shared_expert_gate.weight", (1, H)))
         elif self.shared is not None:
             self.shared.load(r, sp)
             copy_into(self.shared_gate, r.get(f"{prefix}.shared_expert_gate.weight", (1, H)))
         maps = r.scale_maps() if not isinstance(self.w13, torch.Tensor) else None
-        if maps is not None and not all(fp8_blocks_of(read(r), read(maps), self.w13.block) is not None
-                                        for _, read13, read2 in parts[:1] + parts[-1:] for read in (read13, read2)):
+        if maps is not None and not all(
+                fp8_blocks_of(_whole(read(r)), _whole(read(maps)), self.w13.block) is not None
+                for _, read13, read2 in parts[:1] + parts[-1:] for read in (read13, read2)):
             # stored unquantized, or gate and up rows that do not end on a block (an intermediate size that is
             # not a multiple of the block): the experts are kept in the compute dtype
             maps = None
@@ -119,6 +138,6 @@ class SparseMoE(nn.Module):
         for index, read13, read2 in parts:
             for w, read, name in ((self.w13, read13, "gate_up"), (self.w2, read2, "down")):
                 if maps is None:
-                    copy_into(w[index], read(r))
+                    _copy_rows(w[index], read(r))
                 else:
-                    load_fp8_part(w[index], read(r), read(maps), f"{prefix}.experts ({name}, {index})")
+                    load_fp8_part(w[index], _whole(read(r)), _whole(read(maps)), f"{prefix}.experts ({name}, {index})")
