@@ -5,6 +5,8 @@ under tensor parallelism; what it returns (``LoadedModel``) is what an ``Engine`
 from __future__ import annotations
 
 import os
+import sys
+import time
 from dataclasses import dataclass
 
 import torch
@@ -97,7 +99,12 @@ def load_model(path: str | None, dtype: torch.dtype, device: torch.device, progr
         files = SafetensorsReader(path)
         reader = quantized_reader(files, mc.quantization)  # headers checked, nothing read yet
         if files.nbytes >= HEADER_CHECK_MIN_BYTES:
-            check_shapes(HeaderReader(files), mc, dtype, tp, mtp)
+            t0, headers = time.perf_counter(), HeaderReader(files)
+            check_shapes(headers, mc, dtype, tp, mtp)
+            if progress:
+                print(f"[hylo] {len(headers.used)} tensors checked against config.json from the files' headers "
+                      f"({time.perf_counter() - t0:.1f}s); loading {files.nbytes / 2**30:.1f} GiB", file=sys.stderr,
+                      flush=True)
         if mc.quantization is not None and keep_fp8(device):  # FP8 weights stay FP8 in memory (on the GPU)
             mc = replace_fields(mc, quantization=replace_fields(mc.quantization, keep=True))
         name = display_name or name
