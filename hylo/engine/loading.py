@@ -126,13 +126,11 @@ def _rank_reader(reader: TensorReader, mc: ModelConfig, tp: TPGroup) -> TensorRe
 def check_shapes(headers: HeaderReader, mc: ModelConfig, dtype: torch.dtype, tp: TPGroup, mtp: bool) -> None:
     """Load this rank's model (and with ``mtp`` its MTP head) built on the meta device from the checkpoint's
     headers alone: a tensor that is missing or not of the shape the config gives is a CheckpointError naming it
-    before any weight is read, not after half the model has loaded. The dry run builds no FP8 weights and reads a
-    block-FP8 weight as it is stored (its scales' shapes are ``quant.check_tensors``' to check): the layers ask
-    for the same names and shapes either way."""
+    before any weight is read, not after half the model has loaded. A block-FP8 weight is taken as it is stored:
+    the headers have no scale maps, so the layers load every weight in the compute dtype (the same names and
+    shapes; the scales' shapes are ``quant.check_tensors``' to check)."""
     reader = _rank_reader(headers, mc, tp)
     local, meta = local_config(mc, tp.size), torch.device("meta")
-    if local.quantization is not None:
-        local = replace_fields(local, quantization=None)
     with meta:
         model = build_model(local, dtype, meta, tp)
     model.load(reader)

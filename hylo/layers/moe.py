@@ -24,7 +24,7 @@ def _gate_up_rows(r: TensorReader, prefix: str, inter: int, hidden: int) -> list
 
 
 def _load_gate_up(r: TensorReader, prefix: str, inter: int, hidden: int) -> torch.Tensor:
-    return torch.cat(_gate_up_rows(r, prefix, inter, hidden), dim=0)
+    return _whole(_gate_up_rows(r, prefix, inter, hidden))
 
 
 def _whole(rows: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
