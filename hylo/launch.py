@@ -29,7 +29,7 @@ from .models.hub import resolve as resolve_model
 from .models.registry import read_config
 from .parallel.group import TPGroup
 from .parallel.sharding import check_divisible
-from .spec.setup import SpecSetup
+from .speculative.setup import SpecSetup
 
 # NVLink multicast can take the host's shared GPUs out of service: never let NCCL or symmetric memory use it
 _SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}

@@ -101,7 +101,7 @@ def spec_engine(path, spec=None, **opts):
     """An engine on ``path`` with chunk size 16, plain or speculative (k = 3), quiet; ``opts`` go to EngineConfig."""
     from hylo.config import EngineConfig
     from hylo.engine.engine import Engine
-    from hylo.spec.setup import SpecSetup
+    from hylo.speculative.setup import SpecSetup
 
     opts.setdefault("chunk_size", 16)
     ec = EngineConfig(verbose=False, **({"speculative": spec, "num_speculative_tokens": 3} if spec else {}), **opts)

@@ -8,7 +8,7 @@ from hylo.bench.shapes import bench_config
 from hylo.bench.steps import fake_prefill, prefill_times, time_steps
 from hylo.config import EngineConfig
 from hylo.engine.engine import Engine
-from hylo.spec.setup import SpecSetup
+from hylo.speculative.setup import SpecSetup
 
 
 def fake_caches(conv: tuple, recurrent: tuple, kv: tuple):

@@ -250,7 +250,7 @@ def test_mtp_drafts_follow_the_constraint(monkeypatch):
     the constrained greedy ones."""
     import dataclasses
 
-    import hylo.spec.mtp as mtp
+    import hylo.speculative.mtp as mtp
 
     params = [SamplingParams(max_tokens=100, temperature=0, constraint=c) for c in CONSTRAINTS[:4]]
 

@@ -10,7 +10,7 @@ from hylo import SamplingParams
 from hylo.config import EngineConfig
 from hylo.core import ForwardMode
 from hylo.engine.engine import Engine
-from hylo.spec.setup import SpecSetup
+from hylo.speculative.setup import SpecSetup
 
 from helpers import check_against, cycle_steps, drive, random_prompts, traffic, vocab_of
 

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from hylo import SamplingParams
 from hylo.config import EngineConfig
 from hylo.engine.engine import Engine
-from hylo.spec.setup import SpecSetup
+from hylo.speculative.setup import SpecSetup
 
 from helpers import make_nemotron3_checkpoint, random_prompts, run_all
 

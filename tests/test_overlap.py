@@ -6,7 +6,7 @@ import pytest
 from hylo import SamplingParams
 from hylo.config import EngineConfig
 from hylo.engine.engine import Engine
-from hylo.spec.setup import SpecSetup
+from hylo.speculative.setup import SpecSetup
 
 from helpers import all_freed, check_against, drive, random_prompts, traffic, vocab_of
 

@@ -15,7 +15,7 @@ from hylo.engine.engine import Engine
 from hylo.models.loader import SafetensorsReader
 from hylo.models.registry import parse_config, read_config, supported_model_types
 
-from hylo.spec.setup import SpecSetup
+from hylo.speculative.setup import SpecSetup
 
 from helpers import (Q35, assert_logits_match, fuse_experts, hf_greedy, load_hf_qwen35, make_qwen35_checkpoint,
                      random_prompts, vocab_of)

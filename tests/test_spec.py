@@ -7,7 +7,7 @@ import torch
 from hylo import LLM, SamplingParams
 from hylo.config import EngineConfig
 from hylo.engine.engine import Engine
-from hylo.spec.setup import SpecSetup
+from hylo.speculative.setup import SpecSetup
 
 from helpers import all_freed, load_hf, random_prompts, vocab_of
 

@@ -10,7 +10,7 @@ from hylo import LLM, SamplingParams
 from hylo.models.registry import parse_config
 from hylo.models.default import default_model_config
 from hylo.models.random_init import random_checkpoint
-from hylo.spec.verify import rejection_accept
+from hylo.speculative.verify import rejection_accept
 
 # chi-square critical value at p = 0.001 for dof 1..40 (Wilson-Hilferty approximation is enough here)
 

@@ -9,8 +9,8 @@ from hylo.config import EngineConfig
 from hylo.core import Req, SpecStats
 from hylo.engine.engine import Engine
 from hylo.engine.spec_policy import BASE_INTERVAL, MAX_INTERVAL, PRIOR_RATIO, DraftPolicy
-from hylo.spec.ngram import NgramDrafter
-from hylo.spec.setup import SpecSetup
+from hylo.speculative.ngram import NgramDrafter
+from hylo.speculative.setup import SpecSetup
 
 from helpers import random_prompts, vocab_of
 

@@ -21,7 +21,7 @@ from hylo.bench.steps import fake_prefill
 from hylo.config import EngineConfig
 from hylo.engine.engine import Engine
 from hylo.engine.graphs import _Replay
-from hylo.spec.setup import SpecSetup
+from hylo.speculative.setup import SpecSetup
 
 VIEWS = ("view", "unsqueeze", "select", "slice", "reshape", "detach", "unbind", "lift_fresh", "alias", "expand")
 

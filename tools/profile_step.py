@@ -23,7 +23,7 @@ from hylo.config import EngineConfig
 from hylo.core import SamplingParams
 from hylo.engine.engine import Engine
 from hylo.models.registry import has_mtp_head
-from hylo.spec.setup import SpecSetup
+from hylo.speculative.setup import SpecSetup
 
 
 def main():

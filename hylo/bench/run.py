@@ -27,7 +27,7 @@ from ..models.registry import build_model as build_family_model, has_mtp_head
 from ..models.random_init import RandomFp8Reader, RandomReader
 from ..ops.triton_utils import pdl_settings
 from ..parallel.group import SINGLE
-from ..spec.setup import SpecSetup
+from ..speculative.setup import SpecSetup
 
 GB = 1e9
 # the batch-1 and speculative engines decode from context 1k: the overlap records alone run about 100 steps of up

@@ -17,7 +17,7 @@ import torch
 
 from ..config import EngineConfig
 from ..engine.engine import Engine, LoadedModel
-from ..spec.setup import SpecSetup
+from ..speculative.setup import SpecSetup
 from .run import build_model, release_gpu_memory, results_file
 from .steps import _sync, clear, fake_prefill
 

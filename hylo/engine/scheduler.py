@@ -262,7 +262,7 @@ class Scheduler:
     def _may_end_in_flight(self, req: Req) -> bool:
         """A verify in flight may finish the request (its max_tokens or the context limit) if it accepts enough
         drafts. A plain step after it would compute a token past the end (a verify row there is inert instead,
-        see ``spec.verify.accept_limit``): the next step verifies instead where every row has drafts, and otherwise
+        see ``speculative.verify.accept_limit``): the next step verifies instead where every row has drafts, and otherwise
         such a request waits for the verify's results. Its state then ends where its output does, which is where
         its conversation's next turn resumes from the prefix cache."""
         return req.inflight_verify > 0 and self._ends_within(req, req.inflight_new + self.k * req.inflight_verify)

@@ -155,7 +155,7 @@ def _accept_kernel(best_ptr, ids_ptr, forced_ptr, req_ptr, lens_ptr, last_ptr, s
                    LIMIT: tl.constexpr, NUM_EOS: tl.constexpr, SAMP: tl.constexpr, BLOCK: tl.constexpr):
     """Rows [BLOCK] of a greedy verify: a = the drafts (the fed tokens after the first) that match the target's
     argmax before the first mismatch, or ``forced[row]`` (simulated acceptance), at most the row's limit
-    (``spec.verify.accept_limit``: its max_tokens, and the first end-of-sequence token among the emitted ones
+    (``speculative.verify.accept_limit``: its max_tokens, and the first end-of-sequence token among the emitted ones
     unless it ignores them); the emitted tokens are the drafts before position a and the target's tokens from it;
     then the tables (newest token best[a], committed length seq_len - K + a; not for request slot 0) and the host's
     packed row (emitted, a + 1)."""
@@ -209,7 +209,7 @@ def accept_record(best: torch.Tensor, input_ids: torch.Tensor, req_slots: torch.
     ``ReqSlots.record`` and the packing for the host took about a dozen. best: [B, k + 1] the target's argmax;
     input_ids: [B * (k + 1)] the fed tokens (newest, then the k drafts); seq_lens: [B] the lengths after the fed
     tokens; ``forced``: [B] accepted counts that replace the matching (simulated acceptance); ``sampling_i``
-    (``ReqSlots.sampling_i``) and ``eos`` [E]: limit each row as ``spec.verify.accept_limit`` does. Returns (emitted
+    (``ReqSlots.sampling_i``) and ``eos`` [E]: limit each row as ``speculative.verify.accept_limit`` does. Returns (emitted
     [B, k + 1], accepted [B], packed [B, k + 2]: emitted, then accepted + 1), int64."""
     rows, k1 = best.shape
     best = best.contiguous()

@@ -13,7 +13,7 @@ from hylo.engine.engine import Engine
 from hylo.models.default import default_model_config
 from hylo.models.random_init import random_checkpoint
 from hylo.models.registry import parse_config
-from hylo.spec.setup import SpecSetup
+from hylo.speculative.setup import SpecSetup
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 

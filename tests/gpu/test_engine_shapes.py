@@ -11,7 +11,7 @@ import torch
 from hylo import SamplingParams
 from hylo.config import EngineConfig
 from hylo.engine.engine import Engine
-from hylo.spec.setup import SpecSetup
+from hylo.speculative.setup import SpecSetup
 
 from helpers import random_prompts, vocab_of
 

@@ -103,7 +103,7 @@ def test_accept_record_equals_greedy_accept_and_record(dev, rows, k, simulated):
     tokens, the packed rows the host reads, and the table writes of ``ReqSlots.record`` (padding row, request slot
     0, left alone); more rows than one program's block (130)."""
     from hylo.ops.tables_triton import accept_record
-    from hylo.spec.verify import greedy_accept
+    from hylo.speculative.verify import greedy_accept
 
     g = torch.Generator().manual_seed(rows * 10 + k)
     t, _ = _tables(dev, max(12, rows), seed=rows)
@@ -165,7 +165,7 @@ def test_accept_record_stops_at_max_tokens_and_eos(dev, rows, k, simulated):
     max_tokens or its first end-of-sequence token (unless the row ignores them): as ``accept_limit`` on top of
     ``greedy_accept`` (or the forced counts)."""
     from hylo.ops.tables_triton import accept_record
-    from hylo.spec.verify import accept_limit, greedy_accept
+    from hylo.speculative.verify import accept_limit, greedy_accept
 
     g = torch.Generator().manual_seed(rows + 100 * k)
     n = max(12, rows)
