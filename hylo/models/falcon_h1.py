@@ -18,13 +18,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..config import Mamba2Spec, ModelConfig, MuP, eos_ids
+from ..config import Mamba2Spec, ModelConfig, MuP
 from ..core import ForwardBatch
 from ..layers.attention import Attention
 from ..layers.mamba2 import Mamba2Mixer
 from ..layers.moe import MLP
 from ..layers.weights import TensorReader, copy_into
 from ..ops.norm import rms_norm_plain
+from .hf_config import eos_ids
 from .stack import LayerStack, json_float, mamba2_model_config
 
 MODEL_TYPES = ("falcon_h1",)

@@ -15,13 +15,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..config import GroupedRouter, Mamba2Spec, ModelConfig, eos_ids
+from ..config import GroupedRouter, Mamba2Spec, ModelConfig
 from ..core import ForwardBatch
 from ..layers.attention import Attention
 from ..layers.mamba2 import Mamba2Mixer
 from ..layers.mlp import GroupedSigmoidMoE, SquaredReluMLP
 from ..layers.weights import TensorReader, copy_into
 from ..ops.norm import add_rms_norm, rms_norm_plain
+from .hf_config import eos_ids
 from .stack import LayerStack, mamba2_model_config
 
 MODEL_TYPES = ("nemotron_h",)

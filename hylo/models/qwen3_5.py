@@ -20,8 +20,9 @@ from typing import Any
 import torch
 
 from ..backends.gdn import GDNShape
-from ..config import ModelConfig, eos_ids, replace_fields
+from ..config import ModelConfig, replace_fields
 from ..layers.weights import TensorReader
+from .hf_config import eos_ids
 from .hybrid import HybridForCausalLM
 from .qwen3_next import parse_gdn_hybrid
 

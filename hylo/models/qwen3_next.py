@@ -13,8 +13,9 @@ from typing import Any
 import torch
 
 from ..backends.gdn import GDNShape
-from ..config import ModelConfig, eos_ids, layer_types_of, rope_of
+from ..config import ModelConfig
 from ..layers.weights import TensorReader
+from .hf_config import eos_ids, layer_types_of, rope_of
 from .hybrid import HybridForCausalLM
 
 

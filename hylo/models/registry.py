@@ -12,8 +12,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..config import ModelConfig, check_config_values, eos_ids, replace_fields
+from ..config import ModelConfig, replace_fields
 from . import falcon_h1, granite_hybrid, nemotron_h, qwen3_5, qwen3_next
+from .hf_config import check_config_values, eos_ids
 from .hybrid import HybridForCausalLM
 from .loader import read_json
 from .mtp import MTPHead
