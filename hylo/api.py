@@ -12,7 +12,8 @@ from collections.abc import Iterable, Sequence
 from tqdm.auto import tqdm
 
 from .config import EngineConfig
-from .core import CompletionOutput, RequestOutput, SamplingParams
+from .core import CompletionOutput, RequestOutput
+from .sampling_params import SamplingParams
 from .launch import create_engine
 
 

@@ -85,7 +85,7 @@ def _constraint(args):
 
 def _generate(args) -> int:
     from .api import LLM
-    from .core import SamplingParams
+    from .sampling_params import SamplingParams
 
     given = [x for x in (args.text, args.prompt, args.prompt_file) if x is not None]
     if len(given) > 1:

@@ -4,7 +4,8 @@ or that a row does not need (reserved ahead)."""
 
 import torch
 
-from hylo.core import ForwardMode, Req, SamplingParams
+from hylo.core import ForwardMode, Req
+from hylo.sampling_params import SamplingParams
 from hylo.engine.plan import ScheduledBatch
 
 

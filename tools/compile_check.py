@@ -71,7 +71,7 @@ def record(checkpoint: str | None, spec: str | None, out: str) -> None:
 
     InterpretedFunction.run = run
     from hylo.api import LLM
-    from hylo.core import SamplingParams
+    from hylo.sampling_params import SamplingParams
 
     options = {"speculative": spec, "num_speculative_tokens": 3} if spec else {}
     llm = LLM(checkpoint or "hylo-default-random", device="cpu", dtype="float32", verbose=False, max_num_seqs=4,

@@ -20,7 +20,7 @@ from hylo.bench.run import build_model
 from hylo.bench.shapes import bench_config
 from hylo.bench.steps import clear, fake_prefill, graph_alone_ms, overlap_profile, time_steps
 from hylo.config import EngineConfig
-from hylo.core import SamplingParams
+from hylo.sampling_params import SamplingParams
 from hylo.engine.engine import Engine
 from hylo.models.registry import has_mtp_head
 from hylo.speculative.setup import SpecSetup

@@ -19,7 +19,7 @@ import time
 import torch
 
 from ..config import EngineConfig
-from ..core import SamplingParams
+from ..sampling_params import SamplingParams
 from ..engine.engine import Engine, LoadedModel
 from .steps import clear, fake_prefill, time_steps
 

@@ -9,7 +9,8 @@ import time
 import torch
 
 from .floors import _time_cuda
-from ..core import ReqStatus, SamplingParams
+from ..core import ReqStatus
+from ..sampling_params import SamplingParams
 from ..engine.engine import Engine
 
 

@@ -21,11 +21,12 @@ from ..cache.prefix_cache import PrefixCache
 from ..constrain.automaton import AutomatonCache
 from ..constrain.host import write_host_masks
 from ..config import EngineConfig
-from ..core import ForwardMode, Req, RequestOutput, SamplingParams, SpecStats
+from ..core import ForwardMode, Req, RequestOutput, SpecStats
 from ..models.default import DEFAULT_MODEL_NAME, TRAINED_DEFAULT_NAME
 from ..models.registry import family_of
 from ..parallel.group import SINGLE, TPGroup
 from ..ops.triton_utils import use_triton
+from ..sampling_params import SamplingParams
 from .graphs import default_capture_sizes
 from .host_reads import HostReads, PendingRead, StepTimer
 from .loading import LoadedModel, load_model, resolve_device, resolve_dtype  # noqa: F401  (re-exported)

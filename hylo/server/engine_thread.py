@@ -16,7 +16,8 @@ import time
 import traceback
 from dataclasses import dataclass, field
 
-from ..core import Req, SamplingParams
+from ..core import Req
+from ..sampling_params import SamplingParams
 from ..engine.engine import Engine
 from .metrics import Metrics
 

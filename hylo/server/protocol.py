@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool
 
-from ..core import INT64_MAX, INT64_MIN, SamplingParams
+from ..sampling_params import INT64_MAX, INT64_MIN, SamplingParams
 
 
 def _no_coercion(value):
