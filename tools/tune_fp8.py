@@ -121,7 +121,8 @@ def tune_matmul(dev, results, rows_list=(64, 256)):
 
 
 def fp8_env(results, shape: str) -> list[str]:
-    """HYLO_GROUPED_FP8_CFG (the 64-token winner up to 1024 pairs, the 256-token one past) and, where the swapped
+    """HYLO_GROUPED_FP8_CFG (the 64-token winner up to 1024 pairs, the 256-token one up to 4096, the committed
+    table's last tile past that: prefill's, which the sizes swept say nothing of) and, where the swapped
     dot's winners take less time over the sizes swept both ways, HYLO_GROUPED_FP8_SWAP=1 with their table; the
     W8A16 matmul's tile (HYLO_FP8_MATMUL_CFG) that does best over 64 and 256 rows together."""
     runs = {swap: [results.get(f"grouped_fp8_{shape}_t{t}{swap}") for t in (64, 256)] for swap in ("", "_swap")}
@@ -131,7 +132,8 @@ def fp8_env(results, shape: str) -> list[str]:
         swap = bool(paired) and sum(b["best_us"] - a["best_us"] for a, b in paired) < 0
         small, large = runs["_swap" if swap else ""]
         cfg = lambda r: ",".join(map(str, r["best"] if r else M.GROUPED_FP8_CFG[0][1]))  # noqa: E731
-        lines += [f"export HYLO_GROUPED_FP8_CFG='1024:{cfg(small)};max:{cfg(large)}'",
+        prefill = ",".join(map(str, M.GROUPED_FP8_CFG[-1][1]))
+        lines += [f"export HYLO_GROUPED_FP8_CFG='1024:{cfg(small)};4096:{cfg(large)};max:{prefill}'",
                   f"export HYLO_GROUPED_FP8_SWAP={int(swap)}"]
     matmul = overall_winner([results.get(f"fp8_matmul_t{t}") for t in (64, 256)])
     if matmul:  # the tile with the least sum of time over each size's best

@@ -92,8 +92,9 @@ def _fp8_matmul_kernel(x_ptr, q_ptr, s_ptr, b_ptr, y_ptr, M, N, K: tl.constexpr,
              mask=mm[:, None] & mn[None, :])
 
 
-# (BM, BN, BK, warps, stages): a first choice, not yet measured on a GPU (HYLO_FP8_MATMUL_CFG replaces it)
-FP8_MATMUL_CFG = env_cfg("HYLO_FP8_MATMUL_CFG", (64, 128, 128, 8, 3))
+# (BM, BN, BK, warps, stages): ``tools/tune_fp8.py``'s pick for 64 to 256 rows (a verify step's; more rows are
+# dequantized for cuBLAS, ``ops/linear.FP8_DEQUANT_ROWS``), session 32 on an H100. HYLO_FP8_MATMUL_CFG replaces it.
+FP8_MATMUL_CFG = env_cfg("HYLO_FP8_MATMUL_CFG", (64, 64, 128, 4, 3))
 
 
 def fp8_tiles_ok(w) -> bool:

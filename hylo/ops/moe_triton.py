@@ -231,13 +231,17 @@ def parse_grouped_cfg(text: str, var: str = "HYLO_GROUPED_CFG") -> tuple:
 if os.environ.get("HYLO_GROUPED_CFG"):
     GROUPED_CFG = parse_grouped_cfg(os.environ["HYLO_GROUPED_CFG"])
 # Block-FP8 experts' table (same form; HYLO_GROUPED_FP8_CFG replaces it). bfloat16 experts on Hopper leave these
-# kernels to torch._grouped_mm past a few hundred pairs, but FP8 ones stay here at every size, and the table above
-# was tuned on bfloat16 tiles (BK <= SBK caps an FP8 tile at its block's 128 columns). Until it is swept
-# (``tools/tune_fp8.py``), the FP8 table is the bfloat16 one.
-GROUPED_FP8_CFG = GROUPED_CFG
+# kernels to torch._grouped_mm past a few hundred pairs, but FP8 ones stay here at every size (BK <= SBK caps an FP8
+# tile at its block's 128 columns). Up to 4096 pairs (decode and verify: 512 tokens at top-8): the tiles that
+# ``tools/tune_fp8.py`` measured best at the Qwen3.5-35B-A3B shape on an H100 at 64 and 256 tokens (session 32:
+# 1.63x and 1.71x the expert bytes' floor; the bs64 MTP verify step took 30.1 ms with them, 39.7 ms with the
+# bfloat16 table's tiles). Past that (prefill): the bfloat16 table's large tile, which ran the 8192-token prefill
+# in 177 ms against 265 ms with the small one.
+GROUPED_FP8_CFG = ((4096, (16, 32, 128, 4, 3, 64, 128, 4, 3)), GROUPED_CFG[-1])
 if os.environ.get("HYLO_GROUPED_FP8_CFG"):
     GROUPED_FP8_CFG = parse_grouped_cfg(os.environ["HYLO_GROUPED_FP8_CFG"], "HYLO_GROUPED_FP8_CFG")
-# The FP8 tiles' dot with its operands swapped (``_expert_tile``); off until measured (``tools/tune_fp8.py``).
+# The FP8 tiles' dot with its operands swapped (``_expert_tile``); off: slower at both sizes swept (session 32, H100:
+# 336 against 322 us at 256 tokens, 279 against 269 us at 64).
 GROUPED_FP8_SWAP = env_flag("HYLO_GROUPED_FP8_SWAP", False)
 
 
