@@ -49,9 +49,9 @@ class Engine:
 
     def __init__(self, model: "str | LoadedModel | None" = None, device: str = "auto", dtype: str = "auto",
                  engine_config: EngineConfig | None = None, spec_setup=None, tp: TPGroup = SINGLE):
-        """``spec_setup`` (from ``hylo.speculative``) adds speculative decoding: ``prepare(loaded_model, dtype, device)``
-        loads what the drafter needs and returns how many extra KV layers it wants; ``wrap(worker, config)``
-        returns the speculative worker."""
+        """``spec_setup`` (from ``hylo.speculative``) adds speculative decoding: ``prepare(loaded_model, dtype,
+        device)`` loads what the drafter needs and returns how many extra KV layers it wants; ``wrap(worker,
+        config)`` returns the speculative worker."""
         self.ec = engine_config or EngineConfig()
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)

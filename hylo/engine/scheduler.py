@@ -35,10 +35,11 @@ from collections import deque
 import torch
 
 from ..cache.memory import Caches
-from ..cache.prefix_cache import Hit, PrefixCache
+from ..cache.prefix_cache import PrefixCache
 from ..config import EngineConfig
 from ..core import ForwardMode, Req, ReqStatus
 from .plan import ScheduledBatch
+from .prefix_reuse import PrefixReuse
 from .spec_policy import DraftPolicy, StepChoice
 
 
@@ -53,8 +54,9 @@ class Scheduler:
         # with speculation: whether each step of decoding rows verifies drafts or decodes plainly
         self.policy = (DraftPolicy(num_spec_tokens, adaptive=ec.spec_policy == "adaptive")
                        if num_spec_tokens else None)
-        self.cache = prefix_cache
-        self.snapshot_interval = ec.prefix_state_interval or ec.chunk_size
+        # the prefix cache's side of admission, release and prefill chunks (None: prefix caching off)
+        self.reuse = (PrefixReuse(prefix_cache, ec.prefix_state_interval or ec.chunk_size)
+                      if prefix_cache is not None else None)
         # an upper bound of the positions reserved past the fed tokens (see _kv_end)
         self.kv_lookahead = 2 * num_spec_tokens
         self.waiting: deque[Req] = deque()
@@ -90,18 +92,13 @@ class Scheduler:
         c = self.caches
         own = torch.cat(req.kv_locs) if req.kv_locs else torch.empty(0, dtype=torch.int64)
         keep_state = False
-        if self.cache is not None:
-            if req.use_prefix_cache and req.state_slot > 0 and req.state_len > req.prefix_len:
-                # where the request stops is where its conversation's next turn resumes: its computed tokens go
-                # into the tree, its state slot becomes their snapshot
-                keep_state, own = self._cache_computed(req, own)
-            elif req.cache_node is not None and req.cache_node.end > req.prefix_len:
-                own = self._not_in_tree(req, own, req.known_tokens(req.cache_node.end))  # keep what we gave
+        if self.reuse is not None:
+            keep_state, own = self.reuse.on_release(req, own)
         if own.numel():
             c.kv_pool.free(own)
         req.kv_locs = []
         if req.cache_node is not None:
-            self.cache.unlock(req.cache_node)
+            self.reuse.cache.unlock(req.cache_node)
             req.cache_node = None
         if req.req_slot > 0:
             c.req_slots.free(req.req_slot)
@@ -110,27 +107,6 @@ class Scheduler:
         req.req_slot = req.state_slot = -1
         req.num_kv = req.prefix_len = req.state_len = 0
         req.release_deferred = False
-
-    def _cache_computed(self, req: Req, own: torch.Tensor) -> tuple[bool, torch.Tensor]:
-        """Insert the request's computed tokens (and, as their snapshot, its state slot) into the prefix cache.
-        Returns whether the slot went to the cache and the own KV locations the caller still frees."""
-        n = req.state_len
-        tokens = req.known_tokens(n + 1)
-        if len(tokens) < n:  # not every computed token is known to the host: nothing exact to keep
-            node = req.cache_node
-            return False, own if node is None else self._not_in_tree(req, own, req.known_tokens(node.end))
-        node, _ = self.cache.insert(tokens[:n], own, req.prefix_len, tokens[n] if len(tokens) > n else -1)
-        kept = self.cache.adopt_snapshot(node, req.state_slot)
-        return kept, self._not_in_tree(req, own, tokens[:n])
-
-    def _not_in_tree(self, req: Req, own: torch.Tensor, tokens: list[int]) -> torch.Tensor:
-        """Of the request's own locations (positions prefix_len on), those the tree does not hold for ``tokens``:
-        it holds some of ours where we gave them (chunk snapshots, the insert above) and others' where another
-        request computed the same tokens first; ours there are duplicates."""
-        n = len(tokens)
-        mine = own[:n - req.prefix_len]
-        tree = self.cache.path_locs(tokens)[req.prefix_len:]
-        return torch.cat([mine[mine != tree], own[n - req.prefix_len:]])
 
     def _preempt(self, req: Req) -> None:
         self.running.remove(req)
@@ -161,16 +137,15 @@ class Scheduler:
 
     def step_failed(self, plan: ScheduledBatch) -> None:
         """``plan`` was never launched (its launch raised): give back what it reserved for its completion."""
-        for _, slot in plan.snapshots.values():
-            self.cache.drop_reserved(slot)
-        plan.snapshots.clear()
+        if self.reuse is not None:
+            self.reuse.drop_snapshots(plan)
 
     def step_done(self, plan: ScheduledBatch, row: int, committed: int) -> None:
         """Row ``row`` of ``plan`` completed and committed ``committed`` tokens to the caches."""
         req = plan.reqs[row]
         req.state_len += committed
         if row in plan.snapshots:
-            self._add_chunk_snapshot(req, *plan.snapshots[row])
+            self.reuse.add_chunk_snapshot(req, *plan.snapshots[row])
         req.inflight -= 1
         req.inflight_advance -= plan.extend_lens[row]
         req.inflight_verify -= plan.mode is ForwardMode.TARGET_VERIFY
@@ -194,62 +169,6 @@ class Scheduler:
         req.kv_locs = [locs[:keep - req.prefix_len]]
         req.num_kv = keep
 
-    # ---- prefix cache ---------------------------------------------------------------------------------------------
-    def _use_hit(self, req: Req, hit: Hit | None, plan: ScheduledBatch) -> None:
-        """A newly admitted request reuses a cached prefix (``hit``, already locked): its KV locations are shared
-        (written into ``req_to_token`` like new ones), the snapshot is copied into its state slot before the step."""
-        if req.num_preemptions == 0:  # the hit rate counts each request's prompt once
-            self.cache.stats.queried_tokens += req.num_tokens
-            self.cache.stats.hit_tokens += hit.length if hit is not None else 0
-            req.num_cached_tokens = hit.length if hit is not None else 0
-        if hit is None:
-            return
-        if req.num_preemptions:
-            self.cache.stats.resumed_tokens += hit.length
-        req.cache_node, req.prefix_len = hit.node, hit.length
-        req.num_computed = req.num_kv = req.state_len = req.last_snapshot = hit.length
-        plan.kv_starts.append((req.req_slot, 0))
-        plan.kv_locs.append(hit.locs)
-        plan.copies_before.append((hit.snapshot, req.state_slot))
-        plan.hits.append((req, hit.length))
-
-    def _plan_chunk_snapshot(self, plan: ScheduledBatch, req: Req, end: int) -> None:
-        """Keep the state after a prefill chunk ending at ``end`` when it ends the known tokens (the prompt) or
-        ``snapshot_interval`` tokens passed since the request's last snapshot: a copy of the slot queued after the
-        step, added to the tree when the row completes (by then the token after ``end`` is known)."""
-        if end < req.num_tokens and end - req.last_snapshot < self.snapshot_interval and end != req.branch_point:
-            return
-        if end <= req.prefix_len:
-            return
-        slot = self.cache.reserve_snapshot()
-        if slot is None:
-            return
-        req.last_snapshot = end
-        plan.snapshots[len(plan.reqs) - 1] = (end, slot)
-        plan.copies_after.append((req.state_slot, slot))
-
-    def _add_chunk_snapshot(self, req: Req, end: int, slot: int) -> None:
-        """The row that made a chunk snapshot completed: its tokens [0, end) and the snapshot go into the tree, and
-        the request's shared prefix grows to ``end`` (the tree owns those locations now)."""
-        tokens = req.known_tokens(end + 1)
-        kept = False
-        if len(tokens) >= end and req.req_slot > 0 and req.num_kv >= end > req.prefix_len:
-            own = torch.cat(req.kv_locs)
-            # the tree takes our locations for the positions it does not hold yet (where another request computed
-            # these tokens first, it keeps its own and ours stay ours until the request ends)
-            node, held = self.cache.insert(tokens[:end], own, req.prefix_len, tokens[end] if len(tokens) > end else -1)
-            kept = self.cache.add_snapshot(node, slot)
-            if held < end:  # we gave the tree locations we still use: hold them against eviction
-                self.cache.lock(node)
-                if req.cache_node is not None:
-                    self.cache.unlock(req.cache_node)
-                req.cache_node = node
-                if held == req.prefix_len:  # all of [prefix_len, end) is the tree's now: our share starts at end
-                    req.kv_locs = [own[end - req.prefix_len:]]
-                    req.prefix_len = end
-        if not kept:
-            self.cache.drop_reserved(slot)
-
     def _ends_within(self, req: Req, more: int) -> bool:
         """``more`` output tokens beyond those the host has reach the request's max_tokens or the context limit."""
         return (len(req.output_ids) + more >= req.params.max_tokens
@@ -262,9 +181,9 @@ class Scheduler:
     def _may_end_in_flight(self, req: Req) -> bool:
         """A verify in flight may finish the request (its max_tokens or the context limit) if it accepts enough
         drafts. A plain step after it would compute a token past the end (a verify row there is inert instead,
-        see ``speculative.verify.accept_limit``): the next step verifies instead where every row has drafts, and otherwise
-        such a request waits for the verify's results. Its state then ends where its output does, which is where
-        its conversation's next turn resumes from the prefix cache."""
+        see ``speculative.verify.accept_limit``): the next step verifies instead where every row has drafts, and
+        otherwise such a request waits for the verify's results. Its state then ends where its output does, which
+        is where its conversation's next turn resumes from the prefix cache."""
         return req.inflight_verify > 0 and self._ends_within(req, req.inflight_new + self.k * req.inflight_verify)
 
     # ---- one step ---------------------------------------------------------------------------------------------
@@ -332,22 +251,18 @@ class Scheduler:
                 break
             if self.caches.req_slots.num_free == 0 or self.caches.state_pool.num_free == 0:
                 break
-            cached = self.cache is not None and req.use_prefix_cache
-            tokens = req.prompt_ids + req.output_ids
-            hit = self.cache.match(tokens) if cached else None
+            cached = self.reuse is not None and req.use_prefix_cache
+            hit, req.branch_point = self.reuse.lookup(req) if cached else (None, 0)
             m = hit.length if hit is not None else 0
-            # where its tokens leave the cached ones, a later request sharing them would want a snapshot
-            held = self.cache.held(tokens) if cached else 0
-            req.branch_point = held if m < held < len(tokens) else 0
             n = self._chunk(req, m, budget)
             need = self._kv_end(req, n, False, m) - m  # new locations (a waiting request holds none)
             # keep room for one more step of every running request, so admissions do not force preemptions at once
             room = len(self.running) * (self.kv_lookahead + 1)
             if hit is not None:
-                self.cache.lock(hit.node)  # before any eviction below can take it
+                self.reuse.cache.lock(hit.node)  # before any eviction below can take it
             if self.caches.kv_pool.num_free < need + room and not self._evict_for(need + room):
                 if hit is not None:
-                    self.cache.unlock(hit.node)
+                    self.reuse.cache.unlock(hit.node)
                 break
             self.waiting.popleft()
             req.req_slot = self.caches.req_slots.alloc()
@@ -362,7 +277,7 @@ class Scheduler:
             self.running.append(req)
             plan.admitted.append(req)
             if cached:
-                self._use_hit(req, hit, plan)
+                self.reuse.use_hit(req, hit, plan)
             reserved = self._reserve(req, m + need, [], plan)
             assert reserved
             self._add_row(plan, req, n, False, m)
@@ -382,8 +297,8 @@ class Scheduler:
         # a verify row feeds its last token plus k drafts; the drafts are not in req's tokens
         plan.sample.append(is_decode or c + n == req.num_tokens)
         plan.from_device.append(is_decode)
-        if self.cache is not None and req.use_prefix_cache and not is_decode:
-            self._plan_chunk_snapshot(plan, req, c + n)
+        if self.reuse is not None and req.use_prefix_cache and not is_decode:
+            self.reuse.plan_chunk_snapshot(plan, req, c + n)
 
     @staticmethod
     def _chunk(req: Req, c: int, budget: int) -> int:
@@ -396,8 +311,9 @@ class Scheduler:
     def _evict_for(self, need: int) -> bool:
         """Evict cached KV until ``need`` locations are free; whether they are."""
         kv = self.caches.kv_pool
-        if self.cache is not None and kv.num_free < need and kv.num_free + self.cache.evictable_kv >= need:
-            self.cache.evict_kv(need - kv.num_free)
+        cache = self.reuse.cache if self.reuse is not None else None
+        if cache is not None and kv.num_free < need and kv.num_free + cache.evictable_kv >= need:
+            cache.evict_kv(need - kv.num_free)
         return kv.num_free >= need
 
     def _kv_end(self, req: Req, n: int, is_decode: bool, c: int) -> int:

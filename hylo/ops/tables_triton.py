@@ -209,8 +209,8 @@ def accept_record(best: torch.Tensor, input_ids: torch.Tensor, req_slots: torch.
     ``ReqSlots.record`` and the packing for the host took about a dozen. best: [B, k + 1] the target's argmax;
     input_ids: [B * (k + 1)] the fed tokens (newest, then the k drafts); seq_lens: [B] the lengths after the fed
     tokens; ``forced``: [B] accepted counts that replace the matching (simulated acceptance); ``sampling_i``
-    (``ReqSlots.sampling_i``) and ``eos`` [E]: limit each row as ``speculative.verify.accept_limit`` does. Returns (emitted
-    [B, k + 1], accepted [B], packed [B, k + 2]: emitted, then accepted + 1), int64."""
+    (``ReqSlots.sampling_i``) and ``eos`` [E]: limit each row as ``speculative.verify.accept_limit`` does. Returns
+    (emitted [B, k + 1], accepted [B], packed [B, k + 2]: emitted, then accepted + 1), int64."""
     rows, k1 = best.shape
     best = best.contiguous()
     emitted = torch.empty(rows, k1, dtype=torch.int64, device=best.device)
