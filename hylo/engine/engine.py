@@ -22,14 +22,12 @@ from ..constrain.automaton import AutomatonCache
 from ..constrain.host import write_host_masks
 from ..config import EngineConfig
 from ..core import ForwardMode, Req, RequestOutput, SpecStats
-from ..models.default import DEFAULT_MODEL_NAME, TRAINED_DEFAULT_NAME
-from ..models.registry import family_of
 from ..parallel.group import SINGLE, TPGroup
 from ..ops.triton_utils import use_triton
 from ..sampling_params import SamplingParams
 from .graphs import default_capture_sizes
 from .host_reads import HostReads, PendingRead, StepTimer
-from .loading import LoadedModel, load_model, resolve_device, resolve_dtype  # noqa: F401  (re-exported)
+from .loading import LoadedModel, load_model, print_load_notes, print_model_line, resolve_device, resolve_dtype
 from .plan import ScheduledBatch
 from .scheduler import Scheduler
 from .outputs import append_token, apply_prompt_logprobs, unpack_logprobs
@@ -66,23 +64,8 @@ class Engine:
         # costs over before each step (set_step_costs), the others never measure
         self.times_steps = tp.rank == 0
         extra_kv = spec_setup.prepare(lm, self.dtype, self.device) if spec_setup is not None else 0
-        ignored = family_of(lm.config.model_type).ignored
-        unused = self.reader.unused(ignore_prefixes=("mtp.",) + tuple(p for p, _ in ignored))
         if self.ec.verbose and tp.rank == 0:
-            for prefix, what in ignored:
-                count = sum(1 for k in self.reader.keys() if k.startswith(prefix))
-                if count:
-                    print(f"[hylo] {what} ({count} tensors under {prefix}*) is not loaded: hylo serves the text "
-                          f"model, and refuses requests with image or video content", file=sys.stderr)
-            if unused:
-                print(f"[hylo] warning: {len(unused)} checkpoint tensors not used, e.g. {unused[0]!r}",
-                      file=sys.stderr)
-            if lm.config.quantization is not None:
-                q, dt = lm.config.quantization, str(self.dtype).removeprefix("torch.")
-                fp8 = sum(p.numel() for n, p in self.model.named_parameters() if p.dtype == torch.float8_e4m3fn)
-                how = (f"{fp8 / 1e9:.2f} B weights kept in FP8 ({fp8 / 2**30:.1f} GiB), dequantized by the kernels as "
-                       f"they load them" if q.keep else f"weights dequantized to {dt} at load")
-                print(f"[hylo] block-FP8 checkpoint ({q.block[0]}x{q.block[1]} blocks): {how}", file=sys.stderr)
+            print_load_notes(lm, self.dtype)  # (after the drafter's prepare: it reads the mtp.* tensors)
         self.caches = allocate_caches(lm.shard_config, self.ec, self.dtype, self.device, extra_kv)
         self.max_model_len = self.caches.max_model_len
         k = self.ec.spec_tokens
@@ -116,16 +99,7 @@ class Engine:
         self.host_syncs = 0  # blocking reads for host-matched constraints (constrain.host)
         self.load_seconds = time.perf_counter() - t0
         if self.ec.verbose:
-            if self.is_random:  # the embedded default untrained, or a benchmark shape
-                kind = ("embedded default, " if self.model_name == DEFAULT_MODEL_NAME else "") + \
-                    "RANDOM WEIGHTS (output is noise)"
-            elif self.model_name == TRAINED_DEFAULT_NAME:
-                kind = "embedded default, trained on the Python standard library"
-            else:
-                kind = "checkpoint"
-            weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
-            print(f"[hylo] model {self.model_name} ({kind}) on {self.device} in {str(self.dtype)[6:]}, "
-                  f"weights {weights / 2**30:.2f} GiB, loaded in {self.load_seconds:.1f}s", file=sys.stderr, flush=True)
+            print_model_line(lm, self.dtype, self.device, self.load_seconds)
             print(f"[hylo] {self.caches.summary()}", file=sys.stderr, flush=True)
 
     # ---- requests ---------------------------------------------------------------------------------------------

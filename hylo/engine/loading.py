@@ -20,7 +20,7 @@ from ..models.hybrid import HybridForCausalLM
 from ..models.loader import HeaderReader, SafetensorsReader
 from ..models.quant import keep_fp8, quantized_reader
 from ..models.random_init import random_checkpoint
-from ..models.registry import build_model, build_mtp, read_config
+from ..models.registry import build_model, build_mtp, family_of, read_config
 from ..parallel.group import SINGLE, TPGroup
 from ..parallel.sharding import ShardedReader, local_config
 from ..tokenizer import ByteTokenizer, load_tokenizer
@@ -138,3 +138,36 @@ def check_shapes(headers: HeaderReader, mc: ModelConfig, dtype: torch.dtype, tp:
         with meta:
             head = build_mtp(local, model, dtype, meta)
         head.load(reader)
+
+
+def print_load_notes(lm: LoadedModel, dtype: torch.dtype) -> None:
+    """Start-up notes on what a checkpoint holds beyond the model hylo built: the parts a family leaves out (a
+    vision tower), tensors nothing read, and how block-FP8 weights are kept."""
+    ignored = family_of(lm.config.model_type).ignored
+    for prefix, what in ignored:
+        count = sum(1 for k in lm.reader.keys() if k.startswith(prefix))
+        if count:
+            print(f"[hylo] {what} ({count} tensors under {prefix}*) is not loaded: hylo serves the text "
+                  f"model, and refuses requests with image or video content", file=sys.stderr)
+    unused = lm.reader.unused(ignore_prefixes=("mtp.",) + tuple(p for p, _ in ignored))
+    if unused:
+        print(f"[hylo] warning: {len(unused)} checkpoint tensors not used, e.g. {unused[0]!r}", file=sys.stderr)
+    if lm.config.quantization is not None:
+        q, dt = lm.config.quantization, str(dtype).removeprefix("torch.")
+        fp8 = sum(p.numel() for p in lm.model.parameters() if p.dtype == torch.float8_e4m3fn)
+        how = (f"{fp8 / 1e9:.2f} B weights kept in FP8 ({fp8 / 2**30:.1f} GiB), dequantized by the kernels as "
+               f"they load them" if q.keep else f"weights dequantized to {dt} at load")
+        print(f"[hylo] block-FP8 checkpoint ({q.block[0]}x{q.block[1]} blocks): {how}", file=sys.stderr)
+
+
+def print_model_line(lm: LoadedModel, dtype: torch.dtype, device: torch.device, seconds: float) -> None:
+    """The start-up line naming the model, where its weights came from (random ones said loudly), and its size."""
+    if lm.is_random:  # the embedded default untrained, or a benchmark shape
+        kind = ("embedded default, " if lm.name == DEFAULT_MODEL_NAME else "") + "RANDOM WEIGHTS (output is noise)"
+    elif lm.name == TRAINED_DEFAULT_NAME:
+        kind = "embedded default, trained on the Python standard library"
+    else:
+        kind = "checkpoint"
+    weights = sum(p.numel() * p.element_size() for p in lm.model.parameters())
+    print(f"[hylo] model {lm.name} ({kind}) on {device} in {str(dtype)[6:]}, weights {weights / 2**30:.2f} GiB, "
+          f"loaded in {seconds:.1f}s", file=sys.stderr, flush=True)
