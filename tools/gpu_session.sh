@@ -18,7 +18,7 @@
 # (.whl holds outlines-core for several Pythons: pip picks the one that fits)
 # ($PWD too: the tools run as scripts import hylo from the checkout).
 set -u
-phase=${1:?tests, tests-host, tests-bench, check, tune-bench, bench, bench-first, bench-short, fma, changed, model, prefix, mamba2, structured, s25, s26, s27-nemotron, s27-fp8, s28, s28b, s28c, s29, s29-80b, s29-tiles, s29-final, s30 or s20}
+phase=${1:?tests, tests-host, tests-bench, check, tune-bench, bench, bench-first, bench-short, fma, changed, model, prefix, mamba2, structured, s25, s26, s27-nemotron, s27-fp8, s28, s28b, s28c, s29, s29-80b, s29-tiles, s29-final, s30, s32 or s20}
 out=${2:?output folder}
 mkdir -p "$out"
 # The GPU tests run in parallel workers where pytest-xdist is installed (the device image has it), so that a fresh
@@ -271,6 +271,28 @@ case "$phase" in
         tune 35b $(((end - SECONDS) * 2 / 5)); [ -f "$out/tuned.env" ] && . "$out/tuned.env"
         bench $((end - SECONDS)) --model-name qwen3.5-35b-a3b-fp8 --short
       fi
+    fi
+    ;;
+  s32)  # session 32's open questions: on an H200 the 80B FP8 records (never run) with the committed tiles, then
+         # the 80B sweep; elsewhere whether FP8 projections of 128 to 511 rows (a verify's) go faster dequantized for
+         # cuBLAS than through the W8A16 matmul (HYLO_FP8_DEQUANT_ROWS 512, the default, against 128), bench-6b-fp8
+         # and the 35B FP8 shape, each variant a fresh process in the same call
+    big=$(python3 -c "import torch; print(int(torch.cuda.get_device_properties(0).total_memory > 100 * 2 ** 30))")
+    if [ "$big" = 1 ]; then
+      bench $((${S32_END_S:-585} - 150 - SECONDS)) --model-name qwen3-next-80b-fp8 --short
+      timeout $((${S32_END_S:-585} - SECONDS)) python3 tools/tune_fp8.py --shape 80b --out "$out" \
+        --env "$out/tuned.env" > "$out/tune_fp8.txt" 2>&1
+      echo "tune rc=$?"; grep -v "^    " "$out/tune_fp8.txt" | tail -16
+    else
+      for model in bench-6b-fp8 qwen3.5-35b-a3b-fp8; do
+        for rows in 512 128; do
+          mkdir -p "$out/$model-rows$rows"
+          HYLO_FP8_DEQUANT_ROWS=$rows timeout 110 python3 -m hylo bench --pdl --model-name "$model" --short \
+            --out "$out/$model-rows$rows" > "$out/$model-rows$rows.txt" 2>&1
+          echo "== $model HYLO_FP8_DEQUANT_ROWS=$rows rc=$?"
+          grep -E "prefill|bs=(8|64) ctx=1024|spec" "$out/$model-rows$rows.txt"
+        done
+      done
     fi
     ;;
   *) echo "unknown phase $phase" >&2; exit 2 ;;
