@@ -181,3 +181,39 @@ def test_a_row_widening_that_is_not_a_power_of_two_is_refused_by_name(dev):
     proc = subprocess.run([sys.executable, "-c", "import hylo.ops.fp8_triton"], capture_output=True, text=True,
                           env={**os.environ, "HYLO_FP8_ROW_WIDEN": "3", "PYTHONPATH": root})
     assert proc.returncode != 0 and "HYLO_FP8_ROW_WIDEN=3: expected a power of two" in proc.stderr
+
+
+def test_the_fp8_sweep_writes_settings_that_keep_the_prefill_tile():
+    """``tools/tune_fp8.py``'s environment lines: the 64-token winner up to 1024 pairs, the 256-token one up to 4096,
+    and past that the committed table's own last tile (the sweep measures no prefill size: applied there, session
+    32's 256-token winner made the 35B prefill 50% slower); the swapped dot only where it took less time; the
+    matmul tile best over both sizes. The lines parse back into the tables the kernels read."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+    import tune_fp8
+    from hylo.ops import moe_triton as M
+
+    small, large = [16, 32, 128, 4, 3, 64, 128, 4, 3], [16, 64, 128, 4, 4]
+    def grouped(best, us):
+        return {"best": best, "best_us": us, "rows": [{"us": us, "cfg": best[:5]}]}
+
+    def matmul(a, b):  # the two tiles' times, each sweep's rows best first
+        rows = [{"us": a, "cfg": [64, 64, 128, 4, 3]}, {"us": b, "cfg": [32, 64, 128, 4, 4]}]
+        return {"rows": sorted(rows, key=lambda r: r["us"])}
+
+    results = {"grouped_fp8_35b_t64": grouped(small, 268.6), "grouped_fp8_35b_t256": grouped(large, 322.2),
+               "grouped_fp8_35b_t64_swap": grouped([16, 64, 128, 4, 3], 279.1),
+               "grouped_fp8_35b_t256_swap": grouped([16, 64, 128, 4, 3], 336.0),
+               "fp8_matmul_t64": matmul(56.9, 51.3), "fp8_matmul_t256": matmul(93.8, 112.7)}
+    env = dict(line.removeprefix("export ").split("=", 1) for line in tune_fp8.fp8_env(results, "35b"))
+    table = M.parse_grouped_cfg(env["HYLO_GROUPED_FP8_CFG"].strip("'"), "HYLO_GROUPED_FP8_CFG")
+    assert table == ((1024, tuple(small)), (4096, tuple(large)), (1 << 62, M.GROUPED_FP8_CFG[-1][1]))
+    assert env["HYLO_GROUPED_FP8_SWAP"] == "0"
+    assert env["HYLO_FP8_MATMUL_CFG"] == "64,64,128,4,3"  # 1.11 + 1.00 of each size's best, against 1.00 + 1.20
+
+    results["grouped_fp8_35b_t64_swap"]["best_us"] = 200.0  # the swapped dot now wins over both sizes together
+    env = dict(line.removeprefix("export ").split("=", 1) for line in tune_fp8.fp8_env(results, "35b"))
+    assert env["HYLO_GROUPED_FP8_SWAP"] == "1"
+    assert M.parse_grouped_cfg(env["HYLO_GROUPED_FP8_CFG"].strip("'"))[0] == (1024, (16, 64, 128, 4, 3))
