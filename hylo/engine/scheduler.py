@@ -54,7 +54,8 @@ class Scheduler:
         # with speculation: whether each step of decoding rows verifies drafts or decodes plainly
         self.policy = (DraftPolicy(num_spec_tokens, adaptive=ec.spec_policy == "adaptive")
                        if num_spec_tokens else None)
-        # the prefix cache's side of admission, release and prefill chunks (None: prefix caching off)
+        self.cache = prefix_cache  # the tree (None: prefix caching off): its locks and eviction
+        # what admission, release and prefill chunks ask of it
         self.reuse = (PrefixReuse(prefix_cache, ec.prefix_state_interval or ec.chunk_size)
                       if prefix_cache is not None else None)
         # an upper bound of the positions reserved past the fed tokens (see _kv_end)
@@ -98,7 +99,7 @@ class Scheduler:
             c.kv_pool.free(own)
         req.kv_locs = []
         if req.cache_node is not None:
-            self.reuse.cache.unlock(req.cache_node)
+            self.cache.unlock(req.cache_node)
             req.cache_node = None
         if req.req_slot > 0:
             c.req_slots.free(req.req_slot)
@@ -259,10 +260,10 @@ class Scheduler:
             # keep room for one more step of every running request, so admissions do not force preemptions at once
             room = len(self.running) * (self.kv_lookahead + 1)
             if hit is not None:
-                self.reuse.cache.lock(hit.node)  # before any eviction below can take it
+                self.cache.lock(hit.node)  # before any eviction below can take it
             if self.caches.kv_pool.num_free < need + room and not self._evict_for(need + room):
                 if hit is not None:
-                    self.reuse.cache.unlock(hit.node)
+                    self.cache.unlock(hit.node)
                 break
             self.waiting.popleft()
             req.req_slot = self.caches.req_slots.alloc()
@@ -311,9 +312,8 @@ class Scheduler:
     def _evict_for(self, need: int) -> bool:
         """Evict cached KV until ``need`` locations are free; whether they are."""
         kv = self.caches.kv_pool
-        cache = self.reuse.cache if self.reuse is not None else None
-        if cache is not None and kv.num_free < need and kv.num_free + cache.evictable_kv >= need:
-            cache.evict_kv(need - kv.num_free)
+        if self.cache is not None and kv.num_free < need and kv.num_free + self.cache.evictable_kv >= need:
+            self.cache.evict_kv(need - kv.num_free)
         return kv.num_free >= need
 
     def _kv_end(self, req: Req, n: int, is_decode: bool, c: int) -> int:
