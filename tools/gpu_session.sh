@@ -273,16 +273,13 @@ case "$phase" in
       fi
     fi
     ;;
-  s32)  # session 32's open questions: on an H200 the 80B FP8 records (never run) with the committed tiles, then
-         # the 80B sweep; elsewhere whether FP8 projections of 128 to 511 rows (a verify's) go faster dequantized for
-         # cuBLAS than through the W8A16 matmul (HYLO_FP8_DEQUANT_ROWS 512, the default, against 128), bench-6b-fp8
-         # and the 35B FP8 shape, each variant a fresh process in the same call
+  s32)  # session 32's open questions: on an H200 s30's (the 80B FP8 records, never run, then the 80B sweep);
+         # elsewhere whether FP8 projections of 128 to 511 rows (a verify's) go faster dequantized for cuBLAS than
+         # through the W8A16 matmul (HYLO_FP8_DEQUANT_ROWS 512, the default, against 128), bench-6b-fp8 and the 35B
+         # FP8 shape, each variant a fresh process in the same call
     big=$(python3 -c "import torch; print(int(torch.cuda.get_device_properties(0).total_memory > 100 * 2 ** 30))")
     if [ "$big" = 1 ]; then
-      bench $((${S32_END_S:-585} - 150 - SECONDS)) --model-name qwen3-next-80b-fp8 --short
-      timeout $((${S32_END_S:-585} - SECONDS)) python3 tools/tune_fp8.py --shape 80b --out "$out" \
-        --env "$out/tuned.env" > "$out/tune_fp8.txt" 2>&1
-      echo "tune rc=$?"; grep -v "^    " "$out/tune_fp8.txt" | tail -16
+      exec bash "$0" s30 "$out"
     else
       for model in bench-6b-fp8 qwen3.5-35b-a3b-fp8; do
         for rows in 512 128; do

@@ -232,11 +232,11 @@ if os.environ.get("HYLO_GROUPED_CFG"):
     GROUPED_CFG = parse_grouped_cfg(os.environ["HYLO_GROUPED_CFG"])
 # Block-FP8 experts' table (same form; HYLO_GROUPED_FP8_CFG replaces it). bfloat16 experts on Hopper leave these
 # kernels to torch._grouped_mm past a few hundred pairs, but FP8 ones stay here at every size (BK <= SBK caps an FP8
-# tile at its block's 128 columns). Up to 4096 pairs (decode and verify: 512 tokens at top-8): the tiles that
-# ``tools/tune_fp8.py`` measured best at the Qwen3.5-35B-A3B shape on an H100 at 64 and 256 tokens (session 32:
-# 1.63x and 1.71x the expert bytes' floor; the bs64 MTP verify step took 30.1 ms with them, 39.7 ms with the
-# bfloat16 table's tiles). Past that (prefill): the bfloat16 table's large tile, which ran the 8192-token prefill
-# in 177 ms against 265 ms with the small one.
+# tile at its block's 128 columns). Up to 4096 pairs (decode and verify: 455 tokens of 8 routed experts and the
+# shared one): the tiles that ``tools/tune_fp8.py`` measured best at the Qwen3.5-35B-A3B shape on an H100 at 64 and
+# 256 tokens (session 32: 1.63x and 1.71x the expert bytes' floor; the bs64 MTP verify step took 30.1 ms with them,
+# 39.7 ms with the bfloat16 table's tiles). Past that (prefill): the bfloat16 table's large tile, which ran the
+# 8192-token prefill in 177 ms against 265 ms with the small one.
 GROUPED_FP8_CFG = ((4096, (16, 32, 128, 4, 3, 64, 128, 4, 3)), GROUPED_CFG[-1])
 if os.environ.get("HYLO_GROUPED_FP8_CFG"):
     GROUPED_FP8_CFG = parse_grouped_cfg(os.environ["HYLO_GROUPED_FP8_CFG"], "HYLO_GROUPED_FP8_CFG")
