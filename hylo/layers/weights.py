@@ -72,6 +72,30 @@ class TensorReader:
         return None
 
 
+class ReaderOver(TensorReader):
+    """A reader that wraps another: the same names, stored shapes and dtypes; ``get`` is the wrapper's own. With
+    ``share_used`` (the default) what it reads is recorded in the inner reader's set, so ``unused`` is one answer
+    for both."""
+
+    def __init__(self, inner: TensorReader, share_used: bool = True):
+        super().__init__()
+        self.inner = inner
+        if share_used:
+            self.used = inner.used
+
+    def keys(self):
+        return self.inner.keys()
+
+    def has(self, name: str) -> bool:
+        return self.inner.has(name)
+
+    def shape_of(self, name: str) -> tuple[int, ...]:
+        return self.inner.shape_of(name)
+
+    def dtype_of(self, name: str) -> str:
+        return self.inner.dtype_of(name)
+
+
 class DictReader(TensorReader):
     def __init__(self, tensors: dict[str, torch.Tensor]):
         super().__init__()

@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from ..layers.weights import CheckpointError, TensorReader
+from ..layers.weights import CheckpointError, ReaderOver, TensorReader
 
 
 def read_json(path: str):
@@ -94,25 +94,13 @@ _TORCH_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.floa
                  "I16": torch.int16, "I32": torch.int32, "I64": torch.int64, "BOOL": torch.bool}
 
 
-class HeaderReader(TensorReader):
+class HeaderReader(ReaderOver):
     """A checkpoint's tensors as meta tensors of their stored shape and dtype, from the files' headers: loading a
-    model built on the meta device through it checks every name and shape the model reads, and reads no weight."""
+    model built on the meta device through it checks every name and shape the model reads, and reads no weight
+    (what it checked is its own ``used``, apart from the files' record)."""
 
     def __init__(self, files: SafetensorsReader):
-        super().__init__()
-        self.files = files
-
-    def keys(self):
-        return self.files.keys()
-
-    def has(self, name):
-        return self.files.has(name)
-
-    def shape_of(self, name):
-        return self.files.shape_of(name)
-
-    def dtype_of(self, name):
-        return self.files.dtype_of(name)
+        super().__init__(files, share_used=False)
 
     def _load(self, name):
         return torch.empty(self.shape_of(name), dtype=_TORCH_DTYPES.get(self.dtype_of(name), torch.float32),

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ..config import QuantConfig
-from ..layers.weights import CheckpointError, TensorReader
+from ..layers.weights import CheckpointError, ReaderOver, TensorReader
 from ..ops.fp8 import dequantize_fp8_block, expand_scales, scale_grid
 
 SCALE_SUFFIX = "_scale_inv"
@@ -119,21 +119,14 @@ def check_tensors(reader: TensorReader, quant: QuantConfig | None) -> None:
                                   f"{name + SCALE_SUFFIX!r}")
 
 
-class Fp8BlockReader(TensorReader):
+class Fp8BlockReader(ReaderOver):
     """Wraps a checkpoint's reader: a weight with block-FP8 scales is returned dequantized (float32, cast to the
     parameter's dtype as it is copied in); every other tensor as it is stored. Reading a weight marks its scales
     read too."""
 
     def __init__(self, inner: TensorReader, block: tuple[int, int]):
-        super().__init__()
-        self.inner, self.block = inner, block
-        self.used = inner.used
-
-    def keys(self):
-        return self.inner.keys()
-
-    def has(self, name: str) -> bool:
-        return self.inner.has(name)
+        super().__init__(inner)
+        self.block = block
 
     def quantized(self, name: str) -> bool:
         return self.inner.has(name + SCALE_SUFFIX)
@@ -142,9 +135,6 @@ class Fp8BlockReader(TensorReader):
         if not self.quantized(name):
             return self.inner.get(name)
         return dequantize_fp8_block(self.inner.get(name), self.inner.get(name + SCALE_SUFFIX), self.block)
-
-    def shape_of(self, name: str) -> tuple[int, ...]:
-        return self.inner.shape_of(name)
 
     def dtype_of(self, name: str) -> str:
         return "float32" if self.quantized(name) else self.inner.dtype_of(name)
@@ -158,22 +148,14 @@ class Fp8BlockReader(TensorReader):
         return ScaleMapReader(self)
 
 
-class ScaleMapReader(TensorReader):
+class ScaleMapReader(ReaderOver):
     """The scale of every element of each weight of an ``Fp8BlockReader`` (float32, the weight's shape; 0 for an
-    unquantized tensor): a weight's re-layout at load applied to these gives its scales in the same layout."""
+    unquantized tensor): a weight's re-layout at load applied to these gives its scales in the same layout. (Its
+    own record of reads: a scale map read is not the weight read.)"""
 
     def __init__(self, fp8: Fp8BlockReader):
-        super().__init__()
+        super().__init__(fp8, share_used=False)
         self.fp8 = fp8
-
-    def keys(self):
-        return self.fp8.keys()
-
-    def has(self, name: str) -> bool:
-        return self.fp8.has(name)
-
-    def shape_of(self, name: str) -> tuple[int, ...]:
-        return self.fp8.shape_of(name)
 
     def _load(self, name: str) -> torch.Tensor:
         shape = self.fp8.shape_of(name)

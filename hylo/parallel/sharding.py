@@ -23,7 +23,7 @@ from dataclasses import replace
 import torch
 
 from ..config import ModelConfig
-from ..layers.weights import TensorReader
+from ..layers.weights import ReaderOver, TensorReader
 
 
 def check_divisible(mc: ModelConfig, n: int) -> None:
@@ -58,25 +58,13 @@ def local_config(mc: ModelConfig, n: int) -> ModelConfig:
                    vocab_size=mc.vocab_size // n)
 
 
-class ShardedReader(TensorReader):
+class ShardedReader(ReaderOver):
     """Wraps a reader; ``get`` returns this rank's slice, read piece by piece (a safetensors file is read only where
     the slice lies), checked against the shape the rank's layer expects."""
 
     def __init__(self, inner: TensorReader, mc: ModelConfig, rank: int, size: int):
-        super().__init__()
-        self.inner, self.mc, self.rank, self.size = inner, mc, rank, size
-
-    def keys(self):
-        return self.inner.keys()
-
-    def has(self, name: str) -> bool:
-        return self.inner.has(name)
-
-    def unused(self, ignore_prefixes=()):
-        return self.inner.unused(ignore_prefixes)
-
-    def dtype_of(self, name: str) -> str:
-        return self.inner.dtype_of(name)
+        super().__init__(inner)
+        self.mc, self.rank, self.size = mc, rank, size
 
     def scale_maps(self):
         """The inner reader's scale maps, sliced as the values are."""
@@ -89,7 +77,7 @@ class ShardedReader(TensorReader):
             t = self.inner.get(name)
         elif pieces == "zeros":
             t = torch.zeros(self.inner.shape_of(name))
-            self.inner.used.add(name)
+            self.used.add(name)
         else:
             parts = [self.inner.get_part(name, dim, a, b) for dim, a, b in pieces]
             t = parts[0] if len(parts) == 1 else torch.cat(parts, dim=pieces[0][0])
