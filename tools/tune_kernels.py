@@ -83,28 +83,37 @@ def expert_weights(dev, dt, layers=LAYERS):
             [torch.randn(E + 1, H, I, device=dev, dtype=dt) * 0.02 for _ in range(layers)])
 
 
+def pair_case(tokens, dev, dt):
+    """One decode size for the pair kernels: (pairs, each layer's routed ids, experts read per layer, pair
+    weights, x, the activations, a float32 row per pair)."""
+    P = tokens * (TOP_K + 1)
+    ids = [routed_ids(tokens, dev).view(-1) for _ in range(LAYERS)]
+    uniq = sum(int(i.unique().numel()) for i in ids) / LAYERS
+    return (P, ids, uniq, torch.rand(P, device=dev, dtype=dt), torch.randn(tokens, H, device=dev, dtype=dt),
+            torch.randn(P, I, device=dev, dtype=dt), torch.empty(P, H, device=dev, dtype=torch.float32))
+
+
+def gate_up_runner(x, w13, ids, act):
+    """cfg (BN, BK, warps, stages) -> a function launching the gate/up pair kernel once per layer."""
+    def runner(cfg):
+        bn, bk, warps, stages = cfg
+
+        def fn():
+            for layer in range(LAYERS):
+                MP._pair_gate_up_kernel[(act.shape[0], triton.cdiv(I, bn))](
+                    x, w13[layer], ids[layer], act, H, I, TOP_K=TOP_K + 1, BN=bn, BK=bk, num_warps=warps,
+                    num_stages=stages)
+        return fn
+    return runner
+
+
 def tune_moe(dev, dt, results):
     w13, w2 = expert_weights(dev, dt)
     for tokens in (1, 8, 16):
-        P = tokens * (TOP_K + 1)
-        ids = [routed_ids(tokens, dev).view(-1) for _ in range(LAYERS)]
-        uniq = sum(int(i.unique().numel()) for i in ids) / LAYERS
-        wts = torch.rand(P, device=dev, dtype=dt)
-        x = torch.randn(tokens, H, device=dev, dtype=dt)
-        act = torch.randn(P, I, device=dev, dtype=dt)
-        out = torch.empty(P, H, device=dev, dtype=torch.float32)
+        P, ids, uniq, wts, x, act, out = pair_case(tokens, dev, dt)
         floor13 = uniq * 2 * I * H * 2 / COPY_TBPS / 1e6
         floor2 = uniq * I * H * 2 / COPY_TBPS / 1e6
-
-        def gate_up(cfg):
-            bn, bk, warps, stages = cfg
-
-            def fn():
-                for layer in range(LAYERS):
-                    MP._pair_gate_up_kernel[(P, triton.cdiv(I, bn))](x, w13[layer], ids[layer], act, H, I,
-                                                                    TOP_K=TOP_K + 1, BN=bn, BK=bk,
-                                                                    num_warps=warps, num_stages=stages)
-            return fn
+        gate_up = gate_up_runner(x, w13, ids, act)
 
         def down(cfg):
             bn, bk, warps, stages = cfg
@@ -142,23 +151,8 @@ def tune_pairs(dev, dt, results):
     the one-row-per-pair kernel at its default tile (cfg ending in 0), whose rows the residual add then reads."""
     w13, w2 = expert_weights(dev, dt)
     for tokens in (1, 8):
-        P = tokens * (TOP_K + 1)
-        ids = [routed_ids(tokens, dev).view(-1) for _ in range(LAYERS)]
-        uniq = sum(int(i.unique().numel()) for i in ids) / LAYERS
-        wts = torch.rand(P, device=dev, dtype=dt)
-        x = torch.randn(tokens, H, device=dev, dtype=dt)
-        act = torch.randn(P, I, device=dev, dtype=dt)
-        out = torch.empty(P, H, device=dev, dtype=torch.float32)
-
-        def gate_up(cfg):
-            bn, bk, warps, stages = cfg
-
-            def fn():
-                for layer in range(LAYERS):
-                    MP._pair_gate_up_kernel[(P, triton.cdiv(I, bn))](x, w13[layer], ids[layer], act, H, I,
-                                                                    TOP_K=TOP_K + 1, BN=bn, BK=bk,
-                                                                    num_warps=warps, num_stages=stages)
-            return fn
+        P, ids, uniq, wts, x, act, out = pair_case(tokens, dev, dt)
+        gate_up = gate_up_runner(x, w13, ids, act)
 
         def down(cfg):
             bn, bk, warps, stages, summed = cfg
