@@ -146,9 +146,12 @@ class LLM:
             if len(done) > 1:
                 first.outputs = [CompletionOutput(j, o.token_ids, o.text, o.finish_reason, o.stop_reason, o.logprobs)
                                  for j, o in enumerate(done)]
-            first.error = next((o.error for o in done if o.error), None)
+            bad = next((o for o in done if o.error), None)
+            first.error, first.error_status = (bad.error, bad.error_status) if bad is not None else (None, 500)
             outputs.append(first)
-        failed = [f"prompt {i}: {o.error}" for i, o in enumerate(outputs) if o.error]
-        if failed:  # logged with its traceback by the engine
-            raise RuntimeError("generation failed: " + "; ".join(failed))
+        failed = [o for o in outputs if o.error]
+        if failed:  # an internal error is logged with its traceback by the engine; the request's own is a ValueError
+            message = "generation failed: " + "; ".join(f"prompt {i}: {o.error}" for i, o in enumerate(outputs)
+                                                         if o.error)
+            raise (RuntimeError if any(o.error_status >= 500 for o in failed) else ValueError)(message)
         return outputs

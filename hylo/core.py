@@ -68,9 +68,11 @@ class Req:
     text: str = ""
     detok_prefix: int = 0
     detok_read: int = 0
-    # set when the engine failed this request (an internal error in a step it was part of); it then finishes with
-    # finish_reason "abort" and the requests beside it go on
+    # set when the engine failed this request (an internal error in a step it was part of, status 500, or the
+    # request's own fault found while serving it, such as a grammar the matcher gave up on, status 400); it then
+    # finishes with finish_reason "abort" and the requests beside it go on
     error: str | None = None
+    error_status: int = 500
     # prefix caching (cache/prefix_cache.py): positions [0, prefix_len) use KV locations the cache owns (the request
     # holds a lock on ``cache_node``, where they end) and ``kv_locs`` holds the request's own from prefix_len on;
     # ``state_len`` counts the tokens its state slot reflects (every completed step's commits, also after the
@@ -273,7 +275,8 @@ class RequestOutput:
     stop_reason: int | str | None = None
     spec: SpecStats | None = None
     num_preemptions: int = 0
-    error: str | None = None  # an internal error ended this request (finish_reason "abort"); see Req.error
+    error: str | None = None  # an error ended this request (finish_reason "abort"); see Req.error
+    error_status: int = 500  # 500: the engine's fault (logged with its traceback); 400: the request's own
     num_cached_tokens: int = 0  # prompt tokens whose KV and state came from the prefix cache
     logprobs: list[TokenLogprobs] | None = None  # one per generated token, with SamplingParams(logprobs=N)
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # per prompt token (the first: None)

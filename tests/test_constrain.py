@@ -244,6 +244,48 @@ def test_grammars_are_matched_on_the_host(llms):
     assert eng.host_syncs == before
 
 
+def test_a_grammar_the_matcher_gives_up_on_ends_only_its_own_request(llms, capfd):
+    """A grammar that passes validation but that llguidance gives up on while decoding (no finite match, or a
+    count past its item limits) ends its own request with a 400 naming the grammar, at the step before the one it
+    would have shared: the plain and the good grammar requests beside it finish as they do alone, and nothing is
+    logged (a client's grammar is not the engine's error). A grammar no text matches is refused when compiled."""
+    eng = llms(None).engine
+    good = 'root ::= "x = " [0-9] [0-9]? " # " ("yes" | "no")'
+    params = {"plain": SamplingParams(max_tokens=24, temperature=0),
+              "good": SamplingParams(max_tokens=30, temperature=0, constraint=Constraint.grammar(good))}
+    alone = {}
+    for rid, p in params.items():
+        eng.add_request("def f(x):", p, request_id=f"alone-{rid}")
+        while eng.has_unfinished():
+            for r in eng.step():
+                if r.finished:
+                    alone[rid] = list(r.output_ids)
+                    eng.pop_finished(r.rid)
+    capfd.readouterr()
+    for rid, p in params.items():
+        eng.add_request("def f(x):", p, request_id=rid)
+    for rid, g in (("endless", 'root ::= "a" root'), ("huge", 'root ::= "a"{1000000}')):
+        eng.add_request("x", SamplingParams(max_tokens=40, constraint=Constraint.grammar(g)), request_id=rid)
+    done = {}
+    while eng.has_unfinished():
+        for r in eng.step():
+            if r.finished:
+                done[r.rid] = eng.pop_finished(r.rid)
+    for rid in params:
+        assert done[rid].error is None and done[rid].token_ids == alone[rid], rid
+    for rid in ("endless", "huge"):
+        out = done[rid]
+        assert out.finish_reason == "abort" and out.error_status == 400, (rid, out)
+        assert out.error.startswith("grammar constraint: the grammar engine stopped after"), out.error
+    logged = capfd.readouterr()
+    assert "Traceback" not in logged.err and "error" not in logged.err.lower(), logged.err
+    with pytest.raises(ValueError, match="grammar constraint: the grammar engine stopped before the first"):
+        eng.compile_constraint(Constraint.grammar("root ::= root"))
+    with pytest.raises(ValueError, match="prompt 0: grammar constraint"):
+        llms(None).generate(["x"], [SamplingParams(max_tokens=8, constraint=Constraint.grammar('root ::= "b" root'))],
+                            use_tqdm=False)
+
+
 def test_mtp_drafts_follow_the_constraint(monkeypatch):
     """The MTP head drafts constrained rows under their constraint (each draft masked by the state after the ones
     before it): the verify accepts more of them than of unmasked drafts, on the same requests; the outputs stay

@@ -193,6 +193,40 @@ def test_bad_constraints_and_tools_are_refused_by_name(app_client):
     assert app_client.post("/v1/completions", json={"prompt": "ok", "max_tokens": 2}).status_code == 200
 
 
+def test_a_grammar_the_matcher_gives_up_on_is_a_400_that_harms_no_other_request(app_client):
+    """A grammar llguidance gives up on while decoding is a 400 for its request (an error event in its stream),
+    while requests sent beside it finish as they do alone; a grammar no text matches is refused up front."""
+    import threading
+
+    h = {"Content-Type": "application/json"}
+    plain = {"prompt": "def f(x):", "max_tokens": 40, "temperature": 0}
+    alone = app_client.post("/v1/completions", json=plain, headers=h).json()["choices"][0]["text"]
+    bad = {"prompt": "x", "max_tokens": 20, "structured_outputs": {"grammar": 'root ::= "a" root'}}
+    results = {}
+
+    def send(name, body):
+        results[name] = app_client.post("/v1/completions", json=body, headers=h)
+
+    threads = [threading.Thread(target=send, args=(f"plain{i}", plain)) for i in range(2)]
+    threads += [threading.Thread(target=send, args=("bad", bad)),
+                threading.Thread(target=send, args=("bad-stream", {**bad, "stream": True}))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i in range(2):
+        assert results[f"plain{i}"].status_code == 200, results[f"plain{i}"].text
+        assert results[f"plain{i}"].json()["choices"][0]["text"] == alone
+    err = results["bad"]
+    assert err.status_code == 400 and err.json()["error"]["type"] == "invalid_request_error", err.text
+    assert "grammar constraint: the grammar engine stopped" in err.json()["error"]["message"]
+    events = [line[6:] for line in results["bad-stream"].text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and "invalid_request_error" in events[-2], events
+    r = app_client.post("/v1/completions", json={**bad, "structured_outputs": {"grammar": "root ::= root"}},
+                        headers=h)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "structured_outputs", r.text
+
+
 def test_compiles_are_counted_in_metrics(app_client):
     r = app_client.post("/v1/completions", json={"prompt": "x", "max_tokens": 12, "guided_regex": "metrics[0-9]"})
     assert r.status_code == 200 and re.fullmatch("metrics[0-9]", r.json()["choices"][0]["text"])

@@ -43,6 +43,11 @@ def llg_tokenizer(tokenizer, vocab: int, eos_ids):
                                   n_vocab=vocab, eos_token=eos)
 
 
+class GrammarGaveUp(ValueError):
+    """The grammar engine stopped following a request's output: a grammar whose language is empty, or one too
+    costly to match (llguidance's item limits). The request's own fault: it alone ends, with a 400."""
+
+
 class HostGrammar:
     """A checked grammar over one tokenizer (``llg_tokenizer``); ``matcher()`` gives each request its own
     matcher."""
@@ -63,6 +68,7 @@ class HostGrammar:
             error = first_line(e)
         if error:
             raise ValueError(f"grammar constraint: {first_line(error)}")
+        self.matcher().mask()  # a grammar no text matches stops before the first token: refused here (GrammarGaveUp)
         self.compile_seconds = 0.0
 
     def matcher(self) -> "HostMatcher":
@@ -78,24 +84,37 @@ class HostMatcher:
         import llguidance
 
         self.grammar = grammar
-        self._m = llguidance.LLMatcher(grammar.lltok, grammar.grammar)
+        # silent: where the matcher stops, the request's error says why (no warning of the client's grammar in the log)
+        self._m = llguidance.LLMatcher(grammar.lltok, grammar.grammar, log_level=0)
         self.fed = 0  # output tokens consumed
+        self._mask, self._mask_fed = None, -1
 
     def feed(self, tokens) -> None:
         """The request's output tokens from ``fed`` on (each at most once; a preempted request keeps its matcher,
         as it keeps its output)."""
         new = list(tokens[self.fed:])
         if new and not self._m.consume_tokens(new):
-            raise RuntimeError(f"grammar matcher rejected a masked token: {self._m.get_error()}")
+            raise self._gave_up(self.fed + len(new))
         self.fed += len(new)
 
     def mask(self) -> np.ndarray:
         """The allowed tokens after what was fed, as int32 bitmask words (the end-of-sequence tokens where the
-        grammar may end)."""
-        words = (self.grammar.vocab + 31) // 32
-        out = np.zeros(words, dtype=np.int32)
-        self._m.unsafe_compute_mask_ptr(out.ctypes.data, out.nbytes)
-        return out
+        grammar may end); computed once per fed count. Raises ``GrammarGaveUp`` where the matcher stopped (an
+        empty language, a grammar past its limits)."""
+        if self._mask is None or self._mask_fed != self.fed:
+            words = (self.grammar.vocab + 31) // 32
+            out = np.zeros(words, dtype=np.int32)
+            self._m.unsafe_compute_mask_ptr(out.ctypes.data, out.nbytes)
+            if self._m.is_error():
+                raise self._gave_up(self.fed)
+            self._mask, self._mask_fed = out, self.fed
+        return self._mask
+
+    def _gave_up(self, tokens: int) -> GrammarGaveUp:
+        where = ("before the first output token (no text matches it, or it is too costly to follow)" if not tokens
+                 else f"after {tokens} output tokens (a grammar with no finite match, or too costly to follow)")
+        return GrammarGaveUp(f"grammar constraint: the grammar engine stopped {where}: "
+                             f"{first_line(self._m.get_error())}")
 
 
 def write_host_masks(reqs, tables) -> None:

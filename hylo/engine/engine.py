@@ -19,7 +19,7 @@ import torch
 from ..cache.memory import allocate_caches
 from ..cache.prefix_cache import PrefixCache
 from ..constrain.automaton import AutomatonCache
-from ..constrain.host import write_host_masks
+from ..constrain.host import GrammarGaveUp, write_host_masks
 from ..config import EngineConfig
 from ..core import ForwardMode, Req, RequestOutput, SpecStats
 from ..parallel.group import SINGLE, TPGroup
@@ -217,7 +217,7 @@ class Engine:
             request_id=req.rid, prompt=req.prompt, prompt_token_ids=req.prompt_ids,
             token_ids=list(req.output_ids), text=req.text if self.tokenizer is not None else None,
             finish_reason=req.finish_reason, finished=req.finished, stop_reason=req.stop_reason,
-            spec=req.spec, num_preemptions=req.num_preemptions, error=req.error,
+            spec=req.spec, num_preemptions=req.num_preemptions, error=req.error, error_status=req.error_status,
             num_cached_tokens=req.num_cached_tokens,
             logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
             prompt_logprobs=((list(req.prompt_logprobs) or [None]) if req.params.prompt_logprobs is not None
@@ -240,13 +240,18 @@ class Engine:
             # a grammar row's mask needs the token the step in flight samples: read it first (constrain.host)
             early, self._inflight = self._complete(self._inflight), None
             self.host_syncs += 1
+        if self.scheduler.host_matching:
+            self._check_grammars()
         launched = self._launch()
         self._last_plan = launched.plan if launched is not None else None
         failed, self._failed = self._failed, []
         if not self.ec.overlap:
-            return failed + early + (self._complete(launched) if launched is not None else [])
-        previous, self._inflight = self._inflight, launched
-        return failed + early + (self._complete(previous) if previous is not None else [])
+            done = self._complete(launched) if launched is not None else []
+        else:
+            previous, self._inflight = self._inflight, launched
+            done = self._complete(previous) if previous is not None else []
+        # each request once (a grammar row read early may have failed since: ``_check_grammars``)
+        return list({id(r): r for r in failed + early + done}.values()) if failed and early else failed + early + done
 
     def set_step_costs(self, costs: dict) -> None:
         """The speculation policy's step costs, measured by another rank's engine (tensor parallelism: every rank
@@ -293,6 +298,19 @@ class Engine:
         prompt_read = self.host_reads.start(res.prompt_logprobs) if res.prompt_logprobs is not None else None
         self.scheduler.step_launched(sched)
         return _Launched(sched, read, prompt_read, timer)
+
+    def _check_grammars(self) -> None:
+        """Feed every unfinished grammar row its new tokens and compute its next mask before the step is planned:
+        a grammar the matcher gives up on (``GrammarGaveUp``) ends its own request with a 400 here, where it cannot
+        fail the step it would have shared with others. (``_host_masks`` then finds the masks computed.)"""
+        for req in [*self.scheduler.running, *self.scheduler.waiting]:
+            if req.host_matched and not req.finished:
+                try:
+                    req.automaton.feed(req.output_ids)
+                    req.automaton.mask()
+                except GrammarGaveUp as e:
+                    self._fail(req, e, status=400)
+                    self._failed.append(req)
 
     def _host_masks(self, sched: ScheduledBatch) -> None:
         """The masks of the step's host-matched rows that sample, into the device table before it launches (no
@@ -367,17 +385,22 @@ class Engine:
         elif stats is not None and plain:
             stats.plain_steps += 1
 
-    def _fail(self, req: Req, error: BaseException) -> None:
-        """End ``req`` because of an internal error raised while serving it. The error is logged with its
-        traceback (it is the engine's fault, not the client's); the request finishes with finish_reason "abort"
-        and ``error`` set, and every other request goes on."""
+    def _fail(self, req: Req, error: BaseException, status: int = 500) -> None:
+        """End ``req`` because of an error raised while serving it: an internal one (status 500), logged with its
+        traceback (it is the engine's fault, not the client's), or the request's own (status 400, such as a
+        grammar the matcher gave up on), whose message goes to the client and nothing to the log. The request
+        finishes with finish_reason "abort" and ``error`` set, and every other request goes on."""
         if req.finished and req.error is not None:
             return
-        req.error = f"internal error while serving the request: {type(error).__name__}"
+        if status >= 500:
+            req.error = f"internal error while serving the request: {type(error).__name__}"
+            print(f"[hylo] error: request {req.rid} failed:\n"
+                  + "".join(traceback.format_exception(type(error), error, error.__traceback__)).rstrip(),
+                  file=sys.stderr, flush=True)
+        else:
+            req.error = str(error)
+        req.error_status = status
         req.use_prefix_cache = False  # a step that failed half-way may have left its state half-written
-        print(f"[hylo] error: request {req.rid} failed:\n"
-              + "".join(traceback.format_exception(type(error), error, error.__traceback__)).rstrip(),
-              file=sys.stderr, flush=True)
         if not req.finished:
             self.scheduler.finish(req, "abort")
 

@@ -187,7 +187,7 @@ class EngineThread:
         stream.sent_tokens = len(req.output_ids)
         stream.sent_chars = max(stream.sent_chars, safe)
         if req.error is not None:
-            delta.error, delta.status = req.error, 500
+            delta.error, delta.status = req.error, req.error_status
         if req.finished:
             delta.finish_reason, delta.stop_reason = req.finish_reason, req.stop_reason
             m.finished(req)
