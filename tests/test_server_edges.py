@@ -246,6 +246,12 @@ def test_vllm_request_rules(http):
     r = http.post("/v1/completions", json={"prompt": "ab", "logit_bias": {"1": 1, "99999": 1, "88888": 1}})
     err = r.json()["error"]
     assert r.status_code == 400 and "88888" in err["message"] and "99999" in err["message"]
-    assert "out of vocabulary" in err["message"]
+    assert "out of vocabulary" in err["message"] and err["param"] == "logit_bias"
+    # checked before a stream starts: a 400 naming the field, not a 200 carrying an error event per choice
+    for path, base in (("/v1/completions", {"prompt": "ab"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "ab"}]})):
+        for field, value in (("logit_bias", {"99999": 1}), ("stop_token_ids", [5, 10 ** 6])):
+            r = http.post(path, json={**base, field: value, "stream": True, "n": 2, "max_tokens": 2})
+            assert r.status_code == 400 and r.json()["error"]["param"] == field, (path, field, r.text)
     r = http.post("/tokenize", json={"prompt": "hi"}).json()
     assert r["token_strs"] is None

@@ -175,8 +175,52 @@ def test_text_offset_points_into_the_text(http, prompt):
         for i, (tok, at) in enumerate(zip(tokens, offsets)):
             if tok in specials and not (verbatim and i < 5):
                 assert i + 1 == len(offsets) or offsets[i + 1] == at  # takes no characters
-            elif tok.isprintable() and "\ufffd" not in tok:
+            elif tok.isprintable() and not tok.startswith("bytes:"):
                 assert text[at:at + len(tok)] == tok, (i, tok, at, text)
+
+
+def test_text_offset_counts_characters_split_over_byte_tokens(http):
+    """A character whose bytes come in several tokens counts once its last byte has come: every token holding
+    part of it points at it, and no offset runs past the text (each byte counted one character before), streamed
+    or not; a token that is part of a character is written ``bytes:\\xNN`` (distinct keys in top_logprobs)."""
+    word = "aé日b"
+    ids = list(word.encode())  # the byte-level model: ids 0..255 are the bytes
+    body = {"prompt": ids, "max_tokens": 3, "temperature": 0, "echo": True, "logprobs": 3, "ignore_eos": True}
+    choice = http.post("/v1/completions", json=body).json()["choices"][0]
+    lp = choice["logprobs"]
+    assert choice["text"].startswith(word)
+    assert lp["text_offset"][:len(ids)] == [0, 1, 1, 2, 2, 2, 3]
+    assert lp["tokens"][:3] == ["a", "bytes:\\xc3", "bytes:\\xa9"] and lp["tokens"][6] == "b"
+    assert lp["text_offset"] == sorted(lp["text_offset"]) and lp["text_offset"][-1] <= len(choice["text"])
+    for top in lp["top_logprobs"][1:]:
+        assert len(top) >= 3  # the top 3 (and the chosen token): no two byte tokens share a key
+    lines = http.post("/v1/completions", json={**body, "stream": True}).text.splitlines()
+    chunks = [json.loads(ln[6:]) for ln in lines if ln.startswith("data: {")]
+    streamed = [o for c in chunks if c["choices"][0]["logprobs"] for o in c["choices"][0]["logprobs"]["text_offset"]]
+    assert streamed == lp["text_offset"]
+
+
+def test_prompts_are_encoded_off_the_event_loop(http, monkeypatch):
+    """Encoding a prompt (and rendering a chat template) runs in a worker thread: megabytes of prompt take seconds
+    to encode, and on the event loop they stalled every stream and /health meanwhile."""
+    import asyncio
+
+    seen = []
+    encode = Engine.encode_prompt
+
+    def spy(self, *args, **kwargs):
+        try:
+            asyncio.get_running_loop()
+            seen.append("event loop")
+        except RuntimeError:
+            seen.append("worker thread")
+        return encode(self, *args, **kwargs)
+
+    monkeypatch.setattr(Engine, "encode_prompt", spy)
+    assert http.post("/v1/completions", json={"prompt": ["ab", "cd"], "max_tokens": 1}).status_code == 200
+    assert http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                   "max_tokens": 1}).status_code == 200
+    assert seen and set(seen) == {"worker thread"}, seen
 
 
 def test_a_body_that_is_not_json_says_what_is_expected(http):

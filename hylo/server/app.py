@@ -15,6 +15,7 @@ from contextlib import asynccontextmanager
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.engine import Engine
@@ -211,8 +212,8 @@ def create_app(engine: Engine, api_key: str | None = None, served_model_name: st
         else:
             text = body.prompt
         special = body.add_special_tokens if body.add_special_tokens is not None else body.messages is None
-        try:
-            ids = tokenizer().encode(text, add_special_tokens=special)
+        try:  # (in a worker thread, as every prompt's encoding: megabytes of text take seconds)
+            ids = await run_in_threadpool(tokenizer().encode, text, add_special_tokens=special)
         except ValueError as e:
             raise APIError(str(e), param="messages" if body.messages is not None else "prompt") from None
         strs = [tokenizer().token_piece(t) for t in ids] if body.return_token_strs else None
@@ -231,7 +232,8 @@ def create_app(engine: Engine, api_key: str | None = None, served_model_name: st
     async def completions(body: CompletionRequest, request: Request):
         check_model(body.model)
         raw = body.prompts()
-        prompts = [_encode(engine, p) for p in raw]
+        # encoded in a worker thread: a prompt of megabytes takes seconds, which must not stall every other stream
+        prompts = await run_in_threadpool(lambda: [_encode(engine, p) for p in raw])
         # echo with max_tokens 0 scores the prompt and generates nothing (lm-eval-harness's loglikelihood requests):
         # served as one token that the response leaves out
         limit_field, given = body.output_limit()
@@ -240,6 +242,7 @@ def create_app(engine: Engine, api_key: str | None = None, served_model_name: st
             setattr(body, limit_field, 1)
         field, constraint = constraint_of(body)
         params = body.choice_params(DEFAULT_COMPLETION_MAX_TOKENS, constraint)
+        _check_token_ids(engine, params[0])
         await compile_constraint(engine, constraint, field)
         for p in prompts:
             _check_room(engine, p, params[0].max_tokens, explicit=given is not None, field=limit_field)
@@ -261,7 +264,8 @@ def create_app(engine: Engine, api_key: str | None = None, served_model_name: st
         if engine.tokenizer is None:
             raise APIError("this model has no tokenizer, which chat needs", param="messages")
         tools = parse_tools(body, engine.tokenizer.chat_template or CHATML_TEMPLATE)
-        prompt = _encode(engine, chat_prompt(body, tools), add_special_tokens=False)  # the template writes its own
+        # rendered and encoded in a worker thread (as a completion's prompt); the template writes its own specials
+        prompt = await run_in_threadpool(lambda: _encode(engine, chat_prompt(body, tools), add_special_tokens=False))
         room = engine.max_model_len - len(prompt)
         limit_field, given = body.output_limit()
         _check_room(engine, prompt, given if given is not None else room, explicit=given is not None,
@@ -274,6 +278,7 @@ def create_app(engine: Engine, api_key: str | None = None, served_model_name: st
                                f"the output's constraint)", param=field)
             field, constraint = "tools", calls
         params = body.choice_params(room, constraint)  # without max_tokens: the room the prompt leaves
+        _check_token_ids(engine, params[0])
         await compile_constraint(engine, constraint, field)
         return await serve(request, runner, "chatcmpl", "chat.completion", model_name, [prompt], params, body,
                            chat=True, fmt=Formatter(engine.tokenizer, body.return_tokens_as_token_ids), tools=tools)
@@ -298,6 +303,16 @@ def _check_room(engine: Engine, prompt: list[int], max_tokens: int, explicit: bo
         raise APIError(f"{field} is {max_tokens}, but the prompt has {len(prompt)} tokens and the context limit "
                        f"(max_model_len) is {engine.max_model_len}: at most {room} tokens fit",
                        param=field, code="context_length_exceeded")
+
+
+def _check_token_ids(engine: Engine, params) -> None:
+    """Token ids the request names (``stop_token_ids``, ``logit_bias``) past the vocabulary are a 400 naming the
+    field here, before any response starts (the engine would refuse them too, but inside a stream's 200)."""
+    vocab = engine.model_config.vocab_size
+    for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias)):
+        bad = sorted({t for t in ids or () if t >= vocab})
+        if bad:
+            raise APIError(f"{name}: token ids {bad[:8]} are out of vocabulary (ids are 0..{vocab - 1})", param=name)
 
 
 def _encode(engine: Engine, prompt, add_special_tokens: bool = True) -> list[int]:

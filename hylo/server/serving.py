@@ -5,6 +5,7 @@ at once (their slots freed), and no task of it is left with an exception nobody 
 from __future__ import annotations
 
 import asyncio
+import codecs
 import json
 from typing import NamedTuple
 
@@ -26,6 +27,19 @@ class Echo(NamedTuple):
     verbatim: bool
 
 
+class TextCursor:
+    """Where a completion's next token starts in its text, in characters (``text_offset``): a character counts
+    once its last byte has come, so the tokens that hold the bytes of one character split between them all point
+    at it. One per choice, carried across a stream's chunks."""
+
+    def __init__(self):
+        self.chars = 0
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def advance(self, data: bytes) -> None:
+        self.chars += len(self._utf8.decode(data))
+
+
 class Formatter:
     """Token strings and log-probability objects for one request's responses."""
 
@@ -33,9 +47,15 @@ class Formatter:
         self.tokenizer, self.as_ids = tokenizer, as_ids
 
     def token(self, token_id: int) -> str:
+        """The token's text; a token that is not whole UTF-8 (part of a character) as OpenAI writes one,
+        ``bytes:\\xNN...``, so that such tokens stay apart (as ``top_logprobs`` keys too)."""
         if self.as_ids or self.tokenizer is None:
             return f"token_id:{token_id}"
-        return self.token_bytes(token_id).decode("utf-8", errors="replace")
+        data = self.token_bytes(token_id)
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in data)
 
     def token_bytes(self, token_id: int) -> bytes:
         if self.tokenizer is None:
@@ -56,8 +76,8 @@ class Formatter:
                                               "bytes": list(self.token_bytes(t))} for t, v in lp.top]})
         return {"content": content}
 
-    def completion(self, token_ids: list[int], lps: list, offset: int, verbatim: int = 0) -> tuple[dict, int]:
-        """``choices[].logprobs`` of a completions response (or chunk), and the text offset after it: ``lps``
+    def completion(self, token_ids: list[int], lps: list, cursor: TextCursor, verbatim: int = 0) -> dict:
+        """``choices[].logprobs`` of a completions response (or chunk), ``cursor`` moved past it: ``lps``
         entries may be None (an echoed prompt's first token). Each ``top_logprobs`` dict holds the top
         alternatives and the chosen token (OpenAI's rule: up to logprobs + 1 entries). ``text_offset`` counts the
         characters of the response's text: special tokens take none (the text is decoded without them), except
@@ -67,9 +87,9 @@ class Formatter:
         for i, (tok, lp) in enumerate(zip(token_ids, lps)):
             text = self.token(tok)
             out["tokens"].append(text)
-            out["text_offset"].append(offset)
+            out["text_offset"].append(cursor.chars)
             if i < verbatim or tok not in specials:  # the token's own characters (``text`` may be its id)
-                offset += len(self.token_bytes(tok).decode("utf-8", errors="replace"))
+                cursor.advance(self.token_bytes(tok))
             if lp is None:
                 out["token_logprobs"].append(None)
                 out["top_logprobs"].append(None)
@@ -78,7 +98,7 @@ class Formatter:
                 top = {self.token(t): self.value(v) for t, v in lp.top}
                 top.setdefault(text, self.value(lp.logprob))
                 out["top_logprobs"].append(top)
-        return out, offset
+        return out
 
     def prompt(self, prompt_ids: list[int], lps: list) -> list:
         """vLLM's ``prompt_logprobs``: per prompt token None (the first) or {id: {logprob, rank, decoded_token}}
@@ -192,7 +212,8 @@ def _choice(index: int, r: Delta, prompt: list[int], body, chat: bool, fmt: Form
             ids, lps = r.token_ids, r.logprobs
             if echo is not None:
                 ids, lps = prompt + ids, (r.prompt_logprobs or [None] * len(prompt)) + lps
-            lp, _ = fmt.completion(ids, lps, 0, verbatim=len(prompt) if echo is not None and echo.verbatim else 0)
+            lp = fmt.completion(ids, lps, TextCursor(), verbatim=len(prompt) if echo is not None and echo.verbatim
+                                else 0)
         if echo is not None:
             text = echo.text + text
         choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": r.finish_reason,
@@ -260,7 +281,7 @@ async def _stream(runner: EngineThread, rid: str, created: int, model: str, obj:
     started: set[int] = set()  # choices whose first chunk went out
     completion = {i: 0 for i in queues}
     cached = {i: 0 for i in queues}
-    offsets = {i: 0 for i in queues}  # text_offset of the choice's next token
+    cursors = {i: TextCursor() for i in queues}  # text_offset of the choice's next token
     held = {i: "" for i in queues}  # chat with tools: text that may be a tool call, sent (or parsed) at the end
 
     def chat_delta(index: int, d: Delta) -> tuple[dict, str | None]:
@@ -304,7 +325,7 @@ async def _stream(runner: EngineThread, rid: str, created: int, model: str, obj:
             verbatim = len(prompt) if echo.verbatim else 0
         lp = None
         if want_lp and ids:
-            lp, offsets[index] = fmt.completion(ids, lps, offsets[index], verbatim)
+            lp = fmt.completion(ids, lps, cursors[index], verbatim)
         c = {"index": index, "text": text, "logprobs": lp, "finish_reason": d.finish_reason,
              "stop_reason": d.stop_reason}
         if body.return_token_ids:
