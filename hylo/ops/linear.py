@@ -27,8 +27,11 @@ def _few_rows(x: torch.Tensor, w) -> bool:
 # From this many rows (a prefill chunk) an FP8 projection is dequantized whole, in one Triton pass, and multiplied
 # by cuBLAS: the dequantization's bytes (1 read, 2 written, 2 read again per weight) are a few percent of such a
 # GEMM's time at 8192 rows, where the W8A16 Triton matmul ran the Qwen3.5-35B-A3B prefill at 4.65x its compute
-# floor against bfloat16's 2.29x (session 24, H100). HYLO_FP8_DEQUANT_ROWS=0 keeps the W8A16 matmul for every size.
-FP8_DEQUANT_ROWS = env_int("HYLO_FP8_DEQUANT_ROWS", 512)
+# floor against bfloat16's 2.29x (session 24, H100). From 128 rows since session 33: a verify's projections (k = 3
+# at batch 64 is 256 rows) went faster that way too, on the same H100 in one call (bench-6b-fp8's MTP step at batch
+# 64 15.74 -> 15.09 ms, Qwen3.5-35B-A3B's 30.15 -> 29.26; every other record even). HYLO_FP8_DEQUANT_ROWS=0 keeps
+# the W8A16 matmul for every size.
+FP8_DEQUANT_ROWS = env_int("HYLO_FP8_DEQUANT_ROWS", 128)
 
 
 def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
