@@ -49,7 +49,7 @@ class Req:
     num_computed: int = 0
     num_kv: int = 0  # positions with a reserved KV location (>= num_computed: reserved ahead)
     finish_reason: str | None = None  # "length" | "stop" | "abort"
-    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it (None at the EOS)
     num_preemptions: int = 0
     arrival: int = 0  # admission order; the newest running request is preempted first
     kv_locs: list[torch.Tensor] = field(default_factory=list)  # host copies of its KV locations, for freeing

@@ -92,7 +92,8 @@ def test_stop_token_ids_eos_and_context_limit(ckpt_a):
     assert out.token_ids == free_run[:first + 1] and out.finish_reason == "stop" and out.stop_reason == stop_tok
     eng.eos_ids = {stop_tok}
     out = _run_all(eng, [prompt], SamplingParams(max_tokens=12, temperature=0))[0]
-    assert out.token_ids == free_run[:first + 1] and out.finish_reason == "stop"
+    # the end-of-sequence token ends it with no stop_reason (vLLM's rule: only a stop string or stop token id)
+    assert out.token_ids == free_run[:first + 1] and out.finish_reason == "stop" and out.stop_reason is None
     out = _run_all(eng, [prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
     assert out.token_ids == free_run
     short = Engine(ckpt_a, engine_config=EngineConfig(verbose=False, max_model_len=10))

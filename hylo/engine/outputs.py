@@ -16,9 +16,11 @@ def append_token(req: Req, token: int, eos_ids: set[int], tokenizer, max_model_l
     request ends with it (its ``stop_reason`` and text set), else None."""
     req.output_ids.append(token)
     p = req.params
-    if (not p.ignore_eos and token in eos_ids) or (p.stop_token_ids and token in p.stop_token_ids):
+    if p.stop_token_ids and token in p.stop_token_ids:  # the stop token's text is not part of the output
         req.stop_reason = token
-        return "stop"  # the stop token's text is not part of the output
+        return "stop"
+    if not p.ignore_eos and token in eos_ids:  # the end of sequence: no stop_reason (vLLM's rule)
+        return "stop"
     if tokenizer is not None:
         delta = detokenize_step(tokenizer, req)
         hit = find_stop_string(req, delta)
