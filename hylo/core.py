@@ -242,10 +242,12 @@ class SpecStats:
 @dataclass
 class TokenLogprobs:
     """One token's log probability under the model's raw distribution, and the most likely alternatives there:
-    ``top`` is a list of (token id, log probability), most likely first."""
+    ``top`` is a list of (token id, log probability), most likely first; ``rank``: the token's place in the whole
+    vocabulary (1: the most likely), for a prompt token (None for a sampled one)."""
 
     logprob: float
     top: list[tuple[int, float]]
+    rank: int | None = None
 
 
 @dataclass

@@ -111,7 +111,7 @@ def test_offline_n_samples_each_prompt_n_times(ckpt_a):
 @pytest.mark.parametrize("spec", [None, "mtp"])
 def test_prompt_logprobs_over_chunks(ckpt_a_mtp, spec):
     """prompt_logprobs=N: every prompt token after the first, across prefill chunks of 16, against a float64
-    log_softmax of the prompt's logits; the first prompt token has None."""
+    log_softmax of the prompt's logits, with its rank in the whole vocabulary; the first prompt token has None."""
     eng = spec_engine(ckpt_a_mtp, spec)
     ref = spec_engine(ckpt_a_mtp)
     prompts = random_prompts(vocab_of(ckpt_a_mtp), [37, 2, 1], seed=43)
@@ -123,4 +123,6 @@ def test_prompt_logprobs_over_chunks(ckpt_a_mtp, spec):
             lp = o.prompt_logprobs[i]
             assert abs(lp.logprob - full[i - 1, p[i]].item()) < 1e-4
             assert [t for t, _ in lp.top] == full[i - 1].topk(3).indices.tolist()
+            above = [int((full[i - 1] > full[i - 1, p[i]] + d).sum()) + 1 for d in (1e-5, -1e-5)]  # (near-ties)
+            assert above[0] <= lp.rank <= above[1]
         assert len(o.logprobs) == len(o.token_ids)

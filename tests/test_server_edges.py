@@ -255,3 +255,10 @@ def test_vllm_request_rules(http):
             assert r.status_code == 400 and r.json()["error"]["param"] == field, (path, field, r.text)
     r = http.post("/tokenize", json={"prompt": "hi"}).json()
     assert r["token_strs"] is None
+    # prompt_logprobs 0: each prompt token (after the first) with its rank in the vocabulary, as vLLM gives it
+    ids = [5, 6, 7, 8, 9]
+    r = http.post("/v1/completions", json={"prompt": ids, "prompt_logprobs": 0, "max_tokens": 1}).json()
+    entries = r["choices"][0]["prompt_logprobs"]
+    assert entries[0] is None and len(entries) == len(ids)
+    for tok, entry in zip(ids[1:], entries[1:]):
+        assert list(entry) == [str(tok)] and isinstance(entry[str(tok)]["rank"], int) and entry[str(tok)]["rank"] >= 1

@@ -58,5 +58,5 @@ def apply_prompt_logprobs(sched: ScheduledBatch, values: list[list[float]]) -> N
             req.prompt_logprobs.append(None)
         for r in values[at:at + count]:
             req.prompt_logprobs.append(TokenLogprobs(r[0], [(int(r[1 + top_n + j]), r[1 + j])
-                                                            for j in range(wanted)]))
+                                                            for j in range(wanted)], rank=int(r[-1])))
         at += count

@@ -32,7 +32,7 @@ class StepResult:
     counts: torch.Tensor | None = None  # [S] int64
     packed: torch.Tensor | None = None  # [S, W + 1]: tokens then counts, when the step wrote them as one tensor
     logprobs: torch.Tensor | None = None
-    # prompt log probabilities of the EXTEND rows that asked for them, [P, 1 + 2N] (``ModelWorker.prompt_logprobs``)
+    # prompt log probabilities of the EXTEND rows that asked for them, [P, 2 + 2N] (``ModelWorker.prompt_logprobs``)
     prompt_logprobs: torch.Tensor | None = None
 
     @classmethod
@@ -265,8 +265,9 @@ class ModelWorker:
 
     def prompt_logprobs(self, sched: ScheduledBatch, hidden: torch.Tensor) -> torch.Tensor | None:
         """For the prefill rows whose requests asked for prompt log probabilities: at every fed position that is
-        followed by another prompt token, that token's log probability and the top N ([P, 1 + 2N] in row order,
-        ``prompt_logprob_spans`` says which rows and positions). None when no row asked."""
+        followed by another prompt token, that token's log probability, the top N and the token's rank in the
+        vocabulary ([P, 1 + 2N + 1] in row order, ``prompt_logprob_spans`` says which rows and positions). None
+        when no row asked."""
         spans = prompt_logprob_spans(sched)
         if not spans:
             return None
@@ -276,7 +277,9 @@ class ModelWorker:
         targets = torch.cat([sched.reqs[i].token_tensor(p + 1, p + 1 + n) for i, p, n in spans])
         dev_idx = to_device(torch.stack([idx, targets]), self.device)
         logits = self.model.compute_logits(hidden[dev_idx[0]])
-        return pack_logprobs(logits, dev_idx[1][:, None], top_n)[:, 0]
+        # rank 1 + the tokens more likely than the prompt's (exact in float32 up to 2 ** 24 tokens)
+        rank = (logits > logits.gather(1, dev_idx[1][:, None])).sum(1, keepdim=True) + 1
+        return torch.cat([pack_logprobs(logits, dev_idx[1][:, None], top_n)[:, 0], rank.float()], 1)
 
     def register_constraints(self, reqs) -> None:
         """The constraint states of requests whose prefill starts (their automaton's start; -1 without one, so a

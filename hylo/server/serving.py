@@ -102,7 +102,7 @@ class Formatter:
 
     def prompt(self, prompt_ids: list[int], lps: list) -> list:
         """vLLM's ``prompt_logprobs``: per prompt token None (the first) or {id: {logprob, rank, decoded_token}}
-        for the token itself and the top alternatives (rank: its place among them, null where it is not one)."""
+        for the token itself and the top alternatives (rank: its place in the vocabulary, 1 the most likely)."""
         out = []
         for tok, lp in zip(prompt_ids, lps):
             if lp is None:
@@ -110,7 +110,7 @@ class Formatter:
                 continue
             entry = {str(t): {"logprob": self.value(v), "rank": r + 1, "decoded_token": self.token(t)}
                      for r, (t, v) in enumerate(lp.top)}
-            entry.setdefault(str(tok), {"logprob": self.value(lp.logprob), "rank": None,
+            entry.setdefault(str(tok), {"logprob": self.value(lp.logprob), "rank": lp.rank,
                                         "decoded_token": self.token(tok)})
             out.append(entry)
         return out
