@@ -223,6 +223,24 @@ def test_prompts_are_encoded_off_the_event_loop(http, monkeypatch):
     assert seen and set(seen) == {"worker thread"}, seen
 
 
+@pytest.mark.parametrize("body, param", [
+    ({"user": {"a": 1}}, "user"), ({"user": 5}, "user"), ({"store": "yes"}, "store"), ({"priority": True}, "priority"),
+    ({"response_format": {"foo": 1}}, "response_format"), ({"parallel_tool_calls": "x"}, "parallel_tool_calls"),
+])
+def test_bookkeeping_fields_of_the_wrong_type_are_refused(http, body, param):
+    """OpenAI's bookkeeping fields change nothing but still have a type; response_format needs its type."""
+    _error(http.post("/v1/completions", json={"prompt": "ab", "max_tokens": 1, **body}), param)
+
+
+def test_bookkeeping_fields_of_their_type_are_accepted_and_a_405_says_what_is_allowed(http):
+    body = {"prompt": "ab", "max_tokens": 1, "user": "u-1", "store": False, "metadata": {"k": "v"}, "priority": 0,
+            "parallel_tool_calls": True, "response_format": {"type": "text"}}
+    assert http.post("/v1/completions", json=body).status_code == 200
+    r = http.get("/v1/completions")
+    assert r.status_code == 405 and r.headers["allow"] == "POST"
+    _still_serving(http)
+
+
 def test_a_body_that_is_not_json_says_what_is_expected(http):
     r = http.post("/v1/completions", content=b"prompt=hi", headers={"content-type": "application/x-www-form-urlencoded"})
     msg = _error(r, None)

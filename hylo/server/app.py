@@ -129,7 +129,8 @@ def create_app(engine: Engine, api_key: str | None = None, served_model_name: st
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request, exc: StarletteHTTPException):
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        return JSONResponse(error_body(str(exc.detail), code=code), status_code=exc.status_code)
+        return JSONResponse(error_body(str(exc.detail), code=code), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))  # (a 405's Allow)
 
     @app.exception_handler(Exception)
     async def _internal_error(request, exc: Exception):

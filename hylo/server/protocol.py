@@ -70,7 +70,7 @@ NOT_IMPLEMENTED = {
     "use_beam_search": lambda v: v in (None, False), "length_penalty": lambda v: v in (None, 1, 1.0),
     "stop_regex": lambda v: not v, "continue_final_message": lambda v: v in (None, False),
     "tools": lambda v: not v, "tool_choice": lambda v: v in (None, "none"), "functions": lambda v: not v,
-    "function_call": lambda v: v in (None, "none"), "parallel_tool_calls": lambda v: True,
+    "function_call": lambda v: v in (None, "none"), "parallel_tool_calls": lambda v: v is None or isinstance(v, bool),
     "min_p": lambda v: v in (None, 0, 0.0), "truncate_prompt_tokens": lambda v: v is None,
     "include_stop_str_in_output": lambda v: v in (None, False), "skip_special_tokens": lambda v: v in (None, True),
     "spaces_between_special_tokens": lambda v: v in (None, True), "chat_template": lambda v: v is None,
@@ -79,8 +79,9 @@ NOT_IMPLEMENTED = {
     "audio": lambda v: v is None, "prediction": lambda v: v is None, "web_search_options": lambda v: v is None,
     "bad_words": lambda v: not v, "allowed_token_ids": lambda v: v is None,
 }
-# accepted and without effect on the output (OpenAI's bookkeeping fields)
-IGNORED = {"user", "store", "metadata", "service_tier", "request_id", "priority"}
+# accepted and without effect on the output (OpenAI's bookkeeping fields), each of its JSON type (or null)
+IGNORED = {"user": str, "store": bool, "metadata": dict, "service_tier": str, "request_id": str, "priority": int}
+_JSON_TYPE = {str: "a string", bool: "true or false", dict: "an object", int: "an integer"}
 
 
 class _SamplingFields(BaseModel):
@@ -124,6 +125,9 @@ class _SamplingFields(BaseModel):
         """Refuse what hylo does not implement, by name: unknown fields and the not-implemented ones set."""
         for name, value in (self.model_extra or {}).items():
             if name in IGNORED:
+                kind = IGNORED[name]
+                if value is not None and (not isinstance(value, kind) or kind is int and isinstance(value, bool)):
+                    raise APIError(f"{name} must be {_JSON_TYPE[kind]}", param=name)
                 continue
             if name in NOT_IMPLEMENTED:
                 if not NOT_IMPLEMENTED[name](value):

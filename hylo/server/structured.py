@@ -61,7 +61,9 @@ def _response_format(rf: dict) -> Constraint | None:
     if not isinstance(rf, dict):
         raise APIError("response_format must be an object", param="response_format")
     kind = rf.get("type")
-    if kind in (None, "text"):
+    if kind is None:
+        raise APIError("response_format needs a type (text, json_object or json_schema)", param="response_format")
+    if kind == "text":
         return None
     if kind == "json_object":
         return Constraint.json_object()
