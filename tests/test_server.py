@@ -97,6 +97,13 @@ def test_models_health_and_auth(server, client):
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
         r = httpx.get(f"{server}/v1/models", headers=headers)
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        # the key is checked before the body: a malformed one is still a 401 without it
+        r = httpx.post(f"{server}/v1/completions", headers={**headers, "Content-Type": "application/json"},
+                       content=b"{bad")
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    r = httpx.post(f"{server}/v1/completions", headers={"Authorization": f"Bearer {KEY}",
+                                                        "Content-Type": "application/json"}, content=b"{bad")
+    assert r.status_code == 400
     bad = openai.OpenAI(base_url=f"{server}/v1", api_key="nope", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.completions.create(model=MODEL, prompt="x", max_tokens=1)

@@ -100,6 +100,10 @@ def create_app(engine: Engine, api_key: str | None = None, served_model_name: st
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request, exc: RequestValidationError):
+        try:  # the key first, as OpenAI checks it: a request without it learns nothing of what its body lacks
+            await authorize(request)
+        except APIError as e:
+            return JSONResponse(e.body(), status_code=e.status)
         metrics.rejected += 1
         errors = exc.errors()
         err = errors[0] if errors else {}
