@@ -112,7 +112,8 @@ class HostMatcher:
 
     def _gave_up(self, tokens: int) -> GrammarGaveUp:
         where = ("before the first output token (no text matches it, or it is too costly to follow)" if not tokens
-                 else f"after {tokens} output tokens (a grammar with no finite match, or too costly to follow)")
+                 else f"after {tokens} output token{'s' if tokens > 1 else ''} (a grammar with no finite match, or "
+                 "too costly to follow)")
         return GrammarGaveUp(f"grammar constraint: the grammar engine stopped {where}: "
                              f"{first_line(self._m.get_error())}")
 
