@@ -232,6 +232,11 @@ def test_bookkeeping_fields_of_the_wrong_type_are_refused(http, body, param):
     _error(http.post("/v1/completions", json={"prompt": "ab", "max_tokens": 1, **body}), param)
 
 
+def test_a_validators_message_reads_without_pydantics_prefix(http):
+    message = _error(http.post("/v1/completions", json={"prompt": "ab", "temperature": "1"}), "temperature")
+    assert message.startswith("temperature: expected a number") and "Value error" not in message
+
+
 def test_bookkeeping_fields_of_their_type_are_accepted_and_a_405_says_what_is_allowed(http):
     body = {"prompt": "ab", "max_tokens": 1, "user": "u-1", "store": False, "metadata": {"k": "v"}, "priority": 0,
             "parallel_tool_calls": True, "response_format": {"type": "text"}}

@@ -106,7 +106,9 @@ def create_app(engine: Engine, api_key: str | None = None, served_model_name: st
             return JSONResponse(e.body(), status_code=e.status)
         metrics.rejected += 1
         errors = exc.errors()
-        err = errors[0] if errors else {}
+        err = dict(errors[0]) if errors else {}
+        if isinstance(err.get("msg"), str):  # pydantic's wording of a validator's own ValueError
+            err["msg"] = err["msg"].removeprefix("Value error, ")
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
         kind = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
         if err.get("type") == "json_invalid":
