@@ -118,6 +118,22 @@ class HostMatcher:
                              f"{first_line(self._m.get_error())}")
 
 
+def grammars_given_up(reqs) -> list:
+    """Feed each unfinished host-matched request its new output tokens and compute its next mask, before the step
+    is planned: (request, ``GrammarGaveUp``) for those whose grammar the matcher gave up on, which the engine ends
+    alone, where an error inside the step's launch would fail every row of it. ``write_host_masks`` then finds the
+    others' masks computed."""
+    given_up = []
+    for req in reqs:
+        if req.host_matched and not req.finished:
+            try:
+                req.automaton.feed(req.output_ids)
+                req.automaton.mask()
+            except GrammarGaveUp as e:
+                given_up.append((req, e))
+    return given_up
+
+
 def write_host_masks(reqs, tables) -> None:
     """Feed each host-matched request's new output tokens to its matcher and write its mask into the device table
     (``ConstraintTables.host_masks``) for the step about to launch."""

@@ -19,7 +19,7 @@ import torch
 from ..cache.memory import allocate_caches
 from ..cache.prefix_cache import PrefixCache
 from ..constrain.automaton import AutomatonCache
-from ..constrain.host import GrammarGaveUp, write_host_masks
+from ..constrain.host import grammars_given_up, write_host_masks
 from ..config import EngineConfig
 from ..core import ForwardMode, Req, RequestOutput, SpecStats
 from ..parallel.group import SINGLE, TPGroup
@@ -300,17 +300,11 @@ class Engine:
         return _Launched(sched, read, prompt_read, timer)
 
     def _check_grammars(self) -> None:
-        """Feed every unfinished grammar row its new tokens and compute its next mask before the step is planned:
-        a grammar the matcher gives up on (``GrammarGaveUp``) ends its own request with a 400 here, where it cannot
-        fail the step it would have shared with others. (``_host_masks`` then finds the masks computed.)"""
-        for req in [*self.scheduler.running, *self.scheduler.waiting]:
-            if req.host_matched and not req.finished:
-                try:
-                    req.automaton.feed(req.output_ids)
-                    req.automaton.mask()
-                except GrammarGaveUp as e:
-                    self._fail(req, e, status=400)
-                    self._failed.append(req)
+        """Grammar rows the matcher gave up on end now, with a 400, not inside the step they would have shared
+        (``constrain.host.grammars_given_up``)."""
+        for req, error in grammars_given_up([*self.scheduler.running, *self.scheduler.waiting]):
+            self._fail(req, error, status=400)
+            self._failed.append(req)
 
     def _host_masks(self, sched: ScheduledBatch) -> None:
         """The masks of the step's host-matched rows that sample, into the device table before it launches (no
