@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import random
 import sys
 import threading
 from collections.abc import Iterable, Sequence
@@ -13,7 +12,7 @@ from tqdm.auto import tqdm
 
 from .config import EngineConfig
 from .core import CompletionOutput, RequestOutput
-from .sampling_params import SamplingParams
+from .sampling_params import SamplingParams, wrap_int64
 from .launch import create_engine
 
 
@@ -110,15 +109,25 @@ class LLM:
                 if bad:
                     raise ValueError(f"token ids {sorted(set(bad))[:8]} (logit_bias / stop_token_ids) are out of "
                                      f"vocabulary (ids are 0..{vocab - 1})")
+                if p.constraint is not None:
+                    eng.compile_constraint(p.constraint)  # (cached: add_request finds it compiled)
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
-        # n samples of a prompt are n requests, sample i seeded with seed + i (drawn once when the seed is None)
-        groups = []
-        for prompt, p in zip(prompts, params):
-            base = p.seed if p.seed is not None else random.getrandbits(62)
-            choices = [p] if p.n == 1 else [dataclasses.replace(p, n=1, seed=base + i) for i in range(p.n)]
-            groups.append([eng.add_request(prompt, c) for c in choices])
-        rids = [r for g in groups for r in g]
+        # n samples of a prompt are n requests, sample i seeded with seed + i, wrapped into 64 bits (the base drawn
+        # once from the engine's generator when the seed is None)
+        groups, rids = [], []
+        try:
+            for prompt, p in zip(prompts, params):
+                base = p.seed if p.seed is not None else eng.draw_seed()
+                choices = [p] if p.n == 1 else [dataclasses.replace(p, n=1, seed=wrap_int64(base + i))
+                                                for i in range(p.n)]
+                groups.append([])
+                for c in choices:
+                    groups[-1].append(eng.add_request(prompt, c))
+                    rids.append(groups[-1][-1])
+        except BaseException:
+            _discard(eng, rids)  # nothing of a refused call stays queued
+            raise
         pending = set(rids)
         # a live bar on a terminal only: on a log its carriage-return updates would run into the lines
         bar = tqdm(total=len(rids), desc="generating", unit="req",
@@ -131,9 +140,8 @@ class LLM:
                         bar.update(1)
                 if pending and not eng.has_unfinished():
                     raise RuntimeError("engine stopped with requests pending (this is a bug)")
-        except BaseException:
-            for rid in pending:
-                eng.abort(rid)
+        except BaseException:  # (an interrupt too): the call's requests end and leave the engine's table
+            _discard(eng, rids)
             raise
         finally:
             bar.close()
@@ -155,3 +163,13 @@ class LLM:
                                                          if o.error)
             raise (RuntimeError if any(o.error_status >= 500 for o in failed) else ValueError)(message)
         return outputs
+
+
+def _discard(eng, rids) -> None:
+    """End the requests ``rids`` (those still running) and drop them from the engine's table."""
+    for rid in rids:
+        eng.abort(rid)
+        try:
+            eng.pop_finished(rid)
+        except KeyError:
+            pass

@@ -7,6 +7,11 @@ import math
 from dataclasses import dataclass
 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+
+
+def wrap_int64(value: int) -> int:
+    """``value`` wrapped into the int64 range (sample i of a seeded request has seed + i, which may pass the top)."""
+    return (value - INT64_MIN) % (1 << 64) + INT64_MIN
 MAX_LOGPROBS = 20  # the most alternatives a request may ask for per token (OpenAI's bound)
 # A temperature below this samples greedily (vLLM's bound too): logits divided by 1e-39 overflow float32 to inf,
 # and the draw would return garbage; at 1e-5 a sample differs from the argmax only between exact ties anyway.

@@ -115,3 +115,44 @@ def test_cli_generate_and_cli_errors():
     bad_k = subprocess.run(run + ["x", "--speculative", "ngram", "--num-speculative-tokens", "0"],
                            capture_output=True, text=True, timeout=120)
     assert bad_k.returncode == 2 and "num_speculative_tokens" in bad_k.stderr
+
+
+def test_a_refused_or_interrupted_generate_leaves_nothing_queued(monkeypatch):
+    """Every prompt of a generate call is checked before any is queued (a constraint that does not compile names
+    its prompt); a call interrupted mid-run ends its requests and drops them from the engine's table; the next
+    call runs as if alone. Sample i of a seeded request with n > 1 has seed + i wrapped into 64 bits, and unseeded
+    samples draw their base from the engine's seed."""
+    from hylo.constrain.spec import Constraint
+
+    llm = LLM(None, device="cpu", verbose=False, max_num_seqs=4, seed=5)
+    eng = llm.engine
+    greedy = SamplingParams(max_tokens=6, temperature=0)
+    alone = llm.generate(["def f(x):"], greedy, use_tqdm=False)[0].token_ids
+    bad = SamplingParams(max_tokens=6, constraint=Constraint.regex("[0-9"))
+    with pytest.raises(ValueError, match=r"^prompt 1: regex constraint"):
+        llm.generate(["def f(x):", "x"], [greedy, bad], use_tqdm=False)
+    assert not eng.has_unfinished() and not eng._reqs
+    real_step, calls = eng.step, []
+
+    def interrupted():
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real_step()
+
+    monkeypatch.setattr(eng, "step", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(["def f(x):"] * 3, SamplingParams(max_tokens=20, temperature=0), use_tqdm=False)
+    monkeypatch.setattr(eng, "step", real_step)
+    while eng.has_unfinished():
+        eng.step()
+    assert not eng._reqs
+    assert llm.generate(["def f(x):"], greedy, use_tqdm=False)[0].token_ids == alone
+    top = SamplingParams(max_tokens=4, temperature=1.0, n=2, seed=(1 << 63) - 1)
+    assert len(llm.generate(["x"], top, use_tqdm=False)[0].outputs) == 2
+    unseeded = SamplingParams(max_tokens=8, temperature=1.0, n=2)
+    again = LLM(None, device="cpu", verbose=False, max_num_seqs=4, seed=5)
+    for a in (llm, again):  # the same draws from the engine's generator, in the same order
+        a.engine._rng.seed(5)
+    outs = [[o.token_ids for o in a.generate(["x"], unseeded, use_tqdm=False)[0].outputs] for a in (llm, again)]
+    assert outs[0] == outs[1]

@@ -152,7 +152,7 @@ class Engine:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self._reqs:
             raise ValueError(f"request id {rid!r} is already in use")
-        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        seed = params.seed if params.seed is not None else self.draw_seed()
         req = Req(rid=rid, prompt_ids=ids, params=params, seed=seed,
                   prompt=prompt if isinstance(prompt, str) else None,
                   # prompt log probabilities need every prompt position computed: no cached prefix
@@ -162,6 +162,10 @@ class Engine:
         self._reqs[rid] = req
         self.scheduler.add(req)
         return rid
+
+    def draw_seed(self) -> int:
+        """A seed for a request that gave none, from the engine's own generator (``EngineConfig.seed``)."""
+        return self._rng.getrandbits(63)
 
     def compile_constraint(self, constraint):
         """A constraint's token automaton (``hylo.constrain``), compiled once per constraint and cached; callable

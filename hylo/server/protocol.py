@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool
 
-from ..sampling_params import INT64_MAX, INT64_MIN, SamplingParams
+from ..sampling_params import INT64_MAX, INT64_MIN, SamplingParams, wrap_int64
 
 
 def _no_coercion(value):
@@ -190,7 +190,7 @@ class _SamplingFields(BaseModel):
                 temperature=1.0 if self.temperature is None else self.temperature,
                 top_p=1.0 if self.top_p is None else self.top_p,
                 top_k=0 if self.top_k is None else self.top_k,
-                seed=None if self.seed is None else _wrap_int64(self.seed + n_index),
+                seed=None if self.seed is None else wrap_int64(self.seed + n_index),
                 stop=self.stop if self.stop != [] else None,  # "" is refused by name, as [""] is
                 stop_token_ids=self.stop_token_ids,
                 ignore_eos=self.ignore_eos,
@@ -212,11 +212,6 @@ class _SamplingFields(BaseModel):
 
     def prompt_logprobs_n(self) -> int | None:
         return self.prompt_logprobs
-
-
-def _wrap_int64(value: int) -> int:
-    """``value`` wrapped into the int64 range (choice i of a seeded request has seed + i, which may pass the top)."""
-    return (value - INT64_MIN) % (1 << 64) + INT64_MIN
 
 
 class CompletionRequest(_SamplingFields):
