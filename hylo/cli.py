@@ -163,7 +163,7 @@ def _serve(args) -> int:
     try:
         import uvicorn
 
-        from .server.app import create_app
+        from .server.app import check_api_key, create_app
     except ImportError as e:
         print(f"error: the server needs fastapi and uvicorn ({e}); install hylo with its dependencies", file=sys.stderr)
         return 2
@@ -173,6 +173,7 @@ def _serve(args) -> int:
         print(f"error: --max-body-bytes must be at least 1, got {args.max_body_bytes}", file=sys.stderr)
         return 2
     _check_port(args.host, args.port)  # before the model loads: a busy or bad port should not cost a load
+    check_api_key(args.api_key)
     if args.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"[hylo] warning: serving on {args.host} without --api-key: anyone who can reach it can use it",
               file=sys.stderr)

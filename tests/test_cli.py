@@ -32,6 +32,28 @@ def test_bad_and_busy_ports_are_refused_before_loading():
     assert f"port {port}" in out.stderr and "in use" in out.stderr and "[hylo] model" not in out.stderr
 
 
+def test_an_api_key_that_would_let_anyone_in_is_refused_before_loading():
+    """An empty key matched 'Authorization: Bearer' with nothing after it; a key with spaces around it or of
+    non-ASCII text could never be sent and matched."""
+    from hylo.server.app import check_api_key
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = subprocess.run([sys.executable, "-m", "hylo", "serve", "--port", str(port), "--api-key", ""],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert "--api-key" in out.stderr and "[hylo] model" not in out.stderr
+    for key in ("", " k", "k ", "clé"):
+        try:
+            check_api_key(key)
+            raise AssertionError(f"accepted {key!r}")
+        except ValueError as e:
+            assert "--api-key" in str(e)
+    check_api_key("sk-test_1.2")
+    check_api_key(None)
+
+
 def test_generate_with_a_constraint(tmp_path):
     """``hylo generate --json-schema @FILE`` / ``--regex``: the printed completion follows the constraint; a bad
     one is refused in one line, without a traceback."""

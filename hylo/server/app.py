@@ -75,8 +75,18 @@ class BodyLimit:
         await send({"type": "http.response.body", "body": body})
 
 
+def check_api_key(api_key: str | None) -> None:
+    """An API key clients can send and that keeps others out: not empty (``Bearer`` with nothing after it would
+    match), printable ASCII (HTTP headers carry no other text reliably), no spaces around it (they are trimmed)."""
+    if api_key is None:
+        return
+    if not api_key or api_key != api_key.strip() or not (api_key.isascii() and api_key.isprintable()):
+        raise ValueError("--api-key must be a non-empty key of printable ASCII characters without spaces around it")
+
+
 def create_app(engine: Engine, api_key: str | None = None, served_model_name: str | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    check_api_key(api_key)
     metrics = Metrics()
     runner = EngineThread(engine, metrics)
     model_name = served_model_name or engine.model_name
