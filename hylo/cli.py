@@ -186,6 +186,17 @@ def _serve(args) -> int:
     return 0
 
 
+def _at_least_one(text: str) -> int:
+    """An argparse type: a whole number of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def _check_port(host: str, port: int) -> None:
     """Refuse a port out of range, or one another process listens on, with a ValueError naming it."""
     import socket
@@ -258,9 +269,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--spec-policy", action="store_true",
                    help="instead: per generated token, plain decoding against fixed-k and adaptive speculation (MTP "
                         "and n-gram) at simulated accept lengths 1.0-4.0 and in a mixed batch, batch 1 / 8 / 64")
-    b.add_argument("--conversations", type=int, default=None,
+    b.add_argument("--conversations", type=_at_least_one, default=None,
                    help="--prefix-replay: conversations replayed at once (default 32; 6 with --quick)")
-    b.add_argument("--turns", type=int, default=None, help="--prefix-replay: turns per conversation (default 5)")
+    b.add_argument("--turns", type=_at_least_one, default=None,
+                   help="--prefix-replay: turns per conversation (default 5)")
     b.add_argument("--pdl", action="store_true",
                    help="also time decode with programmatic dependent launch off, and on with its L2 weight prefetch "
                         "(HYLO_PDL, HYLO_PDL_PREFETCH; PDL is on by default on Hopper+) in the same run")

@@ -54,6 +54,16 @@ def test_an_api_key_that_would_let_anyone_in_is_refused_before_loading():
     check_api_key(None)
 
 
+def test_bench_replay_sizes_below_one_are_refused_by_name():
+    import pytest
+
+    for option, value in (("--turns", "-1"), ("--turns", "0"), ("--conversations", "0"), ("--conversations", "x")):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["bench", "--prefix-replay", option, value])
+    args = build_parser().parse_args(["bench", "--prefix-replay", "--turns", "2", "--conversations", "3"])
+    assert (args.turns, args.conversations) == (2, 3)
+
+
 def test_generate_with_a_constraint(tmp_path):
     """``hylo generate --json-schema @FILE`` / ``--regex``: the printed completion follows the constraint; a bad
     one is refused in one line, without a traceback."""
