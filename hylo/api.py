@@ -87,6 +87,10 @@ class LLM:
         prompts = list(prompts)
         if not prompts:
             return []
+        if isinstance(sampling_params, (dict, str, bytes)) or not (
+                sampling_params is None or isinstance(sampling_params, (SamplingParams, Iterable))):
+            raise ValueError(f"sampling_params must be a SamplingParams or a list of them (one per prompt), got "
+                             f"{type(sampling_params).__name__}")
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)
         else:

@@ -64,22 +64,26 @@ def _constraint(args):
     """The output constraint the generate options ask for (``hylo.constrain``), or None."""
     from .constrain.spec import Constraint
 
-    def text(value: str) -> str:
+    def text(value: str, option: str) -> str:
         if value.startswith("@"):
-            with open(value[1:]) as f:
-                return f.read()
+            try:
+                with open(value[1:], encoding="utf-8") as f:
+                    return f.read()
+            except (OSError, UnicodeDecodeError) as e:
+                raise ValueError(f"{option} {value}: cannot read {value[1:]!r} as UTF-8 text "
+                                 f"({getattr(e, 'strerror', None) or e})") from None
         return value
 
     if args.regex is not None:
         return Constraint.regex(args.regex)
     if args.json_schema is not None:
-        return Constraint.json_schema(text(args.json_schema))
+        return Constraint.json_schema(text(args.json_schema, "--json-schema"))
     if args.json:
         return Constraint.json_object()
     if args.choice:
         return Constraint.choice(args.choice)
     if args.grammar is not None:
-        return Constraint.grammar(text(args.grammar))
+        return Constraint.grammar(text(args.grammar, "--grammar"))
     return None
 
 
@@ -113,21 +117,30 @@ def _generate(args) -> int:
                             constraint=constraint)
     llm = LLM(args.model, device=args.device, dtype=args.dtype, **_engine_options(args))
     t0 = time.perf_counter()
-    out = llm.generate(prompt, params, use_tqdm=False)[0]
+    try:
+        out = llm.generate(prompt, params, use_tqdm=False)[0]
+    except ValueError as e:  # (one prompt here: the API's "prompt 0: " says nothing to a command line's user)
+        raise ValueError(str(e).replace("prompt 0: ", "", 1)) from None
     dt = time.perf_counter() - t0
     if out.text is not None:
         print(prompt + out.text)
     else:
         print(out.token_ids)
     n = len(out.token_ids)
-    print(f"[hylo] {n} tokens in {dt:.2f}s ({n / dt:.1f} tokens/s), prompt {len(out.prompt_token_ids)} tokens, "
-          f"finish reason: {out.finish_reason}", file=sys.stderr)
+    print(f"[hylo] {_count(n, 'token')} in {dt:.2f}s ({n / dt:.1f} tokens/s), prompt "
+          f"{_count(len(out.prompt_token_ids), 'token')}, finish reason: {out.finish_reason}", file=sys.stderr)
     if out.spec is not None:
         s = out.spec
-        print(f"[hylo] speculative ({args.speculative}, k={args.num_speculative_tokens}): {s.verify_steps} verify "
-              f"steps, {s.plain_steps} plain, {s.accepted_tokens}/{s.draft_tokens} drafts accepted, mean accept length "
-              f"{s.mean_accept_length:.2f} tokens per step", file=sys.stderr)
+        mean = (f"mean accept length {s.mean_accept_length:.2f} tokens per step" if s.verify_steps
+                else "no verify step ran")
+        print(f"[hylo] speculative ({args.speculative}, k={args.num_speculative_tokens}): "
+              f"{_count(s.verify_steps, 'verify step')}, {s.plain_steps} plain, {s.accepted_tokens}/{s.draft_tokens} "
+              f"drafts accepted, {mean}", file=sys.stderr)
     return 0
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
 
 
 def _bench(args) -> int:
@@ -298,6 +311,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as e:  # (FileNotFoundError among them)
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("\n[hylo] interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -97,9 +97,17 @@ def allocate_caches(mc: ModelConfig, ec: EngineConfig, dtype: torch.dtype, devic
         kv_tokens = ec.kv_cache_tokens
     else:
         if state_bytes >= budget:
+            parts = [f"{ec.max_num_seqs} request slots"]
+            if k:
+                parts.append(f"the verify states of {k} speculative tokens per slot ({ec.max_num_seqs} x "
+                             f"{verify_bytes / _GIB:.3f} GiB)")
+            if snapshots:
+                parts.append(f"{snapshots} prefix snapshots ({snapshots * slot_bytes / _GIB:.2f} GiB)")
             raise ValueError(
-                f"the state pool for max_num_seqs={ec.max_num_seqs} needs {state_bytes / _GIB:.2f} GiB, more than "
-                f"the cache budget of {budget / _GIB:.2f} GiB: lower max_num_seqs or raise memory_budget_gb")
+                f"the state pool ({', '.join(parts)}) needs {state_bytes / _GIB:.2f} GiB, more than the cache "
+                f"budget of {budget / _GIB:.2f} GiB: lower max_num_seqs"
+                + (", num_speculative_tokens" if k else "") + (" or prefix_snapshots" if snapshots else "")
+                + ", or raise memory_budget_gb")
         kv_tokens = (budget - state_bytes) // max(kv_bytes_per_token, 1)
         kv_tokens = int(min(kv_tokens, ec.max_num_seqs * len_limit))
     need = kv_tokens * kv_bytes_per_token + state_bytes

@@ -19,6 +19,9 @@ def resolve(name: str, revision: str | None = None) -> str:
     """A local directory for ``name``: itself when it is one, else the Hub snapshot of the repo id ``name``."""
     if os.path.isdir(name):
         return name
+    if os.path.exists(name):
+        raise FileNotFoundError(f"model {name!r} is a file: give the checkpoint's directory (its config.json and "
+                                f"safetensors files)")
     if not looks_like_repo_id(name):
         raise FileNotFoundError(f"model directory {name!r} does not exist (and it is not a Hugging Face repo id "
                                 f"like 'Qwen/Qwen3.5-9B')")
