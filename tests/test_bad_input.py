@@ -160,3 +160,12 @@ def test_a_refused_or_interrupted_generate_leaves_nothing_queued(monkeypatch):
         a.engine._rng.seed(5)
     outs = [[o.token_ids for o in a.generate(["x"], unseeded, use_tqdm=False)[0].outputs] for a in (llm, again)]
     assert outs[0] == outs[1]
+
+
+def test_a_simulated_accept_length_on_real_weights_is_said(capfd):
+    """simulate_accept_length is a benchmark's knob: on a trained model it changes the outputs, and says so."""
+    LLM(None, device="cpu", verbose=False, speculative="mtp", num_speculative_tokens=2, simulate_accept_length=2.0)
+    assert "simulate_accept_length=2.0" in capfd.readouterr().err
+    LLM("hylo-default-random", device="cpu", verbose=False, speculative="mtp", num_speculative_tokens=2,
+        simulate_accept_length=2.0)
+    assert "simulate_accept_length" not in capfd.readouterr().err

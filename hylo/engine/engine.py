@@ -101,6 +101,9 @@ class Engine:
         if self.ec.verbose:
             print_model_line(lm, self.dtype, self.device, self.load_seconds)
             print(f"[hylo] {self.caches.summary()}", file=sys.stderr, flush=True)
+        if self.ec.simulate_accept_length is not None and not lm.is_random:  # (a benchmark's knob)
+            print(f"[hylo] warning: simulate_accept_length={self.ec.simulate_accept_length} forces how many drafts "
+                  "each verify accepts: the outputs are not the model's", file=sys.stderr, flush=True)
 
     # ---- requests ---------------------------------------------------------------------------------------------
     def encode_prompt(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
