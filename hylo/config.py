@@ -315,6 +315,8 @@ class EngineConfig:
             raise ValueError(f"memory_budget_gb must be a positive number, got {budget!r}")
         if self.state_dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"state_dtype must be float32, bfloat16 or float16, got {self.state_dtype!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if self.spec_commit not in ("replay", "checkpoints"):
             raise ValueError(f"spec_commit must be 'replay' or 'checkpoints', got {self.spec_commit!r}")
         if self.spec_policy not in ("adaptive", "fixed"):

@@ -80,8 +80,13 @@ def test_bad_engine_options_and_checkpoints(tmp_path, ckpt_a):
         LLM(ckpt_a, max_num_seq=3)
     with pytest.raises(ValueError, match="max_num_seqs"):
         LLM(ckpt_a, max_num_seqs=0)
+    with pytest.raises(ValueError, match="seed must be an integer"):
+        LLM(ckpt_a, seed=1.5)
     with pytest.raises(FileNotFoundError, match="does not exist"):
         LLM(str(tmp_path / "nowhere"))
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match="is a file: give the checkpoint's directory"):
+        LLM(str(tmp_path / "config.json"))
     # a checkpoint with a missing and one with a wrongly shaped tensor
     import shutil
 
