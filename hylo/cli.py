@@ -193,7 +193,8 @@ def _serve(args) -> int:
     engine = create_engine(args.model, args.device, args.dtype, EngineConfig(**_engine_options(args)))
     app = create_app(engine, api_key=args.api_key, served_model_name=args.served_model_name,
                      max_body_bytes=args.max_body_bytes)
-    print(f"[hylo] serving {args.served_model_name or engine.model_name} on http://{args.host}:{args.port}/v1",
+    host = f"[{args.host}]" if ":" in args.host else args.host  # (an IPv6 address in a URL)
+    print(f"[hylo] serving {args.served_model_name or engine.model_name} on http://{host}:{args.port}/v1",
           file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
