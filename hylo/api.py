@@ -6,7 +6,7 @@ import dataclasses
 import os
 import sys
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 from tqdm.auto import tqdm
 
@@ -78,6 +78,42 @@ class LLM:
         with self._lock:
             return self._generate(engine, prompts, sampling_params, use_tqdm)
 
+    def stream(self, prompt: str | Sequence[int], sampling_params: SamplingParams | None = None
+               ) -> Iterator[RequestOutput]:
+        """Generate for one prompt (one sample), yielding its output as it grows: a RequestOutput after each step
+        that added to it, whose ``text`` is what is settled (a tail that may still become a stop string is held
+        back), the last one finished. Checked as ``generate`` checks; leaving the loop early ends the request."""
+        engine = self._engine()
+        p = sampling_params or SamplingParams()
+        with self._lock:
+            _check(engine, prompt, p)
+            if p.n != 1:
+                raise ValueError(f"stream gives one sample; n={p.n} needs generate")
+            rid = engine.add_request(prompt, p)
+            hold = max((len(s) for s in p.stop_strings), default=1) - 1
+            try:
+                while True:
+                    for req in engine.step():
+                        if req.rid != rid:
+                            continue
+                        out = engine.output_of(req)
+                        if not req.finished:
+                            if hold and out.text is not None:
+                                out.text = out.text[:max(0, len(out.text) - hold)]
+                            yield out
+                            continue
+                        if engine.scheduler.num_unfinished == 0:
+                            engine.drain()  # its launched step, read: the slots are free again
+                        out = engine.pop_finished(rid)
+                        if out.error:
+                            raise (RuntimeError if out.error_status >= 500 else ValueError)(out.error)
+                        yield out
+                        return
+                    if not engine.has_unfinished():
+                        raise RuntimeError("engine stopped with the request pending (this is a bug)")
+            finally:
+                _discard(engine, [rid])
+
     def _generate(self, eng, prompts, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
         if prompts is None or isinstance(prompts, (dict, bytes, int)) or not isinstance(prompts, Iterable):
             raise ValueError(f"prompts must be a string, a list of token ids, or a list of those; got "
@@ -99,22 +135,7 @@ class LLM:
                 raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             try:
-                if not isinstance(p, SamplingParams):
-                    raise ValueError(f"sampling params must be SamplingParams, got {type(p).__name__}")
-                p.validate()
-                ids = eng.encode_prompt(prompt)
-                room = eng.max_model_len - len(ids)
-                if p.max_tokens > room:
-                    raise ValueError(f"max_tokens is {p.max_tokens}, but the prompt has {len(ids)} tokens and the "
-                                     f"context limit (max_model_len) is {eng.max_model_len}: at most {room} "
-                                     f"tokens fit")
-                vocab = eng.model_config.vocab_size
-                bad = [t for t in (p.logit_bias or ()) if t >= vocab] + [t for t in p.stop_token_ids or () if t >= vocab]
-                if bad:
-                    raise ValueError(f"token ids {sorted(set(bad))[:8]} (logit_bias / stop_token_ids) are out of "
-                                     f"vocabulary (ids are 0..{vocab - 1})")
-                if p.constraint is not None:
-                    eng.compile_constraint(p.constraint)  # (cached: add_request finds it compiled)
+                _check(eng, prompt, p)
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
         # n samples of a prompt are n requests, sample i seeded with seed + i, wrapped into 64 bits (the base drawn
@@ -177,3 +198,23 @@ def _discard(eng, rids) -> None:
             eng.pop_finished(rid)
         except KeyError:
             pass
+
+
+def _check(eng, prompt, p) -> None:
+    """Everything about one prompt and its parameters that can be refused, before anything is queued."""
+    if not isinstance(p, SamplingParams):
+        raise ValueError(f"sampling params must be SamplingParams, got {type(p).__name__}")
+    p.validate()
+    ids = eng.encode_prompt(prompt)
+    room = eng.max_model_len - len(ids)
+    if p.max_tokens > room:
+        raise ValueError(f"max_tokens is {p.max_tokens}, but the prompt has {len(ids)} tokens and the "
+                         f"context limit (max_model_len) is {eng.max_model_len}: at most {room} "
+                         f"tokens fit")
+    vocab = eng.model_config.vocab_size
+    bad = [t for t in (p.logit_bias or ()) if t >= vocab] + [t for t in p.stop_token_ids or () if t >= vocab]
+    if bad:
+        raise ValueError(f"token ids {sorted(set(bad))[:8]} (logit_bias / stop_token_ids) are out of "
+                         f"vocabulary (ids are 0..{vocab - 1})")
+    if p.constraint is not None:
+        eng.compile_constraint(p.constraint)  # (cached: add_request finds it compiled)

@@ -117,13 +117,16 @@ def _generate(args) -> int:
                             constraint=constraint)
     llm = LLM(args.model, device=args.device, dtype=args.dtype, **_engine_options(args))
     t0 = time.perf_counter()
-    try:
-        out = llm.generate(prompt, params, use_tqdm=False)[0]
-    except ValueError as e:  # (one prompt here: the API's "prompt 0: " says nothing to a command line's user)
-        raise ValueError(str(e).replace("prompt 0: ", "", 1)) from None
+    shown = 0  # characters of the completion printed: it is printed as it comes (LLM.stream)
+    for out in llm.stream(prompt, params):
+        if out.text is not None:
+            if not shown and out.text:
+                print(prompt, end="")
+            print(out.text[shown:], end="", flush=True)
+            shown = max(shown, len(out.text))
     dt = time.perf_counter() - t0
     if out.text is not None:
-        print(prompt + out.text)
+        print(prompt if not shown else "")
     else:
         print(out.token_ids)
     n = len(out.token_ids)

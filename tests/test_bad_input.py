@@ -174,3 +174,25 @@ def test_a_simulated_accept_length_on_real_weights_is_said(capfd):
     LLM("hylo-default-random", device="cpu", verbose=False, speculative="mtp", num_speculative_tokens=2,
         simulate_accept_length=2.0)
     assert "simulate_accept_length" not in capfd.readouterr().err
+
+
+def test_stream_gives_generates_output_as_it_grows():
+    """LLM.stream: each yielded text is a prefix of the final one (a tail that may become a stop string is held
+    back), the last one finished and equal to generate's; leaving the loop early ends the request; n > 1 is
+    refused."""
+    llm = LLM(None, device="cpu", verbose=False, max_num_seqs=4)
+    for params in (SamplingParams(max_tokens=24, temperature=0),
+                   SamplingParams(max_tokens=40, temperature=0, stop=["0x11 |x)"])):
+        whole = llm.generate(["def f(x):"], params, use_tqdm=False)[0]
+        outs = list(llm.stream("def f(x):", params))
+        assert outs[-1].finished and outs[-1].text == whole.text and outs[-1].token_ids == whole.token_ids
+        assert len(outs) > 2 and all(not o.finished and whole.text.startswith(o.text) for o in outs[:-1])
+        assert outs[-1].finish_reason == whole.finish_reason
+        assert params.stop is None or whole.finish_reason == "stop"  # (the stop string is in this output)
+    for out in llm.stream("def f(x):", SamplingParams(max_tokens=30, temperature=0)):
+        break
+    assert not llm.engine._reqs and not llm.engine.scheduler.num_unfinished
+    with pytest.raises(ValueError, match="n=2 needs generate"):
+        next(llm.stream("x", SamplingParams(n=2)))
+    assert llm.generate(["def f(x):"], SamplingParams(max_tokens=24, temperature=0), use_tqdm=False)[0].text \
+        == list(llm.stream("def f(x):", SamplingParams(max_tokens=24, temperature=0)))[-1].text
