@@ -106,7 +106,7 @@ class LLM:
                             engine.drain()  # its launched step, read: the slots are free again
                         out = engine.pop_finished(rid)
                         if out.error:
-                            raise (RuntimeError if out.error_status >= 500 else ValueError)(out.error)
+                            raise _error(out.error, out.error_status)
                         yield out
                         return
                     if not engine.has_unfinished():
@@ -186,8 +186,14 @@ class LLM:
         if failed:  # an internal error is logged with its traceback by the engine; the request's own is a ValueError
             message = "generation failed: " + "; ".join(f"prompt {i}: {o.error}" for i, o in enumerate(outputs)
                                                          if o.error)
-            raise (RuntimeError if any(o.error_status >= 500 for o in failed) else ValueError)(message)
+            raise _error(message, max(o.error_status for o in failed))
         return outputs
+
+
+def _error(message: str, status: int) -> Exception:
+    """A failed request's error for the caller: RuntimeError for the engine's fault (500; its traceback is in the
+    log), ValueError for the request's own (400)."""
+    return (RuntimeError if status >= 500 else ValueError)(message)
 
 
 def _discard(eng, rids) -> None:
@@ -211,10 +217,6 @@ def _check(eng, prompt, p) -> None:
         raise ValueError(f"max_tokens is {p.max_tokens}, but the prompt has {len(ids)} tokens and the "
                          f"context limit (max_model_len) is {eng.max_model_len}: at most {room} "
                          f"tokens fit")
-    vocab = eng.model_config.vocab_size
-    bad = [t for t in (p.logit_bias or ()) if t >= vocab] + [t for t in p.stop_token_ids or () if t >= vocab]
-    if bad:
-        raise ValueError(f"token ids {sorted(set(bad))[:8]} (logit_bias / stop_token_ids) are out of "
-                         f"vocabulary (ids are 0..{vocab - 1})")
+    eng.check_token_ids(p)
     if p.constraint is not None:
         eng.compile_constraint(p.constraint)  # (cached: add_request finds it compiled)

@@ -142,11 +142,7 @@ class Engine:
         params.validate()
         if params.n != 1:
             raise ValueError(f"n={params.n}: an engine request is one sample (LLM.generate and the server submit n)")
-        vocab = self.model_config.vocab_size
-        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias)):
-            bad = sorted({t for t in ids or () if t >= vocab})
-            if bad:
-                raise ValueError(f"{name}: token ids {bad[:8]} are out of vocabulary (ids are 0..{vocab - 1})")
+        self.check_token_ids(params)
         ids = self.encode_prompt(prompt)
         automaton = self.compile_constraint(params.constraint) if params.constraint is not None else None
         if automaton is not None and not hasattr(automaton, "walk"):  # a grammar: this request's own host matcher
@@ -165,6 +161,15 @@ class Engine:
         self._reqs[rid] = req
         self.scheduler.add(req)
         return rid
+
+    def check_token_ids(self, params: SamplingParams) -> None:
+        """Token ids the parameters name (``stop_token_ids``, ``logit_bias`` keys) past the vocabulary: a
+        ValueError starting with the field's name (the server and ``LLM`` check before queueing, with this)."""
+        vocab = self.model_config.vocab_size
+        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias)):
+            bad = sorted({t for t in ids or () if t >= vocab})
+            if bad:
+                raise ValueError(f"{name}: token ids {bad[:8]} are out of vocabulary (ids are 0..{vocab - 1})")
 
     def draw_seed(self) -> int:
         """A seed for a request that gave none, from the engine's own generator (``EngineConfig.seed``)."""
@@ -257,8 +262,8 @@ class Engine:
         else:
             previous, self._inflight = self._inflight, launched
             done = self._complete(previous) if previous is not None else []
-        # each request once (a grammar row read early may have failed since: ``_check_grammars``)
-        return list({id(r): r for r in failed + early + done}.values()) if failed and early else failed + early + done
+        # each request once (a grammar row that failed in ``_check_grammars`` may also have been read this step)
+        return list({id(r): r for r in failed + early + done}.values()) if failed else early + done
 
     def set_step_costs(self, costs: dict) -> None:
         """The speculation policy's step costs, measured by another rank's engine (tensor parallelism: every rank

@@ -323,13 +323,12 @@ def _check_room(engine: Engine, prompt: list[int], max_tokens: int, explicit: bo
 
 
 def _check_token_ids(engine: Engine, params) -> None:
-    """Token ids the request names (``stop_token_ids``, ``logit_bias``) past the vocabulary are a 400 naming the
-    field here, before any response starts (the engine would refuse them too, but inside a stream's 200)."""
-    vocab = engine.model_config.vocab_size
-    for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias)):
-        bad = sorted({t for t in ids or () if t >= vocab})
-        if bad:
-            raise APIError(f"{name}: token ids {bad[:8]} are out of vocabulary (ids are 0..{vocab - 1})", param=name)
+    """Token ids the request names past the vocabulary (``Engine.check_token_ids``) are a 400 naming the field
+    here, before any response starts (the engine thread would refuse them inside a stream's 200)."""
+    try:
+        engine.check_token_ids(params)
+    except ValueError as e:
+        raise APIError(str(e), param=str(e).split(":", 1)[0]) from None
 
 
 def _encode(engine: Engine, prompt, add_special_tokens: bool = True) -> list[int]:
