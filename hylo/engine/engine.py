@@ -26,6 +26,7 @@ from ..parallel.group import SINGLE, TPGroup
 from ..ops.triton_utils import use_triton
 from ..sampling_params import SamplingParams
 from .graphs import default_capture_sizes
+from .intake import check_token_ids, encode_prompt
 from .host_reads import HostReads, PendingRead, StepTimer
 from .loading import LoadedModel, load_model, print_load_notes, print_model_line, resolve_device, resolve_dtype
 from .plan import ScheduledBatch
@@ -107,32 +108,9 @@ class Engine:
 
     # ---- requests ---------------------------------------------------------------------------------------------
     def encode_prompt(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
-        """Token ids of a prompt, validated: non-empty, inside the vocabulary, inside the context limit.
-        ``add_special_tokens``: let the tokenizer add its own (a BOS): not for a rendered chat template, which
-        writes them itself."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt is empty")
-            if self.tokenizer is None:
-                raise ValueError("this model directory has no tokenizer.json: pass prompts as lists of token ids")
-            ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
-        elif isinstance(prompt, (list, tuple)) or (isinstance(prompt, torch.Tensor) and prompt.dim() == 1):
-            ids = prompt.tolist() if isinstance(prompt, torch.Tensor) else list(prompt)
-            for i, t in enumerate(ids):
-                if isinstance(t, bool) or not isinstance(t, int):
-                    raise ValueError(f"prompt token at position {i} is {t!r}, not an integer token id")
-        else:
-            raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
-        if not ids:
-            raise ValueError("prompt is empty")
-        vocab = self.model_config.vocab_size
-        for i, t in enumerate(ids):
-            if not 0 <= t < vocab:
-                raise ValueError(f"prompt token id {t} at position {i} is out of vocabulary (ids are 0..{vocab - 1})")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(ids)} tokens, but the context limit (max_model_len) is "
-                             f"{self.max_model_len}: it must be shorter to leave room for output")
-        return ids
+        """Token ids of a prompt, validated (``intake.encode_prompt``)."""
+        return encode_prompt(prompt, self.tokenizer, self.model_config.vocab_size, self.max_model_len,
+                             add_special_tokens)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
@@ -163,13 +141,9 @@ class Engine:
         return rid
 
     def check_token_ids(self, params: SamplingParams) -> None:
-        """Token ids the parameters name (``stop_token_ids``, ``logit_bias`` keys) past the vocabulary: a
-        ValueError starting with the field's name (the server and ``LLM`` check before queueing, with this)."""
-        vocab = self.model_config.vocab_size
-        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias)):
-            bad = sorted({t for t in ids or () if t >= vocab})
-            if bad:
-                raise ValueError(f"{name}: token ids {bad[:8]} are out of vocabulary (ids are 0..{vocab - 1})")
+        """Token ids the parameters name past the vocabulary: a ValueError starting with the field's name (the
+        server and ``LLM`` check before queueing, with this)."""
+        check_token_ids(params, self.model_config.vocab_size)
 
     def draw_seed(self) -> int:
         """A seed for a request that gave none, from the engine's own generator (``EngineConfig.seed``)."""

@@ -1,0 +1,48 @@
+"""A request's input checked before anything is queued: its prompt's token ids and the token ids its sampling
+parameters name. Each check raises a ValueError naming the problem, so a bad request never reaches (or harms) the
+requests already running."""
+
+from __future__ import annotations
+
+import torch
+
+from ..sampling_params import SamplingParams
+
+
+def encode_prompt(prompt, tokenizer, vocab_size: int, max_model_len: int,
+                  add_special_tokens: bool = True) -> list[int]:
+    """Token ids of a prompt (a string or token ids), validated: non-empty, inside the vocabulary, shorter than the
+    context limit. ``add_special_tokens``: let the tokenizer add its own (a BOS): not for a rendered chat template,
+    which writes them itself."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValueError("prompt is empty")
+        if tokenizer is None:
+            raise ValueError("this model directory has no tokenizer.json: pass prompts as lists of token ids")
+        ids = tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+    elif isinstance(prompt, (list, tuple)) or (isinstance(prompt, torch.Tensor) and prompt.dim() == 1):
+        ids = prompt.tolist() if isinstance(prompt, torch.Tensor) else list(prompt)
+        for i, t in enumerate(ids):
+            if isinstance(t, bool) or not isinstance(t, int):
+                raise ValueError(f"prompt token at position {i} is {t!r}, not an integer token id")
+    else:
+        raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+    if not ids:
+        raise ValueError("prompt is empty")
+    for i, t in enumerate(ids):
+        if not 0 <= t < vocab_size:
+            raise ValueError(f"prompt token id {t} at position {i} is out of vocabulary "
+                             f"(ids are 0..{vocab_size - 1})")
+    if len(ids) >= max_model_len:
+        raise ValueError(f"prompt has {len(ids)} tokens, but the context limit (max_model_len) is "
+                         f"{max_model_len}: it must be shorter to leave room for output")
+    return ids
+
+
+def check_token_ids(params: SamplingParams, vocab_size: int) -> None:
+    """Token ids the parameters name (``stop_token_ids``, ``logit_bias`` keys) past the vocabulary: a ValueError
+    starting with the field's name."""
+    for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias)):
+        bad = sorted({t for t in ids or () if t >= vocab_size})
+        if bad:
+            raise ValueError(f"{name}: token ids {bad[:8]} are out of vocabulary (ids are 0..{vocab_size - 1})")
