@@ -169,6 +169,13 @@ class ModelConfig:
                 self.linear_value_head_dim)
 
     @property
+    def decode_matches_prefill(self) -> bool:
+        """Whether a token's state update is the same computed by a decode step as by a prefill. Not for Mamba2
+        layers whose prefill clamps dt (the reference's decode step does not): a state that decoding produced is
+        then not the one a prefill of the same tokens (the next turn's prompt, computed afresh) gives."""
+        return self.mamba is None or tuple(self.mamba.dt_limit) == (0.0, float("inf"))
+
+    @property
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
 

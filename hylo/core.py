@@ -57,6 +57,7 @@ class Req:
     # converting thousands of Python ints before its first kernel)
     prompt_tensor: torch.Tensor | None = field(default=None, repr=False)
     decoding: bool = False
+    decoded_state: bool = False  # its state slot holds tokens a decode or verify step computed (not a prefill)
     inflight: int = 0
     inflight_advance: int = 0
     inflight_verify: int = 0
@@ -178,6 +179,7 @@ class ForwardBatch:
     prefix_lens_cpu: list[int] | None = None
     req_slots_cpu: list[int] | None = None
     state_slots_cpu: list[int] | None = None
+    decode_rows_cpu: list[bool] | None = None  # decoding rows riding along (a generated token, not a prompt's)
     seq_lens_cpu: torch.Tensor | None = None  # only when some backend needs it (none of ours does)
     # EXTEND, on the device: every token's row, and the last fed token and the row of every sampling row
     token_rows: torch.Tensor | None = None  # [T] int64

@@ -61,6 +61,8 @@ def _rope(**kv):
     (_set(decoder_sparse_step=0), "decoder_sparse_step must be an integer in [1,"),
     (_set(num_hidden_layers=10 ** 9), "num_hidden_layers must be an integer in [1, 4096]"),
     (_set(vocab_size=10 ** 12), "vocab_size must be an integer"),
+    (_set(norm_topk_prob="false"), "norm_topk_prob must be true or false, got 'false'"),  # (bool("false"))
+    (_set(tie_word_embeddings=0), "tie_word_embeddings must be true or false"),
     (_set(mlp_only_layers="abc"), "mlp_only_layers must be a list of layer numbers"),
     (_set(mlp_only_layers=[0, 99]), "mlp_only_layers names layer 99"),
     (_set(eos_token_id=-1), "eos_token_id must be a token id"),

@@ -14,7 +14,8 @@ from hylo import LLM, SamplingParams
 from hylo.config import EngineConfig
 from hylo.engine.engine import Engine
 
-from helpers import all_freed, assert_logits_match, hf_greedy, random_prompts, run_all, spec_engine
+from helpers import (all_freed, assert_logits_match, hf_greedy, make_nemotron_h_checkpoint, random_prompts, run_all,
+                     spec_engine)
 
 
 @pytest.fixture(params=["nemotron_h", "granite_hybrid", "falcon_h1"])
@@ -193,3 +194,48 @@ def test_nemotron3_moe_blocks_match_transformers_on_the_cpu(tmp_path, monkeypatc
     assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 9) for p in prompts]
     spec = run_all(spec_engine(path, "ngram", chunk_size=11), prompts, params)
     assert [o.token_ids for o in spec] == [o.token_ids for o in outs]
+
+
+def test_prompt_tokens_are_clamped_and_generated_ones_not_whatever_shares_their_steps(tmp_path):
+    """A Nemotron-H whose prefill clamp of dt bites (time_step_min 0.3; the released 0.001 seldom does): transformers
+    clamps a prompt's tokens and never the ones it generates. A one-token prompt, prompts whose last chunk is one
+    token, and decoding rows that share steps with other requests' prefills all give transformers' greedy tokens;
+    a next turn through the prefix cache gives the log probabilities it gives without (the reply's state, which
+    decoding computed unclamped, is not reused: the prompt's snapshot is)."""
+    path, hf = make_nemotron_h_checkpoint(str(tmp_path / "nem"), time_step_min=0.3)
+    prompts = random_prompts(hf.config.vocab_size, [1, 17, 33, 6], seed=21)
+    want = [hf_greedy(hf, p, 8) for p in prompts]
+    params = SamplingParams(max_tokens=8, temperature=0)
+    for overlap in (True, False):
+        eng = Engine(path, device="cpu", dtype="float32",
+                     engine_config=EngineConfig(chunk_size=16, max_num_seqs=4, overlap=overlap, prefix_snapshots=32,
+                                                verbose=False))
+        rids = []
+        for p in prompts:  # each arrives while the earlier ones decode: they ride along in its prefill steps
+            rids.append(eng.add_request(p, params))
+            eng.step()
+            eng.step()
+        while eng.has_unfinished():
+            eng.step()
+        outs = [eng.pop_finished(r) for r in rids]
+        assert [o.token_ids for o in outs] == want
+    turn2 = [p + o.token_ids + q for p, o, q in zip(prompts, outs, random_prompts(hf.config.vocab_size, [1, 3, 1, 5],
+                                                                                   seed=22))]
+    params = SamplingParams(max_tokens=3, temperature=0, logprobs=0)
+    hot = run_all(eng, turn2, params)
+    cold = run_all(Engine(path, device="cpu", dtype="float32",
+                          engine_config=EngineConfig(chunk_size=16, enable_prefix_caching=False, verbose=False)),
+                   turn2, params)
+    assert [o.token_ids for o in hot] == [o.token_ids for o in cold]
+    for h, c in zip(hot, cold):
+        assert [x.logprob for x in h.logprobs] == pytest.approx([x.logprob for x in c.logprobs], abs=1e-5)
+    assert all(o.num_cached_tokens >= len(p) for o, p in zip(hot, prompts))
+    assert all_freed(eng)
+
+
+def test_nemotron_reads_its_own_lm_head_whatever_tie_word_embeddings_says(tmp_path):
+    """transformers' NemotronH ignores tie_word_embeddings (its lm_head is always its own tensor, written and read)
+    and attention_bias (no biases): so does hylo."""
+    path, hf = make_nemotron_h_checkpoint(str(tmp_path / "nem"), tie_word_embeddings=True, attention_bias=True)
+    eng = Engine(path, device="cpu", dtype="float32", engine_config=EngineConfig(chunk_size=8, verbose=False))
+    assert_logits_match(eng, hf, random_prompts(hf.config.vocab_size, [9], seed=23))

@@ -14,7 +14,10 @@ On CUDA a step is two Triton launches per layer: the conv with its bias (``ops.c
 or ``conv_prefill`` for a prefill's rows) and the recurrence (``ops/mamba2_triton.py``'s ``mamba2_steps`` for decode
 and verify); a prefill's rows go through ``ops/mamba2_scan_triton.py``'s ``mamba2_scan`` (long rows cut into
 segments that scan side by side: one launch more).
-As in transformers and the released kernels, prefill clamps dt to the config's limit and a decode step does not.
+As in transformers and the released kernels, prefill clamps dt to the config's limit and a decode step does not:
+here a prompt's tokens are clamped whatever step computes them (a one-token chunk runs as EXTEND, never DECODE) and
+a generated token never is (a decoding row riding along in a prefill step included), so that a request's output
+does not depend on its chunking or on what shared its steps.
 """
 
 from __future__ import annotations
@@ -74,7 +77,7 @@ class Mamba2Backend(Backend):
 
             per_segment = shape.num_heads * -(-shape.head_dim // channel_block(shape.head_dim))
             self._plan = (batch, ScanPlan.build(batch.extend_lens_cpu, self.state_pool.recurrent.device, per_segment,
-                                                SCAN_CHUNK))
+                                                SCAN_CHUNK, unclamped=batch.decode_rows_cpu))
         return self._plan[1]
 
     def init_forward_metadata_replay(self, batch: ForwardBatch) -> None:
@@ -125,12 +128,14 @@ class Mamba2Backend(Backend):
         A = -torch.exp(params.A_log.float())
         out = torch.empty(xbc.shape[0], shape.num_heads, shape.head_dim, dtype=torch.float32, device=xbc.device)
         start = 0
-        for slot, length in zip(batch.state_slots_cpu, batch.extend_lens_cpu):
+        decoding = batch.decode_rows_cpu or [False] * len(batch.extend_lens_cpu)
+        for slot, length, dec in zip(batch.state_slots_cpu, batch.extend_lens_cpu, decoding):
             end = start + length
+            limit = None if dec else params.dt_limit  # a decoding row riding along: the decode step's unclamped dt
             x, new_conv = conv_ops.causal_conv1d_ref(xbc[start:end], conv_pool[slot] if slot >= 0 else None,
                                                      params.conv_weight, params.conv_bias)
             xs, B, C = split_xbc(shape, x)
-            y, state = ops.ssd_chunk_scan_ref(xs, ops.discretize(dt[start:end], params.dt_bias, params.dt_limit), A,
+            y, state = ops.ssd_chunk_scan_ref(xs, ops.discretize(dt[start:end], params.dt_bias, limit), A,
                                               B, C, params.D, rec_pool[slot] if slot >= 0 else None,
                                               chunk_size=params.chunk_size)
             out[start:end] = y

@@ -69,14 +69,16 @@ class CacheStats:
 
 class PrefixCache:
     def __init__(self, kv_pool: KVPool, state_pool: StatePool, max_snapshots: int, match_next_token: bool = False,
-                 poison: bool = False):
+                 poison: bool = False, decoded_states: bool = True):
         """``max_snapshots``: state slots the cache may hold (the state pool has that many beyond the live
         requests'); ``match_next_token``: the MTP rule above; ``poison``: fill what eviction frees with NaN (tests:
-        anything that still read it would show)."""
+        anything that still read it would show); ``decoded_states``: whether a state that decoding produced may be
+        kept (not where the model's prefill computes the same tokens differently: ``decode_matches_prefill``)."""
         self.kv_pool, self.state_pool = kv_pool, state_pool
         self.max_snapshots = max_snapshots
         self.match_next_token = match_next_token
         self.poison = poison
+        self.decoded_states = decoded_states
         self.root = Node([], torch.empty(0, dtype=torch.int64))
         self.root.lock = 1  # never evicted
         self.stats = CacheStats()

@@ -72,7 +72,8 @@ class Engine:
         k = self.ec.spec_tokens
         # the MTP head's KV at a snapshot's position was computed with the token after it: such a hit must agree there
         self.prefix_cache = (PrefixCache(self.caches.kv_pool, self.caches.state_pool, self.caches.snapshot_slots,
-                                         match_next_token=self.ec.speculative == "mtp")
+                                         match_next_token=self.ec.speculative == "mtp",
+                                         decoded_states=self.model_config.decode_matches_prefill)
                              if self.ec.enable_prefix_caching and self.caches.snapshot_slots else None)
         self.scheduler = Scheduler(self.caches, self.ec, k, self.prefix_cache)
         self.model_worker = ModelWorker(self.model, self.caches, self.device, extra_kv,

@@ -98,8 +98,11 @@ class PrefixReuse:
     def on_release(self, req: Req, own: torch.Tensor) -> tuple[bool, torch.Tensor]:
         """A request ends (or is preempted) holding ``own`` KV locations (positions prefix_len on). Where it stops
         is where its conversation's next turn resumes: its computed tokens go into the tree and its state slot
-        becomes their snapshot. Returns whether the slot went to the tree and the locations the caller still frees."""
-        if req.use_prefix_cache and req.state_slot > 0 and req.state_len > req.prefix_len:
+        becomes their snapshot (where decoding computes the state as the model's prefill would: else only its
+        prompt's snapshots stay, and the next turn computes the reply again). Returns whether the slot went to the
+        tree and the locations the caller still frees."""
+        if (req.use_prefix_cache and req.state_slot > 0 and req.state_len > req.prefix_len
+                and (self.cache.decoded_states or not req.decoded_state)):
             return self._cache_computed(req, own)
         if req.cache_node is not None and req.cache_node.end > req.prefix_len:
             return False, self._not_in_tree(req, own, req.known_tokens(req.cache_node.end))  # keep what we gave

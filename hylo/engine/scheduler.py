@@ -107,6 +107,7 @@ class Scheduler:
             c.state_pool.free(req.state_slot)
         req.req_slot = req.state_slot = -1
         req.num_kv = req.prefix_len = req.state_len = 0
+        req.decoded_state = False
         req.release_deferred = False
 
     def _preempt(self, req: Req) -> None:
@@ -135,6 +136,12 @@ class Scheduler:
             req.inflight_verify += verify
             req.inflight_new += keep
             req.decoding = req.decoding or keep
+        if plan.mode is not ForwardMode.EXTEND:
+            for req in plan.reqs:
+                req.decoded_state = True
+        else:
+            for req, dev in zip(plan.reqs, plan.from_device):
+                req.decoded_state = req.decoded_state or dev
 
     def step_failed(self, plan: ScheduledBatch) -> None:
         """``plan`` was never launched (its launch raised): give back what it reserved for its completion."""
@@ -270,6 +277,7 @@ class Scheduler:
             req.state_slot = self.caches.state_pool.alloc()
             req.status = ReqStatus.RUNNING
             req.num_computed = req.num_kv = req.prefix_len = req.state_len = req.last_snapshot = 0
+            req.decoded_state = False
             req.extra_ids = []
             req.prompt_logprobs = []  # computed again from the first position (after a preemption too)
             req.decoding = False
@@ -286,8 +294,10 @@ class Scheduler:
 
         if not plan.reqs:
             return None
-        # with speculation prefill rows never share a step with decoding rows, whose mode schedule() names
-        if not self.k and all(n == 1 for n in plan.extend_lens) and all(plan.sample):
+        # with speculation prefill rows never share a step with decoding rows, whose mode schedule() names. A
+        # prompt's one-token chunk keeps the step EXTEND: the Mamba2 families compute prompt tokens as their
+        # reference's prefill does (dt clamped), generated ones as its decode step (not clamped)
+        if not self.k and all(plan.from_device):
             plan.mode = ForwardMode.DECODE
         return plan
 

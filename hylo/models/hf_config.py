@@ -35,12 +35,16 @@ _COUNT_INTS = {"intermediate_size", "num_experts", "num_experts_per_tok", "moe_i
                "shared_intermediate_size", "moe_latent_size"}
 _INT_LIMITS = {"num_hidden_layers": 4096, "max_position_embeddings": 1 << 27, "vocab_size": 1 << 24}
 _POSITIVE_FLOATS = {"rms_norm_eps", "layer_norm_epsilon", "norm_eps", "rope_theta"}
+# flags the families read: JSON booleans only (transformers refuses a string here; bool("false") would be True)
+_FLAGS = {"tie_word_embeddings", "norm_topk_prob", "attention_bias", "mlp_bias", "use_bias", "use_conv_bias",
+          "mamba_conv_bias", "mamba_proj_bias", "mamba_norm_before_gate", "mamba_rms_norm", "projectors_bias"}
 
 
 def check_config_values(cfg: dict[str, Any], where: str = "config.json") -> None:
     """Refuse (ValueError naming the field) values of the wrong type or out of range, before a family's parser
     reads them: sizes that are not positive integers, counts that are negative, non-finite or non-positive epsilons
-    and RoPE bases, a partial_rotary_factor outside (0, 1], mlp_only_layers that are not layer numbers."""
+    and RoPE bases, a partial_rotary_factor outside (0, 1], mlp_only_layers that are not layer numbers, flags that
+    are not true or false."""
     if not isinstance(cfg, dict):
         raise ValueError(f"{where} must hold a JSON object, got {type(cfg).__name__}")
     scopes = [(cfg, "")]
@@ -65,6 +69,9 @@ def check_config_values(cfg: dict[str, Any], where: str = "config.json") -> None
                         or value <= 0 or key == "partial_rotary_factor" and value > 1:
                     bound = "in (0, 1]" if key == "partial_rotary_factor" else "a positive finite number"
                     raise ValueError(f"{name} must be {bound}, got {value!r}")
+            elif key in _FLAGS:
+                if not isinstance(value, bool):
+                    raise ValueError(f"{name} must be true or false, got {value!r}")
             elif key == "mlp_only_layers":
                 if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
                                                           for v in value):

@@ -97,10 +97,12 @@ def parse_config(cfg: dict[str, Any]) -> ModelConfig:
         mamba, vocab_size=cfg.get("vocab_size", 131072), hidden_size=hidden, num_hidden_layers=len(types),
         layer_types=types, num_attention_heads=heads, num_key_value_heads=cfg.get("num_key_value_heads") or heads,
         head_dim=cfg.get("head_dim") or hidden // heads, rope_theta=0.0, partial_rotary_factor=0.0,
-        attention_bias=bool(cfg.get("attention_bias", False)), intermediate_size=cfg.get("intermediate_size", 21504),
+        # transformers' NemotronH reads neither flag: its attention has no biases whatever attention_bias says, and
+        # its lm_head is its own tensor even under tie_word_embeddings (no tied keys): so are hylo's
+        attention_bias=False, intermediate_size=cfg.get("intermediate_size", 21504),
         rms_norm_eps=cfg.get("layer_norm_epsilon", 1e-5),
         max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)), eos_token_ids=eos_ids(cfg.get("eos_token_id")),
+        tie_word_embeddings=False, eos_token_ids=eos_ids(cfg.get("eos_token_id")),
         hidden_act="relu2", model_type=cfg.get("model_type", "nemotron_h"),
         num_nextn_predict_layers=int(cfg.get("num_nextn_predict_layers") or 0), mtp_layer_types=_mtp_block_types(cfg),
         **moe)

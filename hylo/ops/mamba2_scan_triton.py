@@ -39,7 +39,8 @@ PROGRAMS_PER_SM = 4  # segments are cut until the scan has about this many progr
 class ScanPlan:
     """A varlen prefill's rows cut into segments (built on the host from the rows' lengths, once per batch)."""
 
-    # [S, 5] int32 on the device: row, first token, end token, the row's first segment, 1 if the row's last one
+    # [S, 6] int32 on the device: row, first token, end token, the row's first segment, 1 if the row's last one,
+    # 1 if the row's dt is clamped (a prompt's tokens; not a decoding row riding along)
     table: torch.Tensor
     inner: torch.Tensor  # [I] int32: the segments whose final state a later segment needs (not last of their row)
     num_segments: int
@@ -47,9 +48,10 @@ class ScanPlan:
 
     @classmethod
     def build(cls, lens: list[int], device, programs_per_segment: int, chunk: int,
-              segment_tokens: int | None = None) -> "ScanPlan":
+              segment_tokens: int | None = None, unclamped: list[bool] | None = None) -> "ScanPlan":
         """``segment_tokens``: a segment's length (a multiple of ``chunk``); None picks it so that the scan has
-        about PROGRAMS_PER_SM programs per SM (``programs_per_segment``: heads x channel blocks)."""
+        about PROGRAMS_PER_SM programs per SM (``programs_per_segment``: heads x channel blocks). ``unclamped``:
+        the rows whose dt the scan leaves unclamped (decoding rows, as the reference's decode step)."""
         if segment_tokens is None:
             segment_tokens = _segment_tokens(lens, torch.device(device), programs_per_segment, chunk)
         assert segment_tokens % chunk == 0
@@ -61,11 +63,12 @@ class ScanPlan:
                 last = i == len(cuts) - 1
                 if not last:
                     inner.append(len(rows))
-                rows.append((row, a, start + n if last else a + segment_tokens, first, int(last)))
+                rows.append((row, a, start + n if last else a + segment_tokens, first, int(last),
+                             int(not (unclamped and unclamped[row]))))
             start += n
         flat = to_device(torch.tensor([v for r in rows for v in r] + inner, dtype=torch.int32), device)
-        table = flat[:5 * len(rows)].view(len(rows), 5)
-        return cls(table, flat[5 * len(rows):], len(rows), len(inner))
+        table = flat[:6 * len(rows)].view(len(rows), 6)
+        return cls(table, flat[6 * len(rows):], len(rows), len(inner))
 
 
 def _segment_tokens(lens: list[int], device: torch.device, programs_per_segment: int, chunk: int) -> int:
@@ -83,17 +86,17 @@ def _segment_tokens(lens: list[int], device: torch.device, programs_per_segment:
 
 
 @triton.jit
-def _load_chunk(x_ptr, dt_ptr, t0, end, h, offs_p, offs_n, mp, mn, A, bias, dt_min, dt_max, stride_x, stride_dt,
-                H: tl.constexpr, N: tl.constexpr, G: tl.constexpr, P: tl.constexpr, INNER: tl.constexpr,
+def _load_chunk(x_ptr, dt_ptr, t0, end, h, offs_p, offs_n, mp, mn, A, bias, dt_min, dt_max, clamp_row, stride_x,
+                stride_dt, H: tl.constexpr, N: tl.constexpr, G: tl.constexpr, P: tl.constexpr, INNER: tl.constexpr,
                 BT: tl.constexpr, CLAMP: tl.constexpr):
-    """Tokens [t0, t0 + BT) clipped at ``end``: dt (softplus of raw + bias, clamped where the config says; 0 past
-    the end: no decay, no input), x [BT, BP], B and C [BT, BN] of the head's group, the cumulative dt * A and its
-    total over the chunk."""
+    """Tokens [t0, t0 + BT) clipped at ``end``: dt (softplus of raw + bias, clamped where the config says and the
+    row is a prompt's; 0 past the end: no decay, no input), x [BT, BP], B and C [BT, BN] of the head's group, the
+    cumulative dt * A and its total over the chunk."""
     toks = (t0 + tl.arange(0, BT)).to(tl.int64)
     mt = toks < end
     dt = _softplus(tl.load(dt_ptr + toks * stride_dt + h, mask=mt, other=0.0).to(tl.float32) + bias)
     if CLAMP:
-        dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
+        dt = tl.where(clamp_row, tl.minimum(tl.maximum(dt, dt_min), dt_max), dt)
     dt = tl.where(mt, dt, 0.0)
     g = h // (H // G)
     x = tl.load(x_ptr + toks[:, None] * stride_x + h * P + offs_p[None, :], mask=mt[:, None] & mp[None, :],
@@ -122,14 +125,15 @@ def _segment_state_kernel(x_ptr, dt_ptr, A_log_ptr, dt_bias_ptr, seg_ptr, inner_
     mp, mn = offs_p < P, offs_n < N
     A = -tl.exp(tl.load(A_log_ptr + h).to(tl.float32))
     bias = tl.load(dt_bias_ptr + h).to(tl.float32)
-    t0 = tl.load(seg_ptr + seg * 5 + 1)
-    end = tl.load(seg_ptr + seg * 5 + 2)
+    t0 = tl.load(seg_ptr + seg * 6 + 1)
+    end = tl.load(seg_ptr + seg * 6 + 2)
+    clamp_row = tl.load(seg_ptr + seg * 6 + 5) != 0
     state = tl.zeros([BP, BN], dtype=tl.float32)
     total = 0.0
     while t0 < end:
         toks, mt, dt, x, Bm, Cm, cum, last = _load_chunk(x_ptr, dt_ptr, t0, end, h, offs_p, offs_n, mp, mn, A, bias,
-                                                         dt_min, dt_max, stride_x, stride_dt, H, N, G, P, INNER, BT,
-                                                         CLAMP)
+                                                         dt_min, dt_max, clamp_row, stride_x, stride_dt, H, N, G, P,
+                                                         INNER, BT, CLAMP)
         to_end = tl.exp(last - cum) * dt
         state = state * tl.exp(last) + tl.dot(tl.trans(x * to_end[:, None]), Bm, input_precision=PREC)
         total += last
@@ -148,11 +152,12 @@ def _scan_kernel(x_ptr, dt_ptr, A_log_ptr, D_ptr, dt_bias_ptr, pool_ptr, slots_p
     folded in), the segment's outputs chunk by chunk, and at the row's end the slot's new state."""
     seg = tl.program_id(0)
     row, h, offs_p, offs_n, mp, mn, m2, valid, addr, state, A, Dh, bias = _load_head(
-        tl.load(seg_ptr + seg * 5), pool_ptr, slots_ptr, A_log_ptr, D_ptr, dt_bias_ptr, stride_pool, P, N, BP, BN)
-    t0 = tl.load(seg_ptr + seg * 5 + 1)
-    end = tl.load(seg_ptr + seg * 5 + 2)
-    first = tl.load(seg_ptr + seg * 5 + 3)
-    is_last = tl.load(seg_ptr + seg * 5 + 4) != 0
+        tl.load(seg_ptr + seg * 6), pool_ptr, slots_ptr, A_log_ptr, D_ptr, dt_bias_ptr, stride_pool, P, N, BP, BN)
+    t0 = tl.load(seg_ptr + seg * 6 + 1)
+    end = tl.load(seg_ptr + seg * 6 + 2)
+    first = tl.load(seg_ptr + seg * 6 + 3)
+    is_last = tl.load(seg_ptr + seg * 6 + 4) != 0
+    clamp_row = tl.load(seg_ptr + seg * 6 + 5) != 0
     head_off = h * P * N + offs_p[:, None] * N + offs_n[None, :]
     j = first
     while j < seg:  # the row's earlier segments, in order
@@ -164,8 +169,8 @@ def _scan_kernel(x_ptr, dt_ptr, A_log_ptr, D_ptr, dt_bias_ptr, pool_ptr, slots_p
     causal = offs_t[:, None] >= offs_t[None, :]
     while t0 < end:
         toks, mt, dt, x, Bm, Cm, cum, last = _load_chunk(x_ptr, dt_ptr, t0, end, h, offs_p, offs_n, mp, mn, A, bias,
-                                                         dt_min, dt_max, stride_x, stride_dt, H, N, G, P, INNER, BT,
-                                                         CLAMP)
+                                                         dt_min, dt_max, clamp_row, stride_x, stride_dt, H, N, G, P,
+                                                         INNER, BT, CLAMP)
         decay = tl.where(causal, tl.exp(tl.where(causal, cum[:, None] - cum[None, :], 0.0)), 0.0)
         scores = tl.dot(Cm, tl.trans(Bm), input_precision=PREC) * decay  # [BT, BT]
         y = tl.dot(scores, x * dt[:, None], input_precision=PREC)

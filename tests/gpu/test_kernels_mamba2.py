@@ -62,13 +62,15 @@ def test_mamba2_steps_match_the_references(dev, heads, head_dim, groups, state, 
 @pytest.mark.parametrize("segment", [None, 32, 32 * 10 ** 4])
 def test_mamba2_scan_matches_the_reference(dev, heads, head_dim, groups, state, limit, segment):
     """A varlen prefill: rows longer than a chunk, shorter than one, of one token, a padded row (-1: from zeros,
-    nothing written); each from its slot's state to its slot; the dt clamp where the config has one. Rows cut into
-    segments as the engine cuts them (None), into segments of one chunk each, and whole."""
+    nothing written); each from its slot's state to its slot; the dt clamp where the config has one, except on the
+    rows marked unclamped (decoding rows riding along; one of them long enough to be cut). Rows cut into segments as
+    the engine cuts them (None), into segments of one chunk each, and whole."""
     from hylo.ops.mamba2_scan_triton import ScanPlan, channel_block, mamba2_scan
 
     g = torch.Generator().manual_seed(heads + int(limit[0] * 10))
     lens = [150, 9, 1, 20, 97]
     slots = torch.tensor([3, 1, 5, -1, 6])
+    unclamped = [False, False, True, False, True]
     inner = heads * head_dim
     conv_dim = inner + 2 * groups * state
     T = sum(lens)
@@ -85,14 +87,15 @@ def test_mamba2_scan_matches_the_reference(dev, heads, head_dim, groups, state, 
         B = xbc[sl, inner:inner + groups * state].reshape(n, groups, state)
         C = xbc[sl, inner + groups * state:].reshape(n, groups, state)
         s = int(slots[i])
-        y, final = ref.ssd_chunk_scan_ref(x, ref.discretize(dt[sl], dt_bias, limit), A, B, C, D,
+        y, final = ref.ssd_chunk_scan_ref(x, ref.discretize(dt[sl], dt_bias, None if unclamped[i] else limit), A,
+                                          B, C, D,
                                           pool[s] if s >= 0 else None, chunk_size=16)
         want_y.append(y)
         if s >= 0:
             want_pool[s] = final
     dpool = pool.to(dev)
     plan = ScanPlan.build(lens, dev, heads * -(-head_dim // channel_block(head_dim)), 32,
-                          segment)
+                          segment, unclamped=unclamped)
     if segment is None:  # the engine's cut: here (few programs per segment) every long row is cut
         assert plan.num_segments > len(lens) and plan.num_inner == plan.num_segments - len(lens)
     out = mamba2_scan(xbc.to(dev), dt.to(dev), A_log.to(dev), D.to(dev), dt_bias.to(dev), dpool, slots.to(dev),
