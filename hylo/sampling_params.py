@@ -25,7 +25,7 @@ class SamplingParams:
 
     ``temperature == 0`` is greedy (so is any temperature below ``GREEDY_BELOW``, 1e-5). ``top_k <= 0`` (or -1)
     and ``top_p == 1`` disable those filters. ``seed`` makes the sample reproducible whatever else runs in the same
-    batch. ``stop`` strings end the output before the match (the match itself is not returned); ``stop_token_ids``
+    batch, and the same with or without speculative decoding. ``stop`` strings end the output before the match (the match itself is not returned); ``stop_token_ids``
     end it after the token (also not returned in ``text``).
 
     The logits are changed before temperature, top-k and top-p, in this order: ``logit_bias`` (token id -> added

@@ -225,6 +225,16 @@ def test_speculation_up_to_the_context_limit(ckpt_a_mtp, method, k):
     assert all(o.finish_reason == "length" and len(o.prompt_token_ids) + len(o.token_ids) == 30 for o in outs)
 
 
+def test_a_context_limit_the_pool_cannot_hold_with_the_drafts_is_refused(ckpt_a_mtp):
+    """An explicit max_model_len is kept or refused, never lowered in silence: a request at the limit also reserves
+    2k positions for its verify and drafts. A limit from the pool's size leaves room for them."""
+    with pytest.raises(ValueError, match=r"max_model_len=64 does not fit the KV pool of 66 tokens with the 8 "
+                                         r"positions 4 speculative tokens reserve past it"):
+        _spec_engine(ckpt_a_mtp, "ngram", 4, kv_cache_tokens=66, max_model_len=64)
+    assert _spec_engine(ckpt_a_mtp, "ngram", 4, kv_cache_tokens=66, max_model_len=58).max_model_len == 58
+    assert _spec_engine(ckpt_a_mtp, "ngram", 4, kv_cache_tokens=66).max_model_len == 58
+
+
 @pytest.mark.parametrize("method", ["mtp", "ngram"])
 def test_speculation_with_preemption_and_abort(ckpt_a_mtp, method):
     """KV exhaustion preempts and re-runs requests mid-speculation; an abort frees a verifying request's slots; the

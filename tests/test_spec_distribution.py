@@ -1,4 +1,5 @@
-"""Speculative sampling keeps the target's output distribution exactly (chi-square tests with fixed seeds)."""
+"""Speculative sampling keeps the target's output distribution exactly (chi-square tests with fixed seeds), and a
+seeded request's very tokens: those of plain decoding."""
 
 import json
 
@@ -10,7 +11,10 @@ from hylo import LLM, SamplingParams
 from hylo.models.registry import parse_config
 from hylo.models.default import default_model_config
 from hylo.models.random_init import random_checkpoint
-from hylo.speculative.verify import rejection_accept
+from hylo.ops.sampling import draw
+from hylo.speculative.verify import coupled_accept
+
+from helpers import run_all
 
 # chi-square critical value at p = 0.001 for dof 1..40 (Wilson-Hilferty approximation is enough here)
 
@@ -33,28 +37,35 @@ def _chi2(counts: torch.Tensor, probs: torch.Tensor):
 
 
 @pytest.mark.parametrize("point_mass", [False, True])
-def test_rejection_sampling_keeps_target_marginals(point_mass):
+def test_coupled_acceptance_emits_plain_decodings_draws(point_mass):
+    """The verify's sampled tokens are exactly the draws plain decoding makes at the same (seed, output index), so
+    their distribution is the target's; a point-mass draft is accepted with probability p(d) (as rejection sampling
+    accepts it), a draft drawn from q with the same noise with a probability between (1 - TV) / (1 + TV) and
+    1 - TV (the best any coupling of p and q reaches)."""
     g = torch.Generator().manual_seed(0)
     n, k, vocab = 40000, 2, 6
     p = torch.softmax(torch.randn(k + 1, vocab, generator=g) * 1.5, -1)
     q = torch.softmax(torch.randn(k, vocab, generator=g) * 1.5, -1)
-    if point_mass:  # n-gram drafts: a fixed proposal, q is a point mass on it
+    seeds, steps = torch.arange(n) * 31 + 7, torch.randint(0, 1000, (n,), generator=g)
+    if point_mass:  # n-gram drafts: a fixed proposal
         drafts = torch.tensor([[2, 4]]).repeat(n, 1)
-        qs = None
-    else:
-        drafts = torch.stack([torch.multinomial(q[i], n, replacement=True, generator=g) for i in range(k)], 1)
-        qs = q[None].repeat(n, 1, 1)
-    emitted, accepted = rejection_accept(drafts, qs, p[None].repeat(n, 1, 1), torch.arange(n) * 31 + 7,
-                                         torch.zeros(n, dtype=torch.int64))
+    else:  # the MTP head's: drawn from q with the noise of the target's draw at that index
+        drafts = torch.stack([draw(q[i].expand(n, vocab), seeds, steps + i) for i in range(k)], 1)
+    emitted, accepted = coupled_accept(drafts, p[None].repeat(n, 1, 1), seeds, steps)
+    for i in range(k + 1):
+        assert torch.equal(emitted[:, i], draw(p[i].expand(n, vocab), seeds, steps + i))
     stat, dof = _chi2(torch.bincount(emitted[:, 0], minlength=vocab), p[0])
     assert stat < _chi2_crit(dof), stat
-    # given the first draft was accepted, the second token follows p_1 (p_1 is conditioned on d_1 by construction)
     sel = accepted >= 1
     stat, dof = _chi2(torch.bincount(emitted[sel, 1], minlength=vocab), p[1])
     assert stat < _chi2_crit(dof), stat
-    # acceptance rate of the first draft is sum_x min(p, q)
-    expected_rate = (torch.minimum(p[0], q[0]).sum() if not point_mass else p[0, 2]).item()
-    assert abs(sel.float().mean().item() - expected_rate) < 0.01
+    rate = sel.float().mean().item()
+    if point_mass:
+        assert abs(rate - p[0, 2].item()) < 0.01
+    else:
+        overlap = torch.minimum(p[0], q[0]).sum().item()  # 1 - TV
+        assert overlap / (2 - overlap) - 0.01 < rate < overlap + 0.01
+    assert torch.equal(accepted, (drafts == emitted[:, :k]).long().cumprod(1).sum(1))
 
 
 @pytest.fixture(scope="module")
@@ -123,3 +134,35 @@ def test_sampling_stays_exact_when_plain_and_verify_steps_alternate(tiny_vocab_c
             joint.append(p1[a] * p2[b] * torch.softmax(eng.prompt_logits(prompt + [a, b])[-1], -1))
     stat, dof = _chi2(counts, torch.cat(joint))
     assert stat < _chi2_crit(dof), (stat, dof)
+
+
+@pytest.mark.parametrize("method", ["mtp", "ngram"])
+def test_seeded_requests_get_plain_decodings_tokens_whatever_the_steps(tiny_vocab_ckpt, method):
+    """Under speculation a seeded sampled request emits the very tokens plain decoding gives it alone: with the
+    kinds of steps alternating (as the adaptive policy mixes them), other requests arriving while it runs, and
+    preemptions by a small KV pool that make it compute its tokens again as a prefill."""
+    from helpers import spec_engine  # noqa: I001
+    from hylo.engine.spec_policy import StepChoice
+
+    prompts = [[1, 5, 2, 7, 3], [6, 1, 4], [2, 2, 3, 1, 0, 7, 5], [4, 4]]
+    params = [SamplingParams(max_tokens=20, temperature=t, top_p=top_p, seed=s, ignore_eos=True)
+              for t, top_p, s in ((1.0, 1.0, 5), (0.7, 0.9, 9), (1.3, 1.0, 11), (0.5, 1.0, 2 ** 40))]
+    want = []
+    for p, sp in zip(prompts, params):
+        eng = spec_engine(tiny_vocab_ckpt, chunk_size=4)
+        want.append(run_all(eng, [p], sp)[0].token_ids)
+    eng = spec_engine(tiny_vocab_ckpt, method, chunk_size=4, max_num_seqs=3, kv_cache_tokens=64, max_model_len=48)
+    calls = iter(range(10 ** 9))
+    eng.scheduler.policy.choose = lambda reqs: StepChoice(next(calls) % 3 != 1 and all(r.has_drafts for r in reqs),
+                                                         True)
+    rids = []
+    for p, sp in zip(prompts, params):  # each arrives while the ones before it run
+        rids.append(eng.add_request(p, sp))
+        for _ in range(3):
+            eng.step()
+    while eng.has_unfinished():
+        eng.step()
+    outs = [eng.pop_finished(r) for r in rids]
+    assert [o.token_ids for o in outs] == want
+    assert sum(o.num_preemptions for o in outs) > 0
+    assert sum(o.spec.accepted_tokens for o in outs) >= 3 and sum(o.spec.plain_steps for o in outs) > 5

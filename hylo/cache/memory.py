@@ -116,15 +116,17 @@ def allocate_caches(mc: ModelConfig, ec: EngineConfig, dtype: torch.dtype, devic
         raise ValueError(f"the caches need {need / _GIB:.1f} GiB (a KV pool of {kv_tokens} tokens and the state "
                          f"pool), more than the {free / _GIB:.1f} GiB free on {device}: lower kv_cache_tokens, "
                          f"memory_budget_gb or max_num_seqs")
-    if ec.max_model_len is not None and ec.max_model_len > kv_tokens:
-        raise ValueError(f"max_model_len={ec.max_model_len} does not fit the KV pool of {kv_tokens} tokens: "
-                         f"raise memory_budget_gb / kv_cache_tokens or lower max_model_len")
+    ahead = 2 * k  # a request at the limit still reserves its draft positions past it
+    if ec.max_model_len is not None and ec.max_model_len + ahead > kv_tokens:
+        raise ValueError(f"max_model_len={ec.max_model_len} does not fit the KV pool of {kv_tokens} tokens"
+                         + (f" with the {ahead} positions {k} speculative tokens reserve past it" if k else "")
+                         + ": raise memory_budget_gb / kv_cache_tokens or lower max_model_len")
     max_model_len = min(len_limit, kv_tokens)
     if max_model_len < 2:
         raise ValueError(f"the KV pool holds only {kv_tokens} tokens: raise memory_budget_gb or kv_cache_tokens")
 
-    if k and kv_tokens < max_model_len + 2 * k:  # a request at the limit still reserves its draft positions
-        max_model_len = kv_tokens - 2 * k
+    if k and kv_tokens < max_model_len + ahead:  # (a limit from the pool's size: it leaves room for them)
+        max_model_len = kv_tokens - ahead
         if max_model_len < 2:
             raise ValueError(f"the KV pool of {kv_tokens} tokens is too small for {k} speculative tokens")
     caches = Caches(

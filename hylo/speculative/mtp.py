@@ -18,16 +18,11 @@ from ..core import ForwardBatch, ForwardMode, SamplingBatch
 from ..models.mtp import MTPHead
 from ..ops.sampling import draw, greedy_tokens, sampling_probs
 
-STREAM_DRAFT = 2
-
-
 class MTPDrafter:
-    def __init__(self, mtp: MTPHead, k: int, max_num_seqs: int, vocab: int, device: torch.device):
+    def __init__(self, mtp: MTPHead, k: int, max_num_seqs: int, device: torch.device):
         self.mtp = mtp
         self.k = k
         self.drafts = torch.zeros(max_num_seqs + 1, k, dtype=torch.int64, device=device)
-        # q of each draft, for rejection sampling of sampled requests (greedy rows never read it)
-        self.draft_probs = torch.zeros(max_num_seqs + 1, k, vocab, dtype=torch.float32, device=device)
 
     def forward(self, worker, batch: ForwardBatch, hidden: torch.Tensor, graph: str | None = None):
         """The head over ``batch`` (its input_ids are the tokens) and the given hidden states: (MTP hidden, logits),
@@ -55,8 +50,8 @@ class MTPDrafter:
         """Draft i from MTP logits: argmax for greedy rows (every row when ``sb`` is None), a draw from q for the
         others. Constrained rows draft under their constraint: draft i is masked by the state after drafts
         0..i-1 (from the slot's state, which the target's step moved on already), so that their drafts are ones the
-        verify's masked target can accept; q is then the masked distribution, which keeps rejection sampling
-        exact."""
+        verify's masked target can accept (a draft never changes what is emitted, only how much is accepted:
+        ``verify.coupled_accept``)."""
         if sb is not None and sb.constrained:
             tables = worker.caches.req_slots.constraints
             states = tables.state[req_slots] if i == 0 else self._draft_states
@@ -64,8 +59,9 @@ class MTPDrafter:
         token = greedy_tokens(logits)
         if sb is not None and not sb.all_greedy:
             q = sampling_probs(logits, sb)
-            token = torch.where(sb.temperatures > 0, draw(q, sb.seeds, base_steps + i, STREAM_DRAFT), token)
-            self.draft_probs[req_slots, i] = q
+            # the noise the target's draw at this output index will use (verify.coupled_accept): where q is
+            # close to p the draft is likely the very token the target draws
+            token = torch.where(sb.temperatures > 0, draw(q, sb.seeds, base_steps + i), token)
         self.drafts[req_slots, i] = token
         if sb is not None and sb.constrained:
             self._draft_states = tables.next_states(states, token)

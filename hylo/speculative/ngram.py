@@ -11,7 +11,6 @@ from ..core import ForwardBatch, SamplingBatch, to_device
 
 
 class NgramDrafter:
-    draft_probs = None  # n-gram drafts are point masses
 
     def __init__(self, k: int, max_num_seqs: int, max_context: int, device: torch.device, max_n: int = 4,
                  min_n: int = 1):

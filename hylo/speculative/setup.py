@@ -32,7 +32,7 @@ class SpecSetup:
     def wrap(self, worker: ModelWorker, ec: EngineConfig) -> SpecWorker:
         k = ec.num_speculative_tokens
         if self.method == "mtp":
-            drafter = MTPDrafter(self.mtp, k, ec.max_num_seqs, worker.vocab_size, worker.device)
+            drafter = MTPDrafter(self.mtp, k, ec.max_num_seqs, worker.device)
         else:
             drafter = NgramDrafter(k, ec.max_num_seqs, worker.caches.req_slots.max_context, worker.device)
         return SpecWorker(worker, drafter, k, ec.simulate_accept_length, ec.seed,

@@ -22,10 +22,10 @@ from ..engine.worker import ModelWorker, StepResult, _dev, all_greedy, pack_logp
 from ..ops.logits import apply_penalties, verify_extra_counts
 from ..ops.sampling import greedy_tokens, sampling_probs, uniform_noise
 from ..ops.triton_utils import use_triton
-from .verify import accept_limit, greedy_accept, inert_rows, rejection_accept
+from .verify import accept_limit, coupled_accept, greedy_accept, inert_rows
 
 
-STREAM_SIMULATE = 4  # noise stream of the benchmark's simulated acceptance (0-3: ops/sampling, verify, mtp)
+STREAM_SIMULATE = 4  # noise stream of the benchmark's simulated acceptance (0: ops/sampling's draws)
 
 
 class SpecWorker:
@@ -270,8 +270,7 @@ class SpecWorker:
         emitted, accepted = greedy_accept(drafts, logits)
         if not sb.all_greedy:
             p = sampling_probs(logits.reshape(bs * (k + 1), -1), _repeat(sb, k + 1)).view(bs, k + 1, -1)
-            q = None if self.drafter.draft_probs is None else self.drafter.draft_probs[batch.req_slots]
-            s_emitted, s_accepted = rejection_accept(drafts, q, p, sb.seeds, sb.steps)
+            s_emitted, s_accepted = coupled_accept(drafts, p, sb.seeds, sb.steps)
             sampled = sb.temperatures > 0
             emitted = torch.where(sampled[:, None], s_emitted, emitted)
             accepted = torch.where(sampled, s_accepted, accepted)
