@@ -192,7 +192,7 @@ class ModelConfig:
             problems.append("num_attention_heads must be a multiple of num_key_value_heads")
         if self.linear_num_value_heads % self.linear_num_key_heads:
             problems.append("linear_num_value_heads must be a multiple of linear_num_key_heads")
-        if self.rotary_dim % 2:
+        if self.attn_layer_ids and self.rotary_dim % 2:  # (a model without attention has no rotary)
             problems.append("head_dim * partial_rotary_factor must be even")
         if self.num_experts and not (0 < self.num_experts_per_tok <= self.num_experts):
             problems.append("num_experts_per_tok must be in [1, num_experts]")

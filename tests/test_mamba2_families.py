@@ -239,3 +239,20 @@ def test_nemotron_reads_its_own_lm_head_whatever_tie_word_embeddings_says(tmp_pa
     path, hf = make_nemotron_h_checkpoint(str(tmp_path / "nem"), tie_word_embeddings=True, attention_bias=True)
     eng = Engine(path, device="cpu", dtype="float32", engine_config=EngineConfig(chunk_size=8, verbose=False))
     assert_logits_match(eng, hf, random_prompts(hf.config.vocab_size, [9], seed=23))
+
+
+def test_granite_without_attention_layers_needs_no_even_rotary_size(tmp_path):
+    """All Mamba2 layers, attention heads of an odd size (no attention layer uses them, so no rotary): served, and
+    the prompt logits are transformers' (its uncached forward: its cache fails on a model without attention)."""
+    import torch
+
+    from helpers import make_granite_hybrid_checkpoint
+
+    path, hf = make_granite_hybrid_checkpoint(str(tmp_path / "g"), layer_types=["linear_attention"] * 3,
+                                              num_hidden_layers=3, hidden_size=28, num_attention_heads=4,
+                                              num_key_value_heads=2, mamba_n_heads=7, mamba_n_groups=1)
+    eng = Engine(path, device="cpu", dtype="float32", engine_config=EngineConfig(chunk_size=8, verbose=False))
+    prompt = random_prompts(hf.config.vocab_size, [19], seed=24)[0]
+    with torch.no_grad():
+        want = hf(torch.tensor([prompt]), use_cache=False).logits[0]
+    assert torch.allclose(eng.prompt_logits(prompt), want, atol=1e-4)
