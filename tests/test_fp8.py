@@ -263,6 +263,26 @@ def test_fp8_weights_without_scales_and_foreign_quantized_names_are_refused(tmp_
     with pytest.raises(CheckpointError, match="qweight"):
         check_tensors(DictReader(gptq), None)
     check_tensors(DictReader(plain), None)  # an unquantized checkpoint passes
+    # scales stored as integers (UE8M0 bytes, int8) would be multiplied in as the numbers they hold
+    scale = "model.layers.0.linear_attn.out_proj.weight_scale_inv"
+    for dtype in (torch.uint8, torch.int8):
+        ints = {**t, scale: torch.full(t[scale].shape, 120, dtype=dtype)}
+        with pytest.raises(CheckpointError, match=f"{scale}' is stored as {str(dtype)[6:]}: hylo reads block-FP8"):
+            check_tensors(DictReader(ints), qc)
+    # a vector in FP8 with a scale (a norm): named, not a bare unpacking error
+    norm = {**t, "model.norm.weight": t["model.norm.weight"].to(torch.float8_e4m3fn),
+            "model.norm.weight_scale_inv": torch.ones(1)}
+    with pytest.raises(CheckpointError, match="'model.norm.weight' of shape .* block FP8 quantizes matrices"):
+        check_tensors(DictReader(norm), qc)
+
+
+def test_a_quantization_config_that_contradicts_the_text_models_is_refused():
+    qc = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    cfg = {"quantization_config": qc, "text_config": {"quantization_config": {"quant_method": "awq"}}}
+    with pytest.raises(ValueError, match="disagree"):
+        parse_quantization(cfg)
+    cfg["text_config"]["quantization_config"] = dict(qc)  # the same config in both places is no contradiction
+    assert parse_quantization(cfg).block == (128, 128)
 
 
 # ---- FP8 kept in memory (the GPU's layout), through the reference ops -------------------------------------------

@@ -29,6 +29,8 @@ _QUANTIZED_NAME = re.compile(r"(_scale_inv|\.weight_scale|\.input_scale|\.activa
 _LOW_PRECISION = {"F8_E4M3", "F8_E5M2", "F8_E8M0", "F4", "I8", "U8", "float8_e4m3fn", "float8_e5m2",
                   "float8_e8m0fnu", "int8", "uint8"}
 _FP8 = {"F8_E4M3", "float8_e4m3fn"}
+# dtypes block-FP8 scales are read in (integer or UE8M0 bytes would be multiplied in as the numbers they store)
+_SCALE_DTYPES = {"F32", "BF16", "F16", "F64", "float32", "bfloat16", "float16", "float64"}
 # dtypes no weight has (int8 / uint8 are quantized values, above); the buffers some checkpoints carry in them
 _NOT_WEIGHTS = {"BOOL", "I16", "U16", "I32", "U32", "I64", "U64", "bool", "int16", "int32", "int64", "uint16",
                 "uint32", "uint64"}
@@ -54,8 +56,11 @@ def parse_quantization(cfg: dict[str, Any]) -> QuantConfig | None:
     """``config.json``'s ``quantization_config`` (top level, or the text model's) as a QuantConfig; None when the
     checkpoint is not quantized. A method or option hylo does not run is a ValueError naming it."""
     qc = cfg.get("quantization_config")
-    if qc is None and isinstance(cfg.get("text_config"), dict):
-        qc = cfg["text_config"].get("quantization_config")
+    inner = cfg["text_config"].get("quantization_config") if isinstance(cfg.get("text_config"), dict) else None
+    if qc is not None and inner is not None and qc != inner:
+        raise ValueError("config.json: quantization_config and text_config.quantization_config disagree: the "
+                         "checkpoint's quantization is ambiguous")
+    qc = inner if qc is None else qc
     if qc is None:
         return None
     if not isinstance(qc, dict):
@@ -106,6 +111,12 @@ def check_tensors(reader: TensorReader, quant: QuantConfig | None) -> None:
             if kinds[weight] not in _FP8:
                 raise CheckpointError(f"checkpoint tensor {weight!r} has FP8 scales but is {kinds[weight]}"
                                       f", not float8_e4m3fn")
+            if kinds[name] not in _SCALE_DTYPES:
+                raise CheckpointError(f"checkpoint tensor {name!r} is stored as {kinds[name]}: hylo reads block-FP8 "
+                                      f"scales of a float dtype (integer or UE8M0 scales are not supported)")
+            if len(reader.shape_of(weight)) < 2:
+                raise CheckpointError(f"checkpoint tensor {weight!r} of shape {list(reader.shape_of(weight))} is "
+                                      f"{kinds[weight]} with scales: block FP8 quantizes matrices, not vectors")
             grid = scale_grid(reader.shape_of(weight), quant.block)
             if reader.shape_of(name) != grid:
                 raise CheckpointError(f"checkpoint tensor {name!r} has shape {list(reader.shape_of(name))}; weight "
