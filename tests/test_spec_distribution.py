@@ -138,15 +138,17 @@ def test_sampling_stays_exact_when_plain_and_verify_steps_alternate(tiny_vocab_c
 
 @pytest.mark.parametrize("method", ["mtp", "ngram"])
 def test_seeded_requests_get_plain_decodings_tokens_whatever_the_steps(tiny_vocab_ckpt, method):
-    """Under speculation a seeded sampled request emits the very tokens plain decoding gives it alone: with the
-    kinds of steps alternating (as the adaptive policy mixes them), other requests arriving while it runs, and
+    """Under speculation a seeded sampled request (top-k, top-p, penalties) emits the very tokens plain decoding
+    gives it alone: with the kinds of steps alternating (as the adaptive policy mixes them), other requests arriving while it runs, and
     preemptions by a small KV pool that make it compute its tokens again as a prefill."""
     from helpers import spec_engine  # noqa: I001
     from hylo.engine.spec_policy import StepChoice
 
     prompts = [[1, 5, 2, 7, 3], [6, 1, 4], [2, 2, 3, 1, 0, 7, 5], [4, 4]]
-    params = [SamplingParams(max_tokens=20, temperature=t, top_p=top_p, seed=s, ignore_eos=True)
-              for t, top_p, s in ((1.0, 1.0, 5), (0.7, 0.9, 9), (1.3, 1.0, 11), (0.5, 1.0, 2 ** 40))]
+    params = [SamplingParams(max_tokens=20, temperature=t, top_p=top_p, seed=s, ignore_eos=True, **more)
+              for t, top_p, s, more in ((1.0, 1.0, 5, {}), (0.7, 0.9, 9, {"top_k": 5}),
+                                        (1.3, 1.0, 11, {"frequency_penalty": 0.4, "repetition_penalty": 1.3}),
+                                        (0.5, 1.0, 2 ** 40, {"presence_penalty": 0.8}))]
     want = []
     for p, sp in zip(prompts, params):
         eng = spec_engine(tiny_vocab_ckpt, chunk_size=4)
