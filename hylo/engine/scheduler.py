@@ -129,19 +129,14 @@ class Scheduler:
         verify = plan.mode is ForwardMode.TARGET_VERIFY
         # which rows' next step can verify: a prefill row that sampled, a verify row and a drafting plain row drafted
         drafted = verify or plan.draft_after or plan.mode is ForwardMode.EXTEND
-        for req, n, keep in zip(plan.reqs, plan.extend_lens, plan.sample):
+        for req, n, keep, dev in zip(plan.reqs, plan.extend_lens, plan.sample, plan.from_device):
             req.has_drafts = drafted and keep
             req.inflight += 1
             req.inflight_advance += n  # a verify row commits k + 1 tokens at most
             req.inflight_verify += verify
             req.inflight_new += keep
             req.decoding = req.decoding or keep
-        if plan.mode is not ForwardMode.EXTEND:
-            for req in plan.reqs:
-                req.decoded_state = True
-        else:
-            for req, dev in zip(plan.reqs, plan.from_device):
-                req.decoded_state = req.decoded_state or dev
+            req.decoded_state = req.decoded_state or dev  # (every row of a DECODE or TARGET_VERIFY step decodes)
 
     def step_failed(self, plan: ScheduledBatch) -> None:
         """``plan`` was never launched (its launch raised): give back what it reserved for its completion."""
