@@ -7,16 +7,16 @@ import math
 from dataclasses import dataclass
 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
-
-
-def wrap_int64(value: int) -> int:
-    """``value`` wrapped into the int64 range (sample i of a seeded request has seed + i, which may pass the top)."""
-    return (value - INT64_MIN) % (1 << 64) + INT64_MIN
 MAX_LOGPROBS = 20  # the most alternatives a request may ask for per token (OpenAI's bound)
 # A temperature below this samples greedily (vLLM's bound too): logits divided by 1e-39 overflow float32 to inf,
 # and the draw would return garbage; at 1e-5 a sample differs from the argmax only between exact ties anyway.
 GREEDY_BELOW = 1e-5
 REPETITION_PENALTY_RANGE = (0.01, 100.0)  # below 0.01 a penalized logit grows past any sane scale (1e-39: inf)
+
+
+def wrap_int64(value: int) -> int:
+    """``value`` wrapped into the int64 range (sample i of a seeded request has seed + i, which may pass the top)."""
+    return (value - INT64_MIN) % (1 << 64) + INT64_MIN
 
 
 @dataclass
@@ -25,8 +25,8 @@ class SamplingParams:
 
     ``temperature == 0`` is greedy (so is any temperature below ``GREEDY_BELOW``, 1e-5). ``top_k <= 0`` (or -1)
     and ``top_p == 1`` disable those filters. ``seed`` makes the sample reproducible whatever else runs in the same
-    batch, and the same with or without speculative decoding. ``stop`` strings end the output before the match (the match itself is not returned); ``stop_token_ids``
-    end it after the token (also not returned in ``text``).
+    batch, and the same with or without speculative decoding. ``stop`` strings end the output before the match (the
+    match itself is not returned); ``stop_token_ids`` end it after the token (also not returned in ``text``).
 
     The logits are changed before temperature, top-k and top-p, in this order: ``logit_bias`` (token id -> added
     value, in [-100, 100]), ``min_tokens`` (the stop tokens are masked until that many tokens were generated),

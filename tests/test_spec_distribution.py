@@ -14,7 +14,7 @@ from hylo.models.random_init import random_checkpoint
 from hylo.ops.sampling import draw
 from hylo.speculative.verify import coupled_accept
 
-from helpers import run_all
+from helpers import run_all, spec_engine
 
 # chi-square critical value at p = 0.001 for dof 1..40 (Wilson-Hilferty approximation is enough here)
 
@@ -139,9 +139,8 @@ def test_sampling_stays_exact_when_plain_and_verify_steps_alternate(tiny_vocab_c
 @pytest.mark.parametrize("method", ["mtp", "ngram"])
 def test_seeded_requests_get_plain_decodings_tokens_whatever_the_steps(tiny_vocab_ckpt, method):
     """Under speculation a seeded sampled request (top-k, top-p, penalties) emits the very tokens plain decoding
-    gives it alone: with the kinds of steps alternating (as the adaptive policy mixes them), other requests arriving while it runs, and
-    preemptions by a small KV pool that make it compute its tokens again as a prefill."""
-    from helpers import spec_engine  # noqa: I001
+    gives it alone: with the kinds of steps alternating (as the adaptive policy mixes them), other requests
+    arriving while it runs, and preemptions by a small KV pool that make it compute its tokens again as a prefill."""
     from hylo.engine.spec_policy import StepChoice
 
     prompts = [[1, 5, 2, 7, 3], [6, 1, 4], [2, 2, 3, 1, 0, 7, 5], [4, 4]]
