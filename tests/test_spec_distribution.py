@@ -11,8 +11,9 @@ from hylo import LLM, SamplingParams
 from hylo.models.registry import parse_config
 from hylo.models.default import default_model_config
 from hylo.models.random_init import random_checkpoint
-from hylo.ops.sampling import draw
-from hylo.speculative.verify import coupled_accept
+from hylo.core import SamplingBatch
+from hylo.ops.sampling import draw, sample
+from hylo.speculative.verify import coupled_accept, per_position, verify_tokens
 
 from helpers import run_all, spec_engine
 
@@ -36,6 +37,13 @@ def _chi2(counts: torch.Tensor, probs: torch.Tensor):
     return stat, int(keep.sum()) - 1
 
 
+def _rows(seeds, steps, temperature):
+    """A SamplingBatch of len(seeds) rows at one temperature (0: greedy), no top-k / top-p."""
+    n = seeds.shape[0]
+    return SamplingBatch(torch.full((n,), float(temperature)), torch.ones(n), torch.full((n,), 1 << 30), seeds,
+                         steps, temperature == 0, temperature == 0, False, False)
+
+
 @pytest.mark.parametrize("point_mass", [False, True])
 def test_coupled_acceptance_emits_plain_decodings_draws(point_mass):
     """The verify's sampled tokens are exactly the draws plain decoding makes at the same (seed, output index), so
@@ -44,16 +52,19 @@ def test_coupled_acceptance_emits_plain_decodings_draws(point_mass):
     1 - TV (the best any coupling of p and q reaches)."""
     g = torch.Generator().manual_seed(0)
     n, k, vocab = 40000, 2, 6
-    p = torch.softmax(torch.randn(k + 1, vocab, generator=g) * 1.5, -1)
+    logits = torch.randn(k + 1, vocab, generator=g) * 1.5
+    p = torch.softmax(logits, -1)
     q = torch.softmax(torch.randn(k, vocab, generator=g) * 1.5, -1)
     seeds, steps = torch.arange(n) * 31 + 7, torch.randint(0, 1000, (n,), generator=g)
     if point_mass:  # n-gram drafts: a fixed proposal
         drafts = torch.tensor([[2, 4]]).repeat(n, 1)
     else:  # the MTP head's: drawn from q with the noise of the target's draw at that index
         drafts = torch.stack([draw(q[i].expand(n, vocab), seeds, steps + i) for i in range(k)], 1)
-    emitted, accepted = coupled_accept(drafts, p[None].repeat(n, 1, 1), seeds, steps)
-    for i in range(k + 1):
-        assert torch.equal(emitted[:, i], draw(p[i].expand(n, vocab), seeds, steps + i))
+    sb = _rows(seeds, steps, 1.0)
+    emitted, accepted = coupled_accept(drafts, verify_tokens(logits[None].expand(n, k + 1, vocab),
+                                                             per_position(sb, k + 1)))
+    for i in range(k + 1):  # plain decoding's token at output index steps + i
+        assert torch.equal(emitted[:, i], sample(logits[i].expand(n, vocab), _rows(seeds, steps + i, 1.0)))
     stat, dof = _chi2(torch.bincount(emitted[:, 0], minlength=vocab), p[0])
     assert stat < _chi2_crit(dof), stat
     sel = accepted >= 1
@@ -66,6 +77,29 @@ def test_coupled_acceptance_emits_plain_decodings_draws(point_mass):
         overlap = torch.minimum(p[0], q[0]).sum().item()  # 1 - TV
         assert overlap / (2 - overlap) - 0.01 < rate < overlap + 0.01
     assert torch.equal(accepted, (drafts == emitted[:, :k]).long().cumprod(1).sum(1))
+
+
+def test_greedy_rows_accept_the_longest_argmax_prefix():
+    """The same rule on greedy rows: each position's token is the argmax, the drafts accepted up to the first that
+    differs from it; a batch mixing greedy and sampled rows gives each row its own kind of token."""
+    g = torch.Generator().manual_seed(1)
+    n, k, vocab = 64, 3, 5
+    logits = torch.randn(n, k + 1, vocab, generator=g)
+    best = logits.argmax(-1)
+    drafts = best[:, :k].clone()
+    cut = torch.randint(0, k + 1, (n,), generator=g)  # the first wrong draft (k: none)
+    rows = torch.arange(n)[cut < k]
+    drafts[rows, cut[cut < k]] = (drafts[rows, cut[cut < k]] + 1) % vocab
+    seeds, steps = torch.arange(n), torch.zeros(n, dtype=torch.long)
+    emitted, accepted = coupled_accept(drafts, verify_tokens(logits, per_position(_rows(seeds, steps, 0), k + 1)))
+    assert torch.equal(emitted, best) and torch.equal(accepted, cut)
+    mixed = _rows(seeds, steps, 1.0)
+    mixed.temperatures[::2] = 0
+    mixed.any_greedy = True
+    tokens = verify_tokens(logits, per_position(mixed, k + 1))
+    assert torch.equal(tokens[::2], best[::2])
+    for i in range(k + 1):
+        assert torch.equal(tokens[1::2, i], sample(logits[1::2, i], _rows(seeds[1::2], steps[1::2] + i, 1.0)))
 
 
 @pytest.fixture(scope="module")

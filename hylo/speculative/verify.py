@@ -3,15 +3,19 @@ All on the device, no host sync.
 
 Per row, the verify pass scores ``[last, d1..dk]``: target distribution ``p_i`` (i = 0..k) is the one for the
 token after position i. Emitted tokens are ``e_0..e_a``: the accepted drafts ``d_1..d_a`` and one more token
-(the target's own at the first mismatch, or the bonus when all k are accepted). Greedy rows take the argmax,
-sampled rows the draw plain decoding would make at that output index (``coupled_accept``).
+(the target's own at the first mismatch, or the bonus when all k are accepted). One rule for every row
+(``coupled_accept``): e_i is the token plain decoding would emit at that output index (the argmax for greedy rows,
+the seeded draw for sampled ones: ``verify_tokens``), and the drafts are accepted while they equal it.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
-from ..ops.sampling import draw, greedy_tokens
+from ..core import SamplingBatch
+from ..ops.sampling import greedy_tokens, sample
 
 
 def _leading_true(mask: torch.Tensor) -> torch.Tensor:
@@ -20,10 +24,8 @@ def _leading_true(mask: torch.Tensor) -> torch.Tensor:
 
 
 def greedy_accept(drafts: torch.Tensor, target_logits: torch.Tensor):
-    """drafts: [B, k]; target_logits: [B, k+1, V]. Returns (emitted [B, k+1], accepted [B]): the longest prefix
-    matching the target's argmax, and the target's argmax after it (which equals the drafts before it)."""
-    best = greedy_tokens(target_logits)
-    return best, _leading_true(drafts == best[:, :-1])
+    """``coupled_accept`` where every row is greedy. drafts: [B, k]; target_logits: [B, k+1, V]."""
+    return coupled_accept(drafts, greedy_tokens(target_logits))
 
 
 def accept_limit(emitted: torch.Tensor, fed: torch.Tensor, req_slots: torch.Tensor, seq_lens: torch.Tensor,
@@ -54,19 +56,31 @@ def inert_rows(state_slots: torch.Tensor, accepted: torch.Tensor):
     return torch.where(inert, torch.full_like(state_slots, -1), state_slots), accepted.clamp(min=0)
 
 
-def coupled_accept(drafts: torch.Tensor, target_probs: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor):
-    """Speculative sampling that emits exactly plain decoding's tokens: e_i is the draw from p_i with the noise plain
-    sampling keys by the same (seed, output index), and the drafts are accepted while they equal it. Each e_i
-    follows p_i given the tokens before it (the accepted drafts are those tokens), so the output distribution is the
-    target's, and more: a seeded request's tokens are the same with or without speculation, whichever steps verify
-    and whatever shares them (batch, adaptive policy, preemption). A draft is accepted with probability p(d) for a
-    point mass (n-gram), as rejection sampling accepts it; a draft drawn from q with that same noise (the MTP
-    head's, ``mtp.MTPDrafter``) matches with a probability a little under rejection sampling's sum min(p, q).
+def per_position(sb: SamplingBatch, positions: int) -> SamplingBatch:
+    """A verify's rows as sampling rows, ``positions`` per request: the request's parameters, and the output index
+    ``steps + i`` at its position i (what the penalties and the seeded draw key on)."""
+    rep = lambda t: t.repeat_interleave(positions)  # noqa: E731
+    steps = rep(sb.steps) + torch.arange(positions, device=sb.steps.device).repeat(sb.steps.shape[0])
+    return replace(sb, temperatures=rep(sb.temperatures), top_p=rep(sb.top_p), top_k=rep(sb.top_k),
+                   seeds=rep(sb.seeds), steps=steps, slots=None if sb.slots is None else rep(sb.slots))
 
-    drafts: [B, k]; target_probs: [B, k+1, V]; seeds/steps: [B] (steps = the output index of e_0). Returns
-    (emitted [B, k+1], accepted [B])."""
-    batch, k = drafts.shape
-    index = (steps[:, None] + torch.arange(k + 1, device=drafts.device)).reshape(-1)
-    emitted = draw(target_probs.reshape(batch * (k + 1), -1), seeds[:, None].expand(batch, k + 1).reshape(-1),
-                   index).view(batch, k + 1)
-    return emitted, _leading_true(drafts == emitted[:, :k])
+
+def verify_tokens(logits: torch.Tensor, per_pos: SamplingBatch) -> torch.Tensor:
+    """The token plain decoding would emit at each verify position: logits [B, k+1, V] (penalised and masked as
+    plain decoding's would be at that index), per_pos from ``per_position``. Returns [B, k+1] int64."""
+    batch, width = logits.shape[:2]
+    return sample(logits.reshape(batch * width, -1), per_pos).view(batch, width)
+
+
+def coupled_accept(drafts: torch.Tensor, emitted: torch.Tensor):
+    """Speculative decoding that emits exactly plain decoding's tokens: e_i (``emitted``, from ``verify_tokens``)
+    is what plain decoding emits at that output index, and the drafts are accepted while they equal it. For a
+    sampled row each e_i follows p_i given the tokens before it (the accepted drafts are those tokens), so the
+    output distribution is the target's, and more: a seeded request's tokens are the same with or without
+    speculation, whichever steps verify and whatever shares them (batch, adaptive policy, preemption). A draft is
+    accepted with probability p(d) for a point mass (n-gram), as rejection sampling accepts it; a draft drawn from q
+    with that same noise (the MTP head's, ``mtp.MTPDrafter``) matches with a probability a little under rejection
+    sampling's sum min(p, q). For a greedy row it is the longest prefix matching the argmax.
+
+    drafts: [B, k]; emitted: [B, k+1]. Returns (emitted, accepted [B])."""
+    return emitted, _leading_true(drafts == emitted[:, :-1])

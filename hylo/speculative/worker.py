@@ -15,14 +15,14 @@ from dataclasses import replace
 
 import torch
 
-from ..core import ForwardMode, SamplingBatch
+from ..core import ForwardMode
 from ..engine.plan import ScheduledBatch
 from ..engine.graphs import GraphRunner
 from ..engine.worker import ModelWorker, StepResult, _dev, all_greedy, pack_logprobs
 from ..ops.logits import apply_penalties, verify_extra_counts
-from ..ops.sampling import greedy_tokens, sampling_probs, uniform_noise
+from ..ops.sampling import greedy_tokens, uniform_noise
 from ..ops.triton_utils import use_triton
-from .verify import accept_limit, coupled_accept, greedy_accept, inert_rows
+from .verify import accept_limit, coupled_accept, greedy_accept, inert_rows, per_position, verify_tokens
 
 
 STREAM_SIMULATE = 4  # noise stream of the benchmark's simulated acceptance (0: ops/sampling's draws)
@@ -256,24 +256,17 @@ class SpecWorker:
         logits = logits.view(bs, k + 1, -1)
         raw = logits
         sb = tw.sampling_batch(sched, batch)
+        per_pos = per_position(sb, k + 1)  # position i is output index steps + i: plain decoding's draw there
+        flat = logits.reshape(bs * (k + 1), -1)
         tables = tw.caches.req_slots.penalties
         if sb.penalized:  # position i is penalised by the tokens before it, this step's drafts 1..i included
-            per_pos = _repeat(sb, k + 1)
-            steps = per_pos.steps + torch.arange(k + 1, device=logits.device).repeat(bs)
-            extra = verify_extra_counts(drafts, logits.shape[-1]).view(bs * (k + 1), -1)
-            logits = apply_penalties(logits.reshape(bs * (k + 1), -1), tables, per_pos.slots, steps,
-                                     extra).view(bs, k + 1, -1)
+            flat = apply_penalties(flat, tables, per_pos.slots, per_pos.steps,
+                                   verify_extra_counts(drafts, flat.shape[-1]).view(bs * (k + 1), -1))
         if sb.constrained:  # position i's mask is the state after drafts 1..i (a draft it does not allow is rejected)
             constraints = tw.caches.req_slots.constraints
             states = constraints.chain(batch.req_slots, drafts)
-            logits = constraints.mask_logits(logits.reshape(bs * (k + 1), -1), states.reshape(-1)).view(bs, k + 1, -1)
-        emitted, accepted = greedy_accept(drafts, logits)
-        if not sb.all_greedy:
-            p = sampling_probs(logits.reshape(bs * (k + 1), -1), _repeat(sb, k + 1)).view(bs, k + 1, -1)
-            s_emitted, s_accepted = coupled_accept(drafts, p, sb.seeds, sb.steps)
-            sampled = sb.temperatures > 0
-            emitted = torch.where(sampled[:, None], s_emitted, emitted)
-            accepted = torch.where(sampled, s_accepted, accepted)
+            flat = constraints.mask_logits(flat, states.reshape(-1))
+        emitted, accepted = coupled_accept(drafts, verify_tokens(flat.view(bs, k + 1, -1), per_pos))
         emitted, accepted = self._commit(batch, drafts, emitted, accepted)
         if sb.constrained:  # the state after the accepted drafts and the token after them
             last = accepted.clamp(min=0)[:, None]
@@ -303,11 +296,3 @@ class SpecWorker:
         lo = want.floor()
         u = uniform_noise(batch.req_slots + self._sim_seed, batch.seq_lens, 1, STREAM_SIMULATE)[:, 0]
         return (lo.long() + (u < want - lo).long()).clamp(max=self.k)
-
-
-def _repeat(sb: SamplingBatch, times: int) -> SamplingBatch:
-    """The same per-row parameters for every verify position of the row."""
-    rep = lambda t: t.repeat_interleave(times)  # noqa: E731
-    return SamplingBatch(rep(sb.temperatures), rep(sb.top_p), rep(sb.top_k), rep(sb.seeds), rep(sb.steps),
-                         sb.all_greedy, sb.any_greedy, sb.need_top_k, sb.need_top_p,
-                         slots=rep(sb.slots), penalized=sb.penalized, logprobs=sb.logprobs)
