@@ -112,6 +112,65 @@ def test_constraints_are_checked_and_refused_by_name(tok, cache):
     assert not auto.final[auto.walk(tok.encode('"a'))] and auto.final[auto.walk(tok.encode('"b"'))]
 
 
+def _accepts(auto, tok, text: str) -> bool:
+    state = auto.walk(tok.encode(text))
+    return state is not None and bool(auto.final[state])
+
+
+def test_schemas_the_translation_would_loosen_are_merged_or_refused(tok, cache):
+    """outlines-core's translation concatenates allOf's branches, reads one keyword family per schema, cuts
+    recursion leaving invalid JSON and writes property names unescaped: allOf is merged into one schema, the rest
+    refused by name, so that what is accepted always validates."""
+    two = {"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+                     {"type": "object", "properties": {"b": {"type": "string", "maxLength": 3}}, "required": ["b"]}]}
+    auto = cache.get(Constraint.json_schema(two))
+    assert _accepts(auto, tok, '{"a": 1, "b": "xy"}')
+    assert not _accepts(auto, tok, '{"a": 1}{"b": "xy"}') and not _accepts(auto, tok, '{"a": 1}')
+    for text in ('{"a": 1, "b": "xy"}', '{"a":-7,"b":""}'):
+        jsonschema.validate(json.loads(text), two)
+    # a property given as allOf of one reference (pydantic's shape for a described field) keeps the reference
+    ref = {"type": "object", "properties": {"m": {"allOf": [{"$ref": "#/$defs/M"}], "description": "d"}},
+           "required": ["m"], "$defs": {"M": {"enum": ["x", "y"]}}}
+    auto = cache.get(Constraint.json_schema(ref))
+    assert _accepts(auto, tok, '{"m": "y"}') and not _accepts(auto, tok, '{"m": "z"}')
+    assert _accepts(cache.get(Constraint.json_schema({"allOf": [{"type": "number"}, {"type": "integer"}]})),
+                    tok, "12") and not _accepts(cache.get(Constraint.json_schema(
+                        {"allOf": [{"type": "number"}, {"type": "integer"}]})), tok, "1.5")
+    node = {"type": "object", "properties": {"v": {"type": "integer"},
+                                             "next": {"anyOf": [{"$ref": "#/$defs/n"}, {"type": "null"}]}},
+            "required": ["v", "next"]}
+    for bad, match in [
+            ({"allOf": [{"type": "string"}, {"type": "integer"}]}, "nothing matches both"),
+            ({"allOf": [{"properties": {"a": {"type": "integer"}}}, {"properties": {"a": {"type": "string"}}}]},
+             "property 'a' two different schemas"),
+            ({"allOf": [{"type": "string", "maxLength": 3}, {"maxLength": 4}]}, "sets 'maxLength'"),
+            ({"$defs": {"n": node}, "$ref": "#/$defs/n"}, r"'#/\$defs/n' is recursive"),
+            ({"type": "object", "properties": {"child": {"$ref": "#"}}}, "'#' is recursive"),
+            ({"$ref": "https://example.com/s.json"}, "only references inside the schema"),
+            ({"$ref": "#/$defs/missing"}, "does not resolve"),
+            ({"$ref": "#/$defs/N", "properties": {"x": {"type": "string"}}, "$defs": {"N": {"type": "integer"}}},
+             r"\$ref \(at /\) beside properties"),
+            ({"type": "object", "properties": {"a": {"type": "integer"}},
+              "anyOf": [{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}]},
+             "anyOf .at /. beside type, properties"),
+            ({"type": "string", "minLength": 2, "enum": ["a", "bb"]}, "enum .at /. beside minLength"),
+            ({"type": "string", "enum": ["a", 1]}, "enum value 1 .at /. is not of type"),
+            ({"type": "array", "items": {"type": "integer"}, "prefixItems": [{"type": "string"}]}, "prefixItems"),
+            ({"type": "object", "properties": {'a"b': {"type": "integer"}}}, "property name 'a\"b'"),
+            ({"type": "object", "properties": {"x": {"type": "object", "properties": {"a\nb": {}}}}},
+             "/properties/x/properties")]:
+        with pytest.raises(ValueError, match=match):
+            Constraint.json_schema(bad)
+    # what stays allowed: references reached twice without a cycle, names with regex metacharacters, a property
+    # named like a keyword, null beside a type list's enum
+    dag = {"$defs": {"a": {"type": "integer"}}, "type": "object", "required": ["p", "q"],
+           "properties": {"p": {"$ref": "#/$defs/a"}, "q": {"$ref": "#/$defs/a"}, "$ref": {"type": "string"},
+                          "a.b*(c)": {"type": ["string", "null"], "enum": ["u", None]}}}
+    auto = cache.get(Constraint.json_schema(dag))
+    assert _accepts(auto, tok, '{"p": 1, "q": 2, "$ref": "s", "a.b*(c)": null}')
+    assert not _accepts(auto, tok, '{"p": 1, "q": 2, "$ref": "s", "aXb*(c)": null}')
+
+
 def test_tables_keep_live_automata_and_renumber_states(tok, cache):
     """Three automata through two slots: the one no slot uses any more leaves the table, the other slot's state
     is renumbered to the same place of its automaton; a preempted request's state is its automaton walked over

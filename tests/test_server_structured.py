@@ -154,6 +154,27 @@ def test_xml_call_constraint_follows_the_schema():
     assert json.loads(parse_calls(call, tools)[1][0]["function"]["arguments"]) == {"mode": "fast", "code": "ABC"}
 
 
+def test_forced_calls_merge_allof_parameters():
+    """A function whose parameters are allOf of two objects: the forced call's arguments hold both objects'
+    properties in one JSON object (the schema translation alone would write two objects back to back)."""
+    from types import SimpleNamespace
+
+    from hylo.server.tools import parse_calls, parse_tools
+
+    params = {"allOf": [{"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}},
+                         "required": ["city"]},
+                        {"type": "object", "properties": {"zip": {"type": "integer"}}, "required": ["zip"]}]}
+    body = SimpleNamespace(tools=[{"type": "function", "function": {"name": "f", "parameters": params}}],
+                           tool_choice="required", parallel_tool_calls=False)
+    tools = parse_tools(body, None)
+    c = tools.constraint()
+    call = '<tool_call>\n{"name": "f", "arguments": {"city": "Oslo", "zip": 150}}\n</tool_call>'
+    assert re.fullmatch(c.value, call)
+    assert not re.fullmatch(c.value, call.replace('"Oslo", ', '"Oslo"}{'))
+    args = json.loads(parse_calls(call, tools)[1][0]["function"]["arguments"])
+    jsonschema.validate(args, params)
+
+
 def test_bad_constraints_and_tools_are_refused_by_name(app_client):
     h = {"Content-Type": "application/json"}
     chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 4}
@@ -185,6 +206,11 @@ def test_bad_constraints_and_tools_are_refused_by_name(app_client):
         ("/v1/chat/completions", {**chat, "tools": [{"type": "function", "function": {
             "name": "f", "parameters": {"type": "object", "properties": {"n": {"type": "integer", "maximum": 3}}}}}],
             "tool_choice": "required"}, "tools"),
+        ("/v1/chat/completions", {**chat, "tools": [{"type": "function", "function": {
+            "name": "f", "parameters": {"$defs": {"n": {"type": "object", "properties": {"n": {"$ref": "#/$defs/n"}}}},
+                                        "$ref": "#/$defs/n"}}}], "tool_choice": "required"}, "tools"),
+        ("/v1/completions", {"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {
+            "name": "s", "schema": {"allOf": [{"type": "string"}, {"type": "integer"}]}}}}, "response_format"),
     ]
     for path, body, param in cases:
         r = app_client.post(path, json=body, headers=h)

@@ -2,10 +2,10 @@
 
 Every constraint but a grammar is regular: a regular expression (in the Rust ``regex`` crate's syntax, which
 outlines-core compiles), a choice among strings (their alternation), a JSON schema or any JSON object (outlines-core's
-schema to regex translation: compact JSON with at most one space between tokens, nesting bounded where a schema
-recurses). A grammar (Lark or GBNF) is matched on the host instead (``constrain.host``).
-A JSON schema keyword that translation would not enforce (``minimum``, ``uniqueItems``, ``not`` ...) is refused by
-name rather than loosened: the output of a constrained request always validates against what it asked for.
+schema to regex translation: compact JSON with at most one space between tokens). A grammar (Lark or GBNF) is
+matched on the host instead (``constrain.host``). A JSON schema that translation would not enforce (a keyword such
+as ``minimum`` or ``not``, a recursive reference, keywords it would drop: ``constrain.schema``) is refused by name
+rather than loosened: the output of a constrained request always validates against what it asked for.
 """
 
 from __future__ import annotations
@@ -13,18 +13,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-# keywords whose meaning the translation enforces (or tightens: a recursive schema is cut at a depth, an object with
-# ``properties`` gets no other keys), and annotations without a meaning for the output
-_ENFORCED = {"type", "properties", "required", "additionalProperties", "items", "prefixItems", "minItems",
-             "maxItems", "enum", "const", "anyOf", "allOf", "$ref", "$defs", "definitions", "minLength",
-             "maxLength", "pattern", "format", "oneOf"}
-_ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated",
-                "readOnly", "writeOnly", "discriminator"}
-_FORMATS = {"date-time", "date", "time", "uuid", "email", "uri"}
-_SCHEMA_VALUED = {"properties", "$defs", "definitions"}  # maps of name -> schema
-_SCHEMA_LISTS = {"anyOf", "allOf", "oneOf", "prefixItems"}
-_FALSE_NEUTRAL = {"uniqueItems"}  # refused unless false (their neutral value)
-_ZERO_NEUTRAL = {"minProperties"}
+from .schema import prepare_schema, schema_regex
+
 # the Rust regex crate's meta characters: escaped in the strings of a choice
 _META = set("\\.+*?()|[]{}^$#&-~")
 
@@ -77,8 +67,7 @@ class Constraint:
                 raise ValueError(f"json_schema constraint: the schema is not valid JSON ({e})") from None
         if not isinstance(schema, dict):
             raise ValueError(f"json_schema constraint: the schema must be a JSON object, got {type(schema).__name__}")
-        check_schema(schema)
-        return cls("json_schema", json.dumps(schema))  # property order is output order: kept
+        return cls("json_schema", json.dumps(prepare_schema(schema)))  # property order is output order: kept
 
     def to_regex(self) -> str:
         """The regular expression whose full matches are exactly the allowed outputs."""
@@ -90,13 +79,7 @@ class Constraint:
             return json_object_regex(JSON_OBJECT_DEPTH)
         if self.kind == "grammar":
             raise ValueError("a grammar constraint has no regular expression: it is matched on the host")
-        from outlines_core.json_schema import build_regex_from_schema
-
-        schema = json.loads(self.value)
-        try:
-            regex = build_regex_from_schema(json.dumps(_grouped_patterns(schema)))
-        except (ValueError, TypeError) as e:
-            raise ValueError(f"json_schema constraint: {first_line(e)}") from None
+        regex = schema_regex(json.loads(self.value))
         check_regex_size(regex, "json_schema")
         return regex
 
@@ -209,112 +192,6 @@ def json_object_regex(depth: int) -> str:
 def escape(text: str) -> str:
     """``text`` as a regular expression that matches exactly it."""
     return "".join("\\" + c if c in _META else c for c in text)
-
-
-def check_schema(schema, where: str = "") -> None:
-    """Refuse (``ValueError``, naming the keyword and where it is) what the regex translation cannot enforce."""
-    if isinstance(schema, bool):
-        if not schema:
-            raise ValueError(f"json_schema constraint: the schema at {where or '/'} is false (nothing matches)")
-        return
-    if not isinstance(schema, dict):
-        raise ValueError(f"json_schema constraint: the schema at {where or '/'} must be an object or a boolean")
-    _check_values(schema, where)
-    for key, value in schema.items():
-        at = f"{where}/{key}"
-        if key in _ANNOTATIONS:
-            continue
-        if key in _FALSE_NEUTRAL and value is False or key in _ZERO_NEUTRAL and value == 0:
-            continue
-        if key not in _ENFORCED:
-            raise ValueError(f"json_schema constraint: keyword {key!r} (at {at}) cannot be enforced by hylo's "
-                             f"constrained decoding; remove it or check the output after generation")
-        if key == "format" and value not in _FORMATS:
-            raise ValueError(f"json_schema constraint: format {value!r} (at {at}) is not supported "
-                             f"(supported: {', '.join(sorted(_FORMATS))})")
-        if key == "oneOf" and not _disjoint_types(value):
-            raise ValueError(f"json_schema constraint: oneOf (at {at}) is enforced only when its branches have "
-                             f"different types (a value matching two branches would be invalid); use anyOf")
-        if key in _SCHEMA_VALUED:
-            if not isinstance(value, dict):
-                raise ValueError(f"json_schema constraint: {key} (at {at}) must be an object")
-            for name, sub in value.items():
-                check_schema(sub, f"{at}/{name}")
-        elif key in _SCHEMA_LISTS:
-            if not isinstance(value, list) or not value:
-                raise ValueError(f"json_schema constraint: {key} (at {at}) must be a non-empty list")
-            for i, sub in enumerate(value):
-                check_schema(sub, f"{at}/{i}")
-        elif key in ("items", "additionalProperties") and not isinstance(value, bool):
-            check_schema(value, at)
-
-
-_COUNTS = ("minLength", "maxLength", "minItems", "maxItems")
-
-
-def _check_values(schema: dict, where: str) -> None:
-    """The values the translation would read loosely or not at all: a negative count (read as no bound), an empty
-    enum or type list (nothing can match), required names without a schema in ``properties`` (not enforced)."""
-    for key in _COUNTS:
-        value = schema.get(key)
-        if key in schema and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-            raise ValueError(f"json_schema constraint: {key} (at {where}/{key}) must be a non-negative integer, "
-                             f"got {value!r}")
-    for low, high in (("minLength", "maxLength"), ("minItems", "maxItems")):
-        if low in schema and high in schema and schema[low] > schema[high]:
-            raise ValueError(f"json_schema constraint: {low} {schema[low]} is more than {high} {schema[high]} (at "
-                             f"{where or '/'}): nothing can match it")
-    for key in ("enum", "type"):
-        if key in schema and schema[key] == []:
-            raise ValueError(f"json_schema constraint: {key} (at {where}/{key}) is empty: nothing can match it")
-    if "required" in schema:
-        required, props = schema["required"], schema.get("properties", {})
-        if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
-            raise ValueError(f"json_schema constraint: required (at {where}/required) must be a list of names")
-        missing = [r for r in required if not isinstance(props, dict) or r not in props]
-        if missing:
-            raise ValueError(f"json_schema constraint: required property {missing[0]!r} (at {where}/required) has "
-                             f"no schema in properties, and hylo enforces required properties through theirs")
-
-
-def _disjoint_types(branches) -> bool:
-    if not isinstance(branches, list):
-        return False
-    seen = set()
-    for b in branches:
-        t = b.get("type") if isinstance(b, dict) else None
-        types = {t} if isinstance(t, str) else set(t) if isinstance(t, list) else None
-        if not types:
-            return False
-        if "number" in types:
-            types.add("integer")
-        if "integer" in types:
-            types.add("number")
-        if seen & types:
-            return False
-        seen |= types
-    return True
-
-
-def _grouped_patterns(schema):
-    """A copy of the schema whose ``pattern`` values are one group without anchors: the translation writes a
-    pattern between the string's quotes as it is, so a top-level alternation (``a|b``) would escape them."""
-    if isinstance(schema, list):
-        return [_grouped_patterns(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {}
-    for key, value in schema.items():
-        if key == "pattern" and isinstance(value, str):
-            body = value[1:] if value.startswith("^") else value
-            if body.endswith("$") and not body.endswith("\\$"):
-                body = body[:-1]
-            out[key] = f"({body})"
-        elif key in ("enum", "const", "default", "examples"):
-            out[key] = value
-        else:
-            out[key] = _grouped_patterns(value)
-    return out
 
 
 def first_line(e: "Exception | str") -> str:

@@ -17,7 +17,8 @@ import re
 import uuid
 from dataclasses import dataclass
 
-from ..constrain.spec import Constraint, check_schema, escape
+from ..constrain.schema import prepare_schema, schema_regex
+from ..constrain.spec import Constraint, escape
 from .protocol import APIError
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -97,21 +98,18 @@ def parse_tools(body, template: str | None) -> Tools | None:
     if choice != "auto":
         for name in ([choice] if choice != "required" else params):
             try:
-                check_schema(params[name], f"/{name}/parameters")
+                params[name] = prepare_schema(params[name], f"/{name}/parameters")
             except ValueError as e:
                 raise APIError(f"tools: {e}", param="tools") from None
     return out
 
 
 def _call_regex(name: str, schema: dict, call_format: str) -> str:
-    from outlines_core.json_schema import build_regex_from_schema
-
     def value(sub: dict) -> str:
         try:
-            return build_regex_from_schema(json.dumps(sub))
-        except (ValueError, TypeError) as e:
-            raise APIError(f"tools: function {name!r}: its parameters cannot be enforced ({e})",
-                           param="tools") from None
+            return schema_regex(sub, f"tools: function {name!r}: its parameters cannot be enforced")
+        except ValueError as e:
+            raise APIError(str(e), param="tools") from None
 
     if call_format == "json":
         return escape(f'<tool_call>\n{{"name": "{name}", "arguments": ') + value(schema) + escape("}\n</tool_call>")
