@@ -29,7 +29,8 @@ class SamplingParams:
     match itself is not returned); ``stop_token_ids`` end it after the token (also not returned in ``text``).
 
     The logits are changed before temperature, top-k and top-p, in this order: ``logit_bias`` (token id -> added
-    value, in [-100, 100]), ``min_tokens`` (the stop tokens are masked until that many tokens were generated),
+    value, in [-100, 100]), ``min_tokens`` (the stop tokens are masked, and stop strings not matched, until that
+    many tokens were generated),
     ``repetition_penalty`` (tokens of the prompt or output: a positive logit divided by it, a negative one
     multiplied), ``frequency_penalty`` (minus it times the token's count in the output) and ``presence_penalty``
     (minus it once a token is in the output), OpenAI's and vLLM's formulas. ``logprobs=N`` returns each generated

@@ -116,6 +116,14 @@ def test_stop_strings_and_text_with_the_default_model():
     assert out.finish_reason == "stop" and out.stop_reason == stop
     assert out.text == full.text[:cut]
     assert out.token_ids == full.token_ids[:len(out.token_ids)]
+    # min_tokens: no stop string is matched within the first min_tokens tokens; the first match after them ends it
+    n = len(out.token_ids) + 1  # the stop string was completed by token n - 1 (counting from 1): now past it
+    at = len(llm.tokenizer.decode(full.token_ids[:n]))
+    later = full.text.find(stop, max(0, at - len(stop) + 1))
+    out = llm.generate("Hello", SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, stop=[stop],
+                                               min_tokens=n), use_tqdm=False)[0]
+    assert len(out.token_ids) > n or out.finish_reason == "length" and len(out.token_ids) == 30
+    assert out.text == (full.text[:later] if later >= 0 else full.text)
 
 
 def test_seeds_reproducible_and_independent_of_batch(ckpt_a):

@@ -23,7 +23,8 @@ def append_token(req: Req, token: int, eos_ids: set[int], tokenizer, max_model_l
         return "stop"
     if tokenizer is not None:
         delta = detokenize_step(tokenizer, req)
-        hit = find_stop_string(req, delta)
+        # no stop string ends the output within its first min_tokens tokens (vLLM's rule)
+        hit = find_stop_string(req, delta) if len(req.output_ids) > p.min_tokens else None
         if hit is not None:
             req.text = req.text[:hit[0]]
             req.stop_reason = hit[1]
