@@ -8,6 +8,10 @@ from dataclasses import dataclass
 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 MAX_LOGPROBS = 20  # the most alternatives a request may ask for per token (OpenAI's bound)
+# stop strings are searched on the engine's one host thread after every token of every request that has them: their
+# number and length bound what one request can make every other wait (OpenAI allows 4)
+MAX_STOP_STRINGS = 32
+MAX_STOP_LENGTH = 1024
 # A temperature below this samples greedily (vLLM's bound too): logits divided by 1e-39 overflow float32 to inf,
 # and the draw would return garbage; at 1e-5 a sample differs from the argmax only between exact ties anyway.
 GREEDY_BELOW = 1e-5
@@ -97,6 +101,9 @@ class SamplingParams:
         stops = [self.stop] if isinstance(self.stop, str) else [] if self.stop is None else self.stop
         if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) and s for s in stops):
             raise ValueError(f"stop must be a non-empty string or a list of non-empty strings, got {self.stop!r}")
+        if len(stops) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_LENGTH for s in stops):
+            raise ValueError(f"stop takes at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_LENGTH} characters "
+                             f"each, got {len(stops)} of up to {max(len(s) for s in stops)}")
         ids = [] if self.stop_token_ids is None else self.stop_token_ids
         if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
                                                          for t in ids):

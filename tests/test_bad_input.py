@@ -23,6 +23,8 @@ BAD_PARAMS = [
     (dict(top_p=math.nan), "top_p"),
     (dict(top_k=-2), "top_k"),
     (dict(stop=[""]), "stop"),
+    (dict(stop=["a"] * 33), "stop takes at most 32"),
+    (dict(stop="x" * 1025), "stop takes at most"),
 ]
 
 

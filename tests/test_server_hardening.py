@@ -67,9 +67,9 @@ def _raw(http, path, body: str):
 @pytest.mark.parametrize("path,body,param", [
     ("/v1/completions", '{"prompt": "\\ud800", "max_tokens": 2}', "prompt"),
     ("/v1/completions", '{"prompt": ["ok", "a\\udc00b"], "max_tokens": 2}', "prompt"),
-    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "x\\ud800"}], "max_tokens": 2}', "prompt"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "x\\ud800"}], "max_tokens": 2}', "messages"),
     ("/v1/chat/completions", '{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udfff"}]}], '
-                             '"max_tokens": 2}', "prompt"),
+                             '"max_tokens": 2}', "messages"),
     ("/tokenize", '{"prompt": "\\ud800"}', "prompt"),
     ("/tokenize", '{"messages": [{"role": "user", "content": "\\ud800"}]}', "messages"),
 ])
@@ -324,3 +324,35 @@ def test_chat_template_kwargs_cannot_set_the_requests_own_variables(http):
     r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
                                                 "chat_template_kwargs": {"enable_thinking": False}})
     assert r.status_code == 200
+
+
+def test_audit_of_session_35_edges(http):
+    """A second audit's finds: each named by the field the client sent, never a 500."""
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    # too many stop strings: each is searched after every token, on the thread every request shares
+    assert "stop takes at most 32" in _error(http.post("/v1/completions", json={
+        "prompt": "ab", "stop": [f"s{i}" for i in range(1000)]}), "stop")
+    # a logit_bias key past int()'s digit limit is not a token id, not an error about Python's limits
+    assert "are not token ids" in _error(http.post("/v1/completions", json={
+        "prompt": "ab", "logit_bias": {"1" * 5000: 1}}), "logit_bias")
+    # a chat prompt past the context is the messages' fault
+    r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "a" * (2 * LEN)}]})
+    assert "context limit" in _error(r, "messages")
+    # min_tokens past the default max_tokens names the default, not a field the client did not send
+    r = http.post("/v1/chat/completions", json={**chat, "min_tokens": 5 * LEN})
+    assert "max_tokens (not given)" in _error(r, "min_tokens")
+    r = http.post("/v1/completions", json={"prompt": "ab", "min_tokens": 20})
+    assert "more than the 16 tokens that max_tokens (not given)" in _error(r, "min_tokens")
+    r = http.post("/v1/completions", json={"prompt": ["a" * (LEN - 8), "b"], "min_tokens": 10, "max_tokens": None})
+    assert "at most" in _error(r, "min_tokens")
+    _still_serving(http)
+
+
+def test_the_default_max_tokens_fits_each_prompt_alone(http):
+    """OpenAI's default of 16 output tokens is cut to the room each prompt leaves, not the longest one's for all."""
+    r = http.post("/v1/completions", json={"prompt": ["a" * (LEN - 6), "b"], "temperature": 0, "ignore_eos": True,
+                                           "logprobs": 0})
+    assert r.status_code == 200, r.text
+    choices = sorted(r.json()["choices"], key=lambda c: c["index"])
+    used = [len(c["logprobs"]["tokens"]) for c in choices]
+    assert used[0] in (5, 6) and used[1] == 16, used  # the long prompt's room (a byte tokenizer: a byte a token)

@@ -126,7 +126,32 @@ def test_tool_call_parsing():
     content, calls = parse_calls("<tool_call>\n<function=get_weather>\n<parameter=city>\nNew York\n</parameter>\n"
                                  "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>", xml)
     assert content is None and json.loads(calls[0]["function"]["arguments"]) == {"city": "New York", "days": 3}
-    assert held_back("abc <tool") == 5 and held_back("abc <tool_call>\n{") == 13 and held_back("abc") == 0
+    # held back: a (partial) call's start and the whitespace before it
+    assert held_back("abc <tool") == 6 and held_back("abc <tool_call>\n{") == 14 and held_back("abc") == 0
+    assert held_back("abc \n") == 2 and held_back("a <tool_call>b c ") == len(" <tool_call>b c ")
+
+
+@pytest.mark.parametrize("text", [
+    'Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}\n</tool_call>',
+    '\n\nSure.\n\n<tool_call>\n{"name": "get_weather", "arguments": {}}\n</tool_call>\n<tool_call>\n'
+    '{"name": "get_weather", "arguments": {"city": "A"}}\n</tool_call>\n',
+    'No call here, just text with < and <tool and spaces.   ',
+    '<tool_call>\n{"name": "nope", "arguments": {}}\n</tool_call> after',
+])
+def test_streamed_tool_calls_add_up_to_the_parsed_text(text):
+    """A streamed choice's content deltas, whatever the chunks, add up to the content a non-streamed response
+    gives (``parse_calls`` of the whole text), and its calls are the same."""
+    from hylo.server.tools import CallStream, Tools, parse_calls
+
+    tools = Tools([WEATHER], {"get_weather": WEATHER["function"]["parameters"]}, "auto", True, "json")
+    content, calls = parse_calls(text, tools)
+    for size in (1, 3, 7, len(text)):
+        stream = CallStream(tools)
+        chunks = [text[i:i + size] for i in range(0, len(text), size)]
+        sent = "".join(stream.feed(c) for c in chunks[:-1])
+        rest, streamed_calls = stream.finish(chunks[-1])
+        assert ((sent + (rest or "")) or None) == content, (size, sent, rest)
+        assert [c["function"] for c in streamed_calls] == [c["function"] for c in calls]
 
 
 def test_xml_call_constraint_follows_the_schema():

@@ -7,7 +7,6 @@ or while waiting for a full response) has its requests aborted at once, which fr
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import secrets
 from contextlib import asynccontextmanager
@@ -263,9 +262,14 @@ def create_app(engine: Engine, api_key: str | None = None, served_model_name: st
         await compile_constraint(engine, constraint, field)
         for p in prompts:
             _check_room(engine, p, params[0].max_tokens, explicit=given is not None, field=limit_field)
-        if given is None:  # OpenAI's default of 16, within the room the shortest prompt leaves
-            room = min(engine.max_model_len - len(p) for p in prompts)
-            params = [dataclasses.replace(sp, max_tokens=min(sp.max_tokens, room)) for sp in params]
+        rooms = None
+        if given is None:  # OpenAI's default of 16, within the room each prompt leaves
+            rooms = [engine.max_model_len - len(p) for p in prompts]
+            if params[0].min_tokens > min(rooms):
+                raise APIError(f"min_tokens is {params[0].min_tokens}, but a prompt has "
+                               f"{engine.max_model_len - min(rooms)} tokens and the context limit (max_model_len) is "
+                               f"{engine.max_model_len}: at most {min(rooms)} tokens fit", param="min_tokens",
+                               code="context_length_exceeded")
         echo = None
         if body.echo:
             echo = [Echo(p, True) if isinstance(p, str) else
@@ -273,7 +277,7 @@ def create_app(engine: Engine, api_key: str | None = None, served_model_name: st
                     for p, ids in zip(raw, prompts)]
         return await serve(request, runner, "cmpl", "text_completion", model_name, prompts, params, body,
                            chat=False, fmt=Formatter(engine.tokenizer, body.return_tokens_as_token_ids),
-                           echo_texts=echo, score_only=score_only)
+                           echo_texts=echo, score_only=score_only, rooms=rooms)
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -282,7 +286,8 @@ def create_app(engine: Engine, api_key: str | None = None, served_model_name: st
             raise APIError("this model has no tokenizer, which chat needs", param="messages")
         tools = parse_tools(body, engine.tokenizer.chat_template or CHATML_TEMPLATE)
         # rendered and encoded in a worker thread (as a completion's prompt); the template writes its own specials
-        prompt = await run_in_threadpool(lambda: _encode(engine, chat_prompt(body, tools), add_special_tokens=False))
+        prompt = await run_in_threadpool(lambda: _encode(engine, chat_prompt(body, tools), add_special_tokens=False,
+                                                                 field="messages"))
         room = engine.max_model_len - len(prompt)
         limit_field, given = body.output_limit()
         _check_room(engine, prompt, given if given is not None else room, explicit=given is not None,
@@ -331,10 +336,10 @@ def _check_token_ids(engine: Engine, params) -> None:
         raise APIError(str(e), param=str(e).split(":", 1)[0]) from None
 
 
-def _encode(engine: Engine, prompt, add_special_tokens: bool = True) -> list[int]:
+def _encode(engine: Engine, prompt, add_special_tokens: bool = True, field: str = "prompt") -> list[int]:
     try:
         return engine.encode_prompt(prompt, add_special_tokens=add_special_tokens)
     except ValueError as e:
         msg = str(e)
         code = "context_length_exceeded" if "context limit" in msg else None
-        raise APIError(msg, param="prompt", code=code) from None
+        raise APIError(msg, param=field, code=code) from None

@@ -154,7 +154,8 @@ class _SamplingFields(BaseModel):
             return None
         out, not_ids, out_of_range = {}, [], []
         for key, value in self.logit_bias.items():
-            tok = int(key) if key.isascii() and key.strip().lstrip("-").isdigit() else None
+            digits = key.strip().lstrip("-")
+            tok = int(key) if key.isascii() and digits.isdigit() and len(digits) <= 18 else None
             if tok is None or tok < 0:
                 not_ids.append(key)
             elif not (math.isfinite(value) and -100 <= value <= 100):
@@ -208,6 +209,9 @@ class _SamplingFields(BaseModel):
             param = msg.split(" ", 1)[0].split("[", 1)[0].rstrip(":")
             if param == "max_tokens" and limit_field != param:  # the field the client set, by its own name
                 msg, param = msg.replace("max_tokens", limit_field, 1), limit_field
+            if param == "min_tokens" and max_tokens is None and "must not exceed" in msg:  # a default it never set
+                msg = (f"min_tokens ({self.min_tokens}) is more than the {default_max_tokens} tokens that "
+                       f"{limit_field} (not given) comes to here")
             raise APIError(msg, param=param) from None
 
     def prompt_logprobs_n(self) -> int | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+import dataclasses
 import json
 from typing import NamedTuple
 
@@ -14,7 +15,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from .engine_thread import Delta, EngineThread
 from .protocol import APIError, error_body, new_id, now, usage
-from .tools import held_back, parse_calls
+from .tools import CallStream, parse_calls
 
 NEG_INF_LOGPROB = -9999.0  # a log probability of -inf, as JSON can carry it (vLLM's convention)
 
@@ -136,14 +137,18 @@ def _abandon(runner: EngineThread, rid: str, queues: dict, collect: asyncio.Futu
 
 async def serve(request: Request, runner: EngineThread, id_prefix: str, obj: str, model: str,
                 prompts: list[list[int]], params: list, body, chat: bool, fmt: Formatter,
-                echo_texts: list[Echo] | None = None, score_only: bool = False, tools=None):
+                echo_texts: list[Echo] | None = None, score_only: bool = False, tools=None,
+                rooms: list[int] | None = None):
     """Submit one request per (prompt, choice) and answer with one response or a stream. ``echo_texts``: the
     prompts' texts, returned before each choice's completion (completions with ``echo``); ``score_only``: the
     requests generate one token that the answer leaves out (echo with max_tokens 0: the prompt scored only);
-    ``tools`` (chat, ``server.tools.Tools``): the model's tool calls parsed out of its text."""
+    ``tools`` (chat, ``server.tools.Tools``): the model's tool calls parsed out of its text; ``rooms``: per prompt,
+    the most tokens its outputs may take (a default max_tokens within the room the prompt leaves)."""
     rid = new_id(id_prefix)
     created = now()
-    jobs = [(i * len(params) + j, prompt, p) for i, prompt in enumerate(prompts) for j, p in enumerate(params)]
+    jobs = [(i * len(params) + j, prompt, p if rooms is None or p.max_tokens <= rooms[i]
+             else dataclasses.replace(p, max_tokens=rooms[i]))
+            for i, prompt in enumerate(prompts) for j, p in enumerate(params)]
     queues = {index: runner.submit(f"{rid}-{index}", prompt, p) for index, prompt, p in jobs}
     prompt_tokens = sum(len(p) for p in prompts)
     if body.stream:
@@ -282,23 +287,20 @@ async def _stream(runner: EngineThread, rid: str, created: int, model: str, obj:
     completion = {i: 0 for i in queues}
     cached = {i: 0 for i in queues}
     cursors = {i: TextCursor() for i in queues}  # text_offset of the choice's next token
-    held = {i: "" for i in queues}  # chat with tools: text that may be a tool call, sent (or parsed) at the end
+    calls_of = {i: CallStream(tools) for i in queues} if tools is not None else None  # chat with tools
 
     def chat_delta(index: int, d: Delta) -> tuple[dict, str | None]:
         """A chat chunk's delta and finish reason; with tools, the text from a (possible) call's start held back
-        until the choice ends, then parsed into tool_calls."""
+        until the choice ends, then parsed into tool_calls (``tools.CallStream``)."""
         if tools is None:
             return ({"content": d.text} if d.text else {}), d.finish_reason
-        text = held[index] + d.text
         if d.finish_reason is None:
-            keep = held_back(text)
-            held[index] = text[len(text) - keep:] if keep else ""
-            out = text[:len(text) - keep]
+            out = calls_of[index].feed(d.text)
             return ({"content": out} if out else {}), None
-        content, calls = parse_calls(text, tools)
-        if not calls:
-            return ({"content": text} if text else {}), d.finish_reason
+        content, calls = calls_of[index].finish(d.text)
         delta = {"content": content} if content else {}
+        if not calls:
+            return delta, d.finish_reason
         delta["tool_calls"] = [dict(c, index=j) for j, c in enumerate(calls)]
         return delta, "tool_calls" if d.finish_reason == "stop" else d.finish_reason
 

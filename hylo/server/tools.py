@@ -143,7 +143,9 @@ def _xml_string(sub: dict, value) -> str:
 
 def parse_calls(text: str, tools: Tools) -> tuple[str | None, list[dict]]:
     """(the content outside the calls, or None when there is none; the calls in OpenAI's shape) of a finished
-    output. A call that does not parse, or names an unknown function, stays in the content."""
+    output. A call that does not parse, or names an unknown function, stays in the content. The whitespace next to
+    the calls is left out, not the text's own leading whitespace: what a stream sends before the first call
+    (``held_back`` keeps a text's trailing whitespace until more text comes) and then parses from it add up to this."""
     calls, spans = [], []
     pattern = _JSON_CALL if tools.call_format == "json" else _XML_CALL
     for m in pattern.finditer(text):
@@ -158,8 +160,8 @@ def parse_calls(text: str, tools: Tools) -> tuple[str | None, list[dict]]:
         rest.append(text[last:a])
         last = b
     rest.append(text[last:])
-    content = "".join(rest).strip()
-    return content or None, calls
+    content = rest[0].rstrip() + "".join(rest[1:]).strip()
+    return content if content.strip() else None, calls
 
 
 def _openai_call(name: str, arguments: dict) -> dict:
@@ -218,13 +220,36 @@ def _xml_call(m: re.Match, tools: Tools) -> dict | None:
     return _openai_call(name, args)
 
 
+class CallStream:
+    """One streamed choice's text with tools: what to send now, and at the end its content and calls. The text
+    from a possible call's start (and the whitespace before it) is held back until the choice ends, then parsed;
+    the content sent adds up to what ``parse_calls`` gives the whole text."""
+
+    def __init__(self, tools: Tools):
+        self.tools, self.held = tools, ""
+
+    def feed(self, text: str) -> str:
+        """The text that can be sent now."""
+        text = self.held + text
+        keep = held_back(text)
+        self.held = text[len(text) - keep:] if keep else ""
+        return text[:len(text) - keep]
+
+    def finish(self, text: str) -> tuple[str | None, list[dict]]:
+        """The rest of the content (None: nothing) and the calls, once the choice's last text has come."""
+        rest, self.held = self.held + text, ""
+        content, calls = parse_calls(rest, self.tools)
+        return (content if calls else rest or None), calls
+
+
 def held_back(text: str) -> int:
-    """How many characters at the end of a streamed text may start a tool call (held back until it is known
-    whether they do): from the first ``<tool_call>``, or a partial one at the very end."""
+    """How many characters at the end of a streamed text may start a tool call, or be the whitespace before one
+    (held back until it is known whether they do): from the first ``<tool_call>``, or a partial one at the very
+    end, and the whitespace before either."""
     at = text.find(OPEN)
-    if at >= 0:
-        return len(text) - at
-    for n in range(min(len(OPEN) - 1, len(text)), 0, -1):
-        if text.endswith(OPEN[:n]):
-            return n
-    return 0
+    keep = len(text) - at if at >= 0 else 0
+    if at < 0:
+        keep = next((n for n in range(min(len(OPEN) - 1, len(text)), 0, -1) if text.endswith(OPEN[:n])), 0)
+    while keep < len(text) and text[len(text) - keep - 1].isspace():
+        keep += 1
+    return keep
