@@ -99,6 +99,23 @@ def test_eviction_keeps_results_exact(ckpt_a):
     assert all_freed(on)
 
 
+@pytest.mark.parametrize("snapshots", [1, 2, 4])
+def test_a_turn_regenerated_shorter_is_served_exactly(ckpt_a, snapshots):
+    """The same turn asked again with fewer tokens ends inside an edge the tree holds: the insert splits it, and
+    making room for the new turn-end snapshot evicts the longer turn's, below the split. That eviction took the
+    split node out too (a KeyError out of the engine, its slots never freed); now the node keeps its place."""
+    vocab = vocab_of(ckpt_a)
+    on = _cached_engine(ckpt_a, max_num_seqs=2, chunk_size=16, prefix_snapshots=snapshots)
+    off = _cached_engine(ckpt_a, cache=False, max_num_seqs=2, chunk_size=16)
+    p1 = random_prompts(vocab, [13], seed=31)[0]
+    turn = lambda n: SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)  # noqa: E731
+    p2 = p1 + run_all(on, [p1], turn(2))[0].token_ids
+    for n in (7, 3, 5, 1, 7):
+        assert run_all(on, [p2], turn(n))[0].token_ids == run_all(off, [p2], turn(n))[0].token_ids, n
+    assert on.prefix_cache.num_snapshots <= snapshots
+    assert all_freed(on)
+
+
 def test_preempted_request_resumes_from_its_cached_prefix(ckpt_a):
     """KV runs out mid-decode: the newest request is preempted, its computed tokens go into the cache, and it
     resumes from there when readmitted; the outputs are the roomy engine's."""

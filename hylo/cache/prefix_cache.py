@@ -235,9 +235,13 @@ class PrefixCache:
         already or no room can be made: the caller frees its slot."""
         if node.snapshot >= 0 or node is self.root or self.max_snapshots == 0:
             return False
-        while self.num_snapshots >= self.max_snapshots:
-            if not self.evict_snapshot():
-                return False
+        self.lock(node)  # making room must not take the node itself out (it may be a fresh split above the
+        try:  # snapshot evicted: the walk up from that one would remove it)
+            while self.num_snapshots >= self.max_snapshots:
+                if not self.evict_snapshot():
+                    return False
+        finally:
+            self.unlock(node)
         self.num_snapshots += 1
         node.snapshot = slot
         self.stats.snapshots_made += 1
