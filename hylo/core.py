@@ -179,7 +179,7 @@ class ForwardBatch:
     prefix_lens_cpu: list[int] | None = None
     req_slots_cpu: list[int] | None = None
     state_slots_cpu: list[int] | None = None
-    decode_rows_cpu: list[bool] | None = None  # decoding rows riding along (a generated token, not a prompt's)
+    generated_rows_cpu: list[bool] | None = None  # rows feeding generated tokens, not a prompt's (plan.generated)
     seq_lens_cpu: torch.Tensor | None = None  # only when some backend needs it (none of ours does)
     # EXTEND, on the device: every token's row, and the last fed token and the row of every sampling row
     token_rows: torch.Tensor | None = None  # [T] int64

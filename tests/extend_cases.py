@@ -35,6 +35,7 @@ def extend_case(seed: int = 0, big: bool = False, runs: bool = True):
         plan.prefix_lens.append(prefix)
         plan.sample.append(dev or prefix + n == plen)
         plan.from_device.append(dev)
+        plan.generated.append(dev)
         if run is not None and runs:
             plan.kv_starts.append((slot, run[0]))
             plan.kv_locs.append(torch.randint(20_000, 30_000, (run[1],), generator=g, dtype=torch.int32))

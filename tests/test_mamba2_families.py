@@ -233,6 +233,25 @@ def test_prompt_tokens_are_clamped_and_generated_ones_not_whatever_shares_their_
     assert all_freed(eng)
 
 
+@pytest.mark.parametrize("cache", [False, True])
+def test_a_preempted_request_recomputes_its_outputs_unclamped(tmp_path, cache):
+    """A preempted request computes its generated tokens again as a prefill chunk: that chunk starts at the prompt's
+    end and runs unclamped, as decoding computed them, so a preempted request's log probabilities are an
+    uninterrupted one's (they moved by up to 0.96 with the clamp on the recomputed outputs)."""
+    path, hf = make_nemotron_h_checkpoint(str(tmp_path / "nem"), time_step_min=0.3)
+    prompts = random_prompts(hf.config.vocab_size, [20, 25, 18, 22], seed=100)
+    params = [SamplingParams(max_tokens=20, temperature=1.0, seed=i, ignore_eos=True, logprobs=0) for i in range(4)]
+    roomy = LLM(path, verbose=False, chunk_size=32, enable_prefix_caching=False)
+    tight = LLM(path, verbose=False, chunk_size=32, enable_prefix_caching=cache, kv_cache_tokens=70,
+                max_model_len=50)
+    want, got = roomy.generate(prompts, params, use_tqdm=False), tight.generate(prompts, params, use_tqdm=False)
+    assert sum(o.num_preemptions for o in got) > 0
+    for w, g in zip(want, got):
+        assert g.token_ids == w.token_ids
+        assert [x.logprob for x in g.logprobs] == pytest.approx([x.logprob for x in w.logprobs], abs=1e-4)
+    assert all_freed(tight.engine)
+
+
 def test_nemotron_reads_its_own_lm_head_whatever_tie_word_embeddings_says(tmp_path):
     """transformers' NemotronH ignores tie_word_embeddings (its lm_head is always its own tensor, written and read)
     and attention_bias (no biases): so does hylo."""

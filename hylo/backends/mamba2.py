@@ -77,7 +77,7 @@ class Mamba2Backend(Backend):
 
             per_segment = shape.num_heads * -(-shape.head_dim // channel_block(shape.head_dim))
             self._plan = (batch, ScanPlan.build(batch.extend_lens_cpu, self.state_pool.recurrent.device, per_segment,
-                                                SCAN_CHUNK, unclamped=batch.decode_rows_cpu))
+                                                SCAN_CHUNK, unclamped=batch.generated_rows_cpu))
         return self._plan[1]
 
     def init_forward_metadata_replay(self, batch: ForwardBatch) -> None:
@@ -128,10 +128,10 @@ class Mamba2Backend(Backend):
         A = -torch.exp(params.A_log.float())
         out = torch.empty(xbc.shape[0], shape.num_heads, shape.head_dim, dtype=torch.float32, device=xbc.device)
         start = 0
-        decoding = batch.decode_rows_cpu or [False] * len(batch.extend_lens_cpu)
-        for slot, length, dec in zip(batch.state_slots_cpu, batch.extend_lens_cpu, decoding):
+        generated = batch.generated_rows_cpu or [False] * len(batch.extend_lens_cpu)
+        for slot, length, gen in zip(batch.state_slots_cpu, batch.extend_lens_cpu, generated):
             end = start + length
-            limit = None if dec else params.dt_limit  # a decoding row riding along: the decode step's unclamped dt
+            limit = None if gen else params.dt_limit  # generated tokens: the decode step's unclamped dt
             x, new_conv = conv_ops.causal_conv1d_ref(xbc[start:end], conv_pool[slot] if slot >= 0 else None,
                                                      params.conv_weight, params.conv_bias)
             xs, B, C = split_xbc(shape, x)

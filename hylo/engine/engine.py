@@ -75,7 +75,8 @@ class Engine:
                                          match_next_token=self.ec.speculative == "mtp",
                                          decoded_states=self.model_config.decode_matches_prefill)
                              if self.ec.enable_prefix_caching and self.caches.snapshot_slots else None)
-        self.scheduler = Scheduler(self.caches, self.ec, k, self.prefix_cache)
+        self.scheduler = Scheduler(self.caches, self.ec, k, self.prefix_cache,
+                                   decode_matches_prefill=self.model_config.decode_matches_prefill)
         self.model_worker = ModelWorker(self.model, self.caches, self.device, extra_kv,
                                         vocab_size=self.model_config.vocab_size)
         # the stop ids, for min_tokens and for the verify's acceptance limit (before any graph is captured)

@@ -28,6 +28,9 @@ class ScheduledBatch:
     preempted: list[Req] = field(default_factory=list)
     # rows whose inputs (newest token, and for verify rows the position) come from the device tables
     from_device: list[bool] = field(default_factory=list)
+    # rows that feed generated tokens (decoding rows, or a resumed request's outputs computed again): the Mamba2
+    # families' dt is not clamped for them, as their reference's decode step does not clamp it
+    generated: list[bool] = field(default_factory=list)
     admitted: list[Req] = field(default_factory=list)  # requests whose prefill starts in this step
     # prefix caching: state copies (src slot, dst slot) to queue before the forward (a hit's snapshot into the
     # request's slot) and after it (a row's state into a new snapshot); the rows that hit, with the hit length

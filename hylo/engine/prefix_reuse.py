@@ -59,6 +59,8 @@ class PrefixReuse:
             return
         if end <= req.prefix_len:
             return
+        if end > len(req.prompt_ids) and not self.cache.decoded_states:  # a resumed request's outputs, computed
+            return  # as decoding computes them (Scheduler.cut_at_prompt_end): not what a next turn's prefill gives
         slot = self.cache.reserve_snapshot()
         if slot is None:
             return

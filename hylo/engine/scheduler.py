@@ -45,8 +45,12 @@ from .spec_policy import DraftPolicy, StepChoice
 
 class Scheduler:
     def __init__(self, caches: Caches, ec: EngineConfig, num_spec_tokens: int = 0,
-                 prefix_cache: PrefixCache | None = None):
+                 prefix_cache: PrefixCache | None = None, decode_matches_prefill: bool = True):
         self.caches = caches
+        # where a decode step computes a token's state differently from a prefill (Mamba2's clamped dt), a resumed
+        # request's chunks stop at its prompt's end: its outputs, computed again, are then a chunk of their own that
+        # runs as decoding computed them (``ScheduledBatch.generated``)
+        self.cut_at_prompt_end = not decode_matches_prefill
         self.ec = ec
         self.k = num_spec_tokens
         # set once a request whose constraint is matched on the host arrives: only then do steps look for one
@@ -129,14 +133,14 @@ class Scheduler:
         verify = plan.mode is ForwardMode.TARGET_VERIFY
         # which rows' next step can verify: a prefill row that sampled, a verify row and a drafting plain row drafted
         drafted = verify or plan.draft_after or plan.mode is ForwardMode.EXTEND
-        for req, n, keep, dev in zip(plan.reqs, plan.extend_lens, plan.sample, plan.from_device):
+        for req, n, keep, gen in zip(plan.reqs, plan.extend_lens, plan.sample, plan.generated):
             req.has_drafts = drafted and keep
             req.inflight += 1
             req.inflight_advance += n  # a verify row commits k + 1 tokens at most
             req.inflight_verify += verify
             req.inflight_new += keep
             req.decoding = req.decoding or keep
-            req.decoded_state = req.decoded_state or dev  # (every row of a DECODE or TARGET_VERIFY step decodes)
+            req.decoded_state = req.decoded_state or gen  # (every row of a DECODE or TARGET_VERIFY step decodes)
 
     def step_failed(self, plan: ScheduledBatch) -> None:
         """``plan`` was never launched (its launch raised): give back what it reserved for its completion."""
@@ -303,15 +307,18 @@ class Scheduler:
         # a verify row feeds its last token plus k drafts; the drafts are not in req's tokens
         plan.sample.append(is_decode or c + n == req.num_tokens)
         plan.from_device.append(is_decode)
+        plan.generated.append(c >= len(req.prompt_ids))
         if self.reuse is not None and req.use_prefix_cache and not is_decode:
             self.reuse.plan_chunk_snapshot(plan, req, c + n)
 
-    @staticmethod
-    def _chunk(req: Req, c: int, budget: int) -> int:
-        """Prefill tokens for ``req`` after ``c`` computed ones: the budget's worth, cut at its branch point."""
+    def _chunk(self, req: Req, c: int, budget: int) -> int:
+        """Prefill tokens for ``req`` after ``c`` computed ones: the budget's worth, cut at its branch point (and
+        at its prompt's end, see ``cut_at_prompt_end``)."""
         n = min(req.num_tokens - c, budget)
         if c < req.branch_point < c + n:
             n = req.branch_point - c
+        if self.cut_at_prompt_end and c < len(req.prompt_ids) < c + n:
+            n = len(req.prompt_ids) - c
         return n
 
     def _evict_for(self, need: int) -> bool:

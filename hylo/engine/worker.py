@@ -145,7 +145,7 @@ class ModelWorker:
             prefix_lens_cpu=list(sched.prefix_lens),
             req_slots_cpu=[r.req_slot for r in sched.reqs],
             state_slots_cpu=[r.state_slot for r in sched.reqs],
-            decode_rows_cpu=list(sched.from_device),
+            generated_rows_cpu=list(sched.generated),
             token_rows=token_rows,
             sample_idx=v["sample_idx"],
             sample_rows=v["sample_rows"],
