@@ -233,6 +233,10 @@ def test_a_context_limit_the_pool_cannot_hold_with_the_drafts_is_refused(ckpt_a_
         _spec_engine(ckpt_a_mtp, "ngram", 4, kv_cache_tokens=66, max_model_len=64)
     assert _spec_engine(ckpt_a_mtp, "ngram", 4, kv_cache_tokens=66, max_model_len=58).max_model_len == 58
     assert _spec_engine(ckpt_a_mtp, "ngram", 4, kv_cache_tokens=66).max_model_len == 58
+    # a pool sized by default holds a slot at the limit with its drafts' positions (it was max_num_seqs x the
+    # limit, which then refused the limit it was sized from)
+    eng = _spec_engine(ckpt_a_mtp, "ngram", 3, max_num_seqs=1, max_model_len=100)
+    assert eng.max_model_len == 100 and eng.caches.kv_pool.num_tokens >= 106
 
 
 @pytest.mark.parametrize("method", ["mtp", "ngram"])

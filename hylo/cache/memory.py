@@ -109,7 +109,8 @@ def allocate_caches(mc: ModelConfig, ec: EngineConfig, dtype: torch.dtype, devic
                 + (", num_speculative_tokens" if k else "") + (" or prefix_snapshots" if snapshots else "")
                 + ", or raise memory_budget_gb")
         kv_tokens = (budget - state_bytes) // max(kv_bytes_per_token, 1)
-        kv_tokens = int(min(kv_tokens, ec.max_num_seqs * len_limit))
+        # no more than every slot at the context limit, with the positions its drafts reserve past it
+        kv_tokens = int(min(kv_tokens, ec.max_num_seqs * (len_limit + 2 * k)))
     need = kv_tokens * kv_bytes_per_token + state_bytes
     free = _free_bytes(device)
     if free is not None and need > free:  # an explicit kv_cache_tokens (or a budget) past what the device has
