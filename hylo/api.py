@@ -199,11 +199,7 @@ def _error(message: str, status: int) -> Exception:
 def _discard(eng, rids) -> None:
     """End the requests ``rids`` (those still running) and drop them from the engine's table."""
     for rid in rids:
-        eng.abort(rid)
-        try:
-            eng.pop_finished(rid)
-        except KeyError:
-            pass
+        eng.discard(rid)
 
 
 def _check(eng, prompt, p) -> None:

@@ -34,7 +34,7 @@ from .speculative.setup import SpecSetup
 # NVLink multicast can take the host's shared GPUs out of service: never let NCCL or symmetric memory use it
 _SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 TIMEOUT_S = 1800  # the longest a collective may wait for a rank (model loading, first-use compilation included)
-_MUTATING = ("abort", "step", "drain", "pop_finished", "prompt_logits")
+_MUTATING = ("abort", "step", "drain", "pop_finished", "discard", "prompt_logits")
 
 
 def create_engine(model, device: str, dtype: str, ec: EngineConfig):

@@ -38,6 +38,11 @@ def test_two_ranks_match_one(ckpt_a_mtp, prompts, spec):
             sp = SamplingParams(max_tokens=8, temperature=0.9, top_k=20, seed=5)
             assert two.generate(prompts[0], sp, use_tqdm=False)[0].token_ids == \
                 one.generate(prompts[0], sp, use_tqdm=False)[0].token_ids
+            # streaming ends by dropping its request on every rank: the followers keep serving after it (a second
+            # pop of the finished request killed them, and the next call failed)
+            streamed = list(two.stream(prompts[1], params))[-1].token_ids
+            assert streamed == ref[1].token_ids
+            assert two.generate(prompts[2], params, use_tqdm=False)[0].token_ids == ref[2].token_ids
     finally:
         two.close()
 

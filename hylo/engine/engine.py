@@ -215,6 +215,12 @@ class Engine:
         req = self._reqs.pop(request_id)
         return self.output_of(req)
 
+    def discard(self, request_id: str) -> None:
+        """End the request if it still runs and drop it from the table; nothing if it is unknown (already popped).
+        Safe to repeat, so that a tensor-parallel follower, which mirrors it, never meets an unknown id."""
+        self.abort(request_id)
+        self._reqs.pop(request_id, None)
+
     # ---- stepping ---------------------------------------------------------------------------------------------
     def step(self) -> list[Req]:
         """Advance the engine by one step. Returns the requests that produced a token or finished in it.
