@@ -355,3 +355,29 @@ def test_fp8_weights_kept_in_memory_under_tensor_parallelism(fp8_a, monkeypatch)
                 == [o.token_ids for o in one.generate(prompts, params, use_tqdm=False)])
     finally:
         two.close()
+
+
+def test_the_converter_refuses_bad_paths_in_one_line(tmp_path, ckpt_a):
+    """Bad inputs end the tool with one line naming the problem (not a traceback), before anything is written; the
+    output is never the source, and a non-empty output is replaced only with --force, stale shards removed."""
+    tool = _tool()
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "badcfg").mkdir()
+    (tmp_path / "badcfg" / "config.json").write_text("{nope")
+    for src, dst, match in [(tmp_path / "missing", tmp_path / "o1", "not a directory"),
+                            (tmp_path / "afile", tmp_path / "o1", "not a directory"),
+                            (tmp_path, tmp_path / "o1", "no config.json"),
+                            (tmp_path / "badcfg", tmp_path / "o1", "not valid JSON"),
+                            (ckpt_a, tmp_path / "afile", "not a directory"),
+                            (ckpt_a, os.path.join(ckpt_a, "..", os.path.basename(ckpt_a)), "is the source")]:
+        with pytest.raises(SystemExit, match=match):
+            tool.main([str(src), str(dst)])
+    assert not (tmp_path / "o1").exists()
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "stale-00009.safetensors").write_text("old")
+    with pytest.raises(SystemExit, match="not empty"):
+        tool.main([str(ckpt_a), str(out)])
+    assert tool.main([str(ckpt_a), str(out), "--force"]) == 0
+    assert not (out / "stale-00009.safetensors").exists() and (out / "config.json").is_file()
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["quant_method"] == "fp8"

@@ -25,16 +25,46 @@ def quantizable(name: str, tensor: torch.Tensor, keep_mtp: bool) -> bool:
     return fp8_quantizable(name, tensor.dim())
 
 
+def check_paths(src: str, dst: str, force: bool = False) -> dict:
+    """The source's config, after refusing (SystemExit, one line) what cannot be converted or written: a source
+    that is not a checkpoint directory, an output that is the source, a file, or a non-empty directory (unless
+    ``force``: its checkpoint files are then removed first, so that no stale shard stays beside the new ones)."""
+    if not os.path.isdir(src):
+        raise SystemExit(f"{src}: not a directory (a checkpoint directory with config.json is needed)")
+    cfg_path = os.path.join(src, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise SystemExit(f"{src}: no config.json")
+    try:
+        with open(cfg_path) as f:
+            config = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise SystemExit(f"{cfg_path} is not valid JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise SystemExit(f"{cfg_path} must hold a JSON object")
+    if os.path.exists(dst):
+        if not os.path.isdir(dst):
+            raise SystemExit(f"{dst} exists and is not a directory")
+        if os.path.samefile(src, dst):
+            raise SystemExit(f"{dst} is the source directory: write the FP8 copy somewhere else")
+        entries = os.listdir(dst)
+        if entries and not force:
+            raise SystemExit(f"{dst} is not empty ({len(entries)} entries): give an empty or new directory, or "
+                             f"--force to replace its checkpoint files")
+        for entry in entries:
+            if entry == "config.json" or entry.endswith((".safetensors", ".safetensors.index.json")):
+                os.remove(os.path.join(dst, entry))
+    return config
+
+
 def quantize_checkpoint(src: str, dst: str, block: tuple[int, int], keep_mtp: bool = False,
-                        log=print) -> dict:
+                        log=print, force: bool = False) -> dict:
     """Write the FP8 copy of ``src`` to ``dst``; returns counts (tensors quantized and kept, bytes before/after)."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
     from hylo.ops.fp8 import quantize_fp8_block
 
-    with open(os.path.join(src, "config.json")) as f:
-        config = json.load(f)
+    config = check_paths(src, dst, force)
     if config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config"):
         raise SystemExit(f"{src} is already quantized ({config.get('quantization_config')})")
     index_path = os.path.join(src, "model.safetensors.index.json")
@@ -92,11 +122,13 @@ def main(argv=None) -> int:
     ap.add_argument("--block", type=int, nargs=2, default=(128, 128), metavar=("BN", "BK"),
                     help="block rows and columns (default 128 128, as Qwen's releases)")
     ap.add_argument("--keep-mtp", action="store_true", help="leave the MTP head's weights unquantized")
+    ap.add_argument("--force", action="store_true",
+                    help="write into a non-empty output directory (its checkpoint files are removed first)")
     args = ap.parse_args(argv)
     if min(args.block) <= 0:
         ap.error("--block sizes must be positive")
     stats = quantize_checkpoint(args.src, args.dst, tuple(args.block), args.keep_mtp,
-                                log=lambda m: print(m, file=sys.stderr, flush=True))
+                                log=lambda m: print(m, file=sys.stderr, flush=True), force=args.force)
     print(f"{stats['quantized']} tensors quantized, {stats['kept']} kept; "
           f"{stats['bytes_in'] / 2**20:.1f} MiB -> {stats['bytes_out'] / 2**20:.1f} MiB in {args.dst}")
     return 0
