@@ -308,6 +308,9 @@ class EngineConfig:
             value = getattr(self, name, None)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
                 raise ValueError(f"{name} must be an integer, got {value!r}")
+        for name in ("verbose", "overlap", "cuda_graphs", "enable_prefix_caching"):
+            if not isinstance(getattr(self, name), bool):  # "no" would read as true
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.chunk_size < 1:

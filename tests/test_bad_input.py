@@ -28,6 +28,15 @@ BAD_PARAMS = [
 ]
 
 
+@pytest.mark.parametrize("kwargs", [dict(overlap="no"), dict(verbose="yes"), dict(cuda_graphs=1),
+                                    dict(enable_prefix_caching=None)])
+def test_engine_switches_must_be_booleans(kwargs):
+    from hylo.config import EngineConfig
+
+    with pytest.raises(ValueError, match=f"{next(iter(kwargs))} must be True or False"):
+        EngineConfig(**kwargs)
+
+
 @pytest.mark.parametrize("kwargs,word", BAD_PARAMS)
 def test_bad_sampling_params(kwargs, word):
     with pytest.raises(ValueError, match=word):
