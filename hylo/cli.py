@@ -97,8 +97,11 @@ def _generate(args) -> int:
         return 2
     if args.prompt_file is not None:
         try:
-            with open(args.prompt_file, encoding="utf-8") as f:
-                prompt = f.read()
+            if args.prompt_file == "-":  # standard input
+                prompt = sys.stdin.read()
+            else:
+                with open(args.prompt_file, encoding="utf-8") as f:
+                    prompt = f.read()
         except (OSError, UnicodeDecodeError) as e:
             print(f"error: --prompt-file {args.prompt_file!r}: {e}", file=sys.stderr)
             return 2
@@ -242,7 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate a completion for one prompt")
     g.add_argument("text", nargs="?", default=None, help="the prompt (or use --prompt / --prompt-file)")
     g.add_argument("--prompt", default=None, help="the prompt, as an option instead of the positional TEXT")
-    g.add_argument("--prompt-file", default=None, help="read the prompt from this file")
+    g.add_argument("--prompt-file", default=None, help="read the prompt from this file ('-': standard input)")
     g.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most (default %(default)s)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default %(default)s)")
     g.add_argument("--top-p", type=float, default=1.0,

@@ -252,3 +252,14 @@ def test_cli_prompt_mistakes_are_errors_not_tracebacks(tmp_path, capsys):
     assert "give the prompt once" in capsys.readouterr().err
     assert cli_main(["generate", "abc", "--device", "tpu", "--max-tokens", "2"]) == 2
     assert "unsupported device 'tpu'" in capsys.readouterr().err
+
+
+def test_cli_reads_the_prompt_from_standard_input(monkeypatch, capsys):
+    """--prompt-file - reads standard input: the same completion as the prompt given as text."""
+    import io
+
+    assert cli_main(["generate", "def f(x):", "--max-tokens", "4", "--model", "hylo-default-random"]) == 0
+    want = capsys.readouterr().out
+    monkeypatch.setattr("sys.stdin", io.StringIO("def f(x):"))
+    assert cli_main(["generate", "--prompt-file", "-", "--max-tokens", "4", "--model", "hylo-default-random"]) == 0
+    assert capsys.readouterr().out == want and want.startswith("def f(x):")
