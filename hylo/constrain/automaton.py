@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .spec import Constraint, first_line
+from .schema import first_line
+from .spec import Constraint
 
 if TYPE_CHECKING:
     from .host import HostGrammar

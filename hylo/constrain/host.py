@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .spec import Constraint, first_line
+from .schema import first_line
+from .spec import Constraint
 
 
 class _Vocabulary:

@@ -28,6 +28,11 @@ _FALSE_NEUTRAL = {"uniqueItems"}  # refused unless false (their neutral value)
 _ZERO_NEUTRAL = {"minProperties"}
 
 
+def _is_neutral(key: str, value) -> bool:
+    """A keyword at the value that asks for nothing (``uniqueItems: false``, ``minProperties: 0``)."""
+    return key in _FALSE_NEUTRAL and value is False or key in _ZERO_NEUTRAL and value == 0
+
+
 def check_schema(schema, where: str = "") -> None:
     """Refuse (``ValueError``, naming the keyword and where it is) what the regex translation cannot enforce."""
     if isinstance(schema, bool):
@@ -41,7 +46,7 @@ def check_schema(schema, where: str = "") -> None:
         at = f"{where}/{key}"
         if key in _ANNOTATIONS:
             continue
-        if key in _FALSE_NEUTRAL and value is False or key in _ZERO_NEUTRAL and value == 0:
+        if _is_neutral(key, value):
             continue
         if key not in _ENFORCED:
             raise ValueError(f"json_schema constraint: keyword {key!r} (at {at}) cannot be enforced by hylo's "
@@ -95,13 +100,17 @@ def _check_values(schema: dict, where: str) -> None:
                              f"no schema in properties, and hylo enforces required properties through theirs")
 
 
+def _type_names(t) -> set | None:
+    """A ``type`` keyword's names as a set (None: neither a name nor a list)."""
+    return {t} if isinstance(t, str) else set(t) if isinstance(t, list) else None
+
+
 def _disjoint_types(branches) -> bool:
     if not isinstance(branches, list):
         return False
     seen = set()
     for b in branches:
-        t = b.get("type") if isinstance(b, dict) else None
-        types = {t} if isinstance(t, str) else set(t) if isinstance(t, list) else None
+        types = _type_names(b.get("type") if isinstance(b, dict) else None)
         if not types:
             return False
         if "number" in types:
@@ -154,33 +163,40 @@ def schema_regex(schema, what: str = "json_schema constraint") -> str:
     try:
         return build_regex_from_schema(json.dumps(_grouped_patterns(schema)))
     except (ValueError, TypeError) as e:
-        text = str(e).strip()
-        raise ValueError(f"{what}: {text.splitlines()[0] if text else type(e).__name__}") from None
+        raise ValueError(f"{what}: {first_line(e)}") from None
+
+
+def first_line(e: "Exception | str") -> str:
+    """The first line of an error (a compiler's message may run on), or the exception's type when it has none."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
 
 
 def _subschemas(schema: dict, definitions: bool = True):
-    """(key path, sub-schema) of each schema ``schema`` holds (its definitions' too, where ``definitions``)."""
+    """(keyword, name or index or None, sub-schema) of each schema ``schema`` holds (its definitions' too, where
+    ``definitions``)."""
     for key in _CHILD_MAPS:
         if isinstance(schema.get(key), dict) and (definitions or key == "properties"):
-            yield from ((f"/{key}/{name}", sub) for name, sub in schema[key].items())
+            yield from ((key, name, sub) for name, sub in schema[key].items())
     for key in _CHILD_LISTS:
         if isinstance(schema.get(key), list):
-            yield from ((f"/{key}/{i}", sub) for i, sub in enumerate(schema[key]))
+            yield from ((key, i, sub) for i, sub in enumerate(schema[key]))
     for key in _CHILD_ONE:
         if isinstance(schema.get(key), dict):
-            yield f"/{key}", schema[key]
+            yield key, None, schema[key]
 
 
 def _children(schema: dict, fn) -> dict:
     """A copy of ``schema`` with ``fn(sub, key path)`` applied to each of its sub-schemas."""
     out = dict(schema)
-    for path, sub in _subschemas(schema):
-        key, *name = path[1:].split("/", 1)
-        if name:
-            container = out[key] = dict(out[key]) if isinstance(out[key], dict) else list(out[key])
-            container[name[0] if isinstance(container, dict) else int(name[0])] = fn(sub, path)
+    for key in _CHILD_MAPS + _CHILD_LISTS:  # their own copies, so that the caller's schema stays as it was
+        if isinstance(out.get(key), (dict, list)):
+            out[key] = type(out[key])(out[key])
+    for key, at, sub in _subschemas(schema):
+        if at is None:
+            out[key] = fn(sub, f"/{key}")
         else:
-            out[key] = fn(sub, path)
+            out[key][at] = fn(sub, f"/{key}/{at}")
     return out
 
 
@@ -235,7 +251,7 @@ def _merge_all_of(schema, where: str):
 
 def _intersect_types(a, b, at: str):
     def expand(t):
-        types = {t} if isinstance(t, str) else set(t) if isinstance(t, list) else None
+        types = _type_names(t)
         if types is None:
             raise ValueError(f"json_schema constraint: type (at {at}) must be a name or a list of names")
         return types | ({"integer"} if "number" in types else set())
@@ -253,8 +269,7 @@ def _intersect_types(a, b, at: str):
 
 def _check_combination(schema: dict, where: str) -> None:
     """One family of keywords per schema, as the translation reads it (see the module's docstring)."""
-    keys = [k for k in schema if k not in _NOT_CONSTRAINTS
-            and not (k in _FALSE_NEUTRAL and schema[k] is False) and not (k in _ZERO_NEUTRAL and schema[k] == 0)]
+    keys = [k for k in schema if k not in _NOT_CONSTRAINTS and not _is_neutral(k, schema[k])]
     at = where or "/"
     for lead, allowed, advice in (("$ref", (), "move them into the referenced schema"),
                                   ("anyOf", (), "move them into each branch"),
@@ -324,7 +339,7 @@ def _check_refs(root, where: str) -> None:
             if ref not in done:
                 visit(resolve(ref), stack + (ref,))
                 done.add(ref)
-        for _, sub in _subschemas(node, definitions=False):  # definitions count where they are referenced
+        for _, _, sub in _subschemas(node, definitions=False):  # definitions count where they are referenced
             visit(sub, stack)
 
     visit(root, ("#",))

@@ -192,9 +192,3 @@ def json_object_regex(depth: int) -> str:
 def escape(text: str) -> str:
     """``text`` as a regular expression that matches exactly it."""
     return "".join("\\" + c if c in _META else c for c in text)
-
-
-def first_line(e: "Exception | str") -> str:
-    """The first line of an error (a compiler's message may run on), or the exception's type when it has none."""
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__

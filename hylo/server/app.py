@@ -265,11 +265,8 @@ def create_app(engine: Engine, api_key: str | None = None, served_model_name: st
         rooms = None
         if given is None:  # OpenAI's default of 16, within the room each prompt leaves
             rooms = [engine.max_model_len - len(p) for p in prompts]
-            if params[0].min_tokens > min(rooms):
-                raise APIError(f"min_tokens is {params[0].min_tokens}, but a prompt has "
-                               f"{engine.max_model_len - min(rooms)} tokens and the context limit (max_model_len) is "
-                               f"{engine.max_model_len}: at most {min(rooms)} tokens fit", param="min_tokens",
-                               code="context_length_exceeded")
+            for p in prompts:  # which min_tokens must fit as it is
+                _check_room(engine, p, params[0].min_tokens, explicit=True, field="min_tokens")
         echo = None
         if body.echo:
             echo = [Echo(p, True) if isinstance(p, str) else

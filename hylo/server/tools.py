@@ -237,9 +237,9 @@ class CallStream:
 
     def finish(self, text: str) -> tuple[str | None, list[dict]]:
         """The rest of the content (None: nothing) and the calls, once the choice's last text has come."""
-        rest, self.held = self.held + text, ""
-        content, calls = parse_calls(rest, self.tools)
-        return (content if calls else rest or None), calls
+        content, calls = parse_calls(self.held + text, self.tools)
+        self.held = ""
+        return content or None, calls
 
 
 def held_back(text: str) -> int:
@@ -247,8 +247,9 @@ def held_back(text: str) -> int:
     (held back until it is known whether they do): from the first ``<tool_call>``, or a partial one at the very
     end, and the whitespace before either."""
     at = text.find(OPEN)
-    keep = len(text) - at if at >= 0 else 0
-    if at < 0:
+    if at >= 0:
+        keep = len(text) - at
+    else:
         keep = next((n for n in range(min(len(OPEN) - 1, len(text)), 0, -1) if text.endswith(OPEN[:n])), 0)
     while keep < len(text) and text[len(text) - keep - 1].isspace():
         keep += 1
