@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import os
 import sys
 import threading
@@ -14,13 +15,14 @@ from .config import EngineConfig
 from .core import CompletionOutput, RequestOutput
 from .sampling_params import SamplingParams, wrap_int64
 from .launch import create_engine
+from .engine.intake import is_id_vector
 
 
 class LLM:
     """An engine for offline generation.
 
-    ``model`` is a Hugging Face Qwen3-Next checkpoint directory, or None for the embedded default (a small model
-    with random weights). ``engine_options`` are the fields of :class:`hylo.config.EngineConfig`, speculative
+    ``model`` is a Hugging Face checkpoint directory of a supported family (or a Hub id), or None for the embedded
+    default (a small trained Qwen3-Next model; ``"hylo-default-random"`` is its random-weight twin). ``engine_options`` are the fields of :class:`hylo.config.EngineConfig`, speculative
     decoding included: ``speculative="mtp" | "ngram"``, ``num_speculative_tokens=3``; and
     ``tensor_parallel_size=N`` (N processes, one GPU each on CUDA; gloo on CPU).
     """
@@ -118,7 +120,8 @@ class LLM:
         if prompts is None or isinstance(prompts, (dict, bytes, int)) or not isinstance(prompts, Iterable):
             raise ValueError(f"prompts must be a string, a list of token ids, or a list of those; got "
                              f"{type(prompts).__name__}")
-        if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str) or is_id_vector(prompts) or (
+                isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], numbers.Integral)):
             prompts = [prompts]
         prompts = list(prompts)
         if not prompts:

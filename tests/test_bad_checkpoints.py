@@ -228,6 +228,11 @@ def test_offline_api_misuse_is_a_clear_error(llm):
         LLM(123)
     with pytest.raises(ValueError, match="unsupported device 'tpu'"):
         LLM(None, device="tpu")
+    with pytest.raises(ValueError, match="unsupported device 'cpu:1'"):
+        LLM(None, device="cpu:1")
+    n_cuda = torch.cuda.device_count()
+    with pytest.raises(ValueError, match=f"'cuda:{n_cuda}' asked for"):
+        LLM(None, device=f"cuda:{n_cuda}")
     with pytest.raises(ValueError, match="unsupported dtype"):
         LLM(None, device="cpu", dtype=torch.int8)
     with pytest.raises(ValueError, match="max_num_seqs must be an integer"):

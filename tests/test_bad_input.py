@@ -86,6 +86,27 @@ def test_generate_names_the_bad_prompt_and_stays_usable(ckpt_a):
     assert len(llm.generate([good], SamplingParams(max_tokens=3), use_tqdm=False)[0].token_ids) == 3
 
 
+def test_token_ids_as_arrays_are_prompts(ckpt_a):
+    """Token ids as a numpy array or torch tensor (one prompt, or rows of prompts), or a list of numpy integers,
+    give the same tokens as a plain list; a float array is refused by position."""
+    import numpy as np
+    import torch
+    llm = LLM(ckpt_a, verbose=False)
+    a, b = random_prompts(vocab_of(ckpt_a), [6, 6], seed=23)
+    p = SamplingParams(max_tokens=3, temperature=0)
+    want = [o.token_ids for o in llm.generate([a, b], p, use_tqdm=False)]
+    for single in (np.array(a), torch.tensor(a), [np.int64(t) for t in a], np.array(a, dtype=np.int32)):
+        got = llm.generate(single, p, use_tqdm=False)
+        assert len(got) == 1 and got[0].token_ids == want[0] and got[0].prompt_token_ids == a
+        assert all(type(t) is int for t in got[0].prompt_token_ids)
+    for rows in (np.array([a, b]), torch.tensor([a, b]), [np.array(a), np.array(b)]):
+        assert [o.token_ids for o in llm.generate(rows, p, use_tqdm=False)] == want
+    with pytest.raises(ValueError, match="position 0 is 1.5"):
+        llm.generate(np.array([1.5, 2.0]), p)
+    with pytest.raises(ValueError, match="not an integer token id"):
+        llm.generate(np.array([True, False]), p)
+
+
 def test_bad_engine_options_and_checkpoints(tmp_path, ckpt_a):
     with pytest.raises(TypeError, match="unknown engine option"):
         LLM(ckpt_a, max_num_seq=3)

@@ -4,6 +4,8 @@ requests already running."""
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from ..sampling_params import SamplingParams
@@ -20,11 +22,12 @@ def encode_prompt(prompt, tokenizer, vocab_size: int, max_model_len: int,
         if tokenizer is None:
             raise ValueError("this model directory has no tokenizer.json: pass prompts as lists of token ids")
         ids = tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
-    elif isinstance(prompt, (list, tuple)) or (isinstance(prompt, torch.Tensor) and prompt.dim() == 1):
-        ids = prompt.tolist() if isinstance(prompt, torch.Tensor) else list(prompt)
+    elif isinstance(prompt, (list, tuple)) or is_id_vector(prompt):
+        ids = prompt.tolist() if is_id_vector(prompt) else list(prompt)
         for i, t in enumerate(ids):
-            if isinstance(t, bool) or not isinstance(t, int):
+            if isinstance(t, bool) or not isinstance(t, numbers.Integral) or type(t).__name__ == "bool_":
                 raise ValueError(f"prompt token at position {i} is {t!r}, not an integer token id")
+        ids = [int(t) for t in ids]
     else:
         raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
     if not ids:
@@ -37,6 +40,11 @@ def encode_prompt(prompt, tokenizer, vocab_size: int, max_model_len: int,
         raise ValueError(f"prompt has {len(ids)} tokens, but the context limit (max_model_len) is "
                          f"{max_model_len}: it must be shorter to leave room for output")
     return ids
+
+
+def is_id_vector(x) -> bool:
+    """A one-dimensional torch tensor or numpy array (token ids as an array rather than a list)."""
+    return (isinstance(x, torch.Tensor) or type(x).__module__ == "numpy") and getattr(x, "ndim", None) == 1
 
 
 def check_token_ids(params: SamplingParams, vocab_size: int) -> None:

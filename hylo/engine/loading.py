@@ -39,6 +39,11 @@ def resolve_device(device: str | torch.device) -> torch.device:
         raise ValueError(f"device {device!r} asked for, but CUDA is not available on this machine")
     if dev.type not in ("cpu", "cuda"):
         raise ValueError(f"unsupported device {device!r}: use 'cpu', 'cuda' or 'auto'")
+    if dev.type == "cpu" and dev.index not in (None, 0):
+        raise ValueError(f"unsupported device {device!r}: the CPU has no index here, use 'cpu'")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(f"device {device!r} asked for, but this machine has {torch.cuda.device_count()} CUDA "
+                         f"device(s) (cuda:0 to cuda:{torch.cuda.device_count() - 1})")
     return dev
 
 
