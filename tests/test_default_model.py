@@ -40,6 +40,18 @@ def test_it_is_the_default_and_small(llm, record):
     assert record["training"]["steps"] > 0 and record["loss"]["heldout"] < record["loss"]["train_last50"] + 2
 
 
+def test_a_chat_turn_ends_at_im_end(llm):
+    """The template-less default chats in ChatML (hylo's fallback template), whose turns end with <|im_end|>: its
+    generation config lists that token beside <|endoftext|>, as Qwen's releases do, so a chat answer stops there
+    (as an end of sequence: no stop_reason, not in the text)."""
+    im_end = llm.tokenizer.token_id("<|im_end|>")
+    assert llm.tokenizer.chat_template is None and im_end in llm.engine.eos_ids
+    prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+    out = llm.generate(prompt, SamplingParams(max_tokens=8, temperature=0, logit_bias={im_end: 100}),
+                       use_tqdm=False)[0]
+    assert (out.token_ids, out.finish_reason, out.stop_reason, out.text) == ([im_end], "stop", None, "")
+
+
 def test_matches_hf_transformers(llm):
     """HF loads the directory as is; prefill logits agree, and hylo's greedy tokens are HF's argmax on the same
     sequence, up to float32 ties (a full forward without cache: see transformers issue #45513 on multi-token cached

@@ -317,6 +317,14 @@ def main(argv=None) -> int:
     cj["torch_dtype"] = cj["dtype"] = "bfloat16"
     with open(os.path.join(args.out, "config.json"), "w") as f:
         json.dump(cj, f, indent=1)
+    # chat ends a turn with <|im_end|> (the ChatML template hylo applies to a template-less checkpoint): the
+    # generation config lists it beside the end of text, as Qwen's releases do
+    gen_path = os.path.join(args.out, "generation_config.json")
+    with open(gen_path) as f:
+        gen = json.load(f)
+    gen["eos_token_id"] = [eot, tok.token_to_id("<|im_end|>")]
+    with open(gen_path, "w") as f:
+        json.dump(gen, f, indent=2)
     with open(os.path.join(args.out, "heldout_sample.txt"), "w") as f:
         f.write(sample)
     # the sample's loss with the saved (bf16-rounded) weights, computed in float32
