@@ -80,6 +80,7 @@ def _follower(rank: int, size: int, port: int, model, device: str, dtype: str, e
     import torch.distributed as dist
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+    conn.send("started")  # the leader waits for this before it joins the group (see _await_followers)
     tp, rank_device = _init(rank, size, port, device)
     quiet = EngineConfig(**{**{f: getattr(ec, f) for f in EngineConfig.option_names()}, "verbose": False})
     engine = Engine(model, device=rank_device, dtype=dtype, engine_config=quiet,
@@ -99,6 +100,29 @@ def _follower(rank: int, size: int, port: int, model, device: str, dtype: str, e
                     getattr(engine, name)(*args, **kwargs)
     finally:
         dist.destroy_process_group()
+
+
+def _await_followers(procs, conns, limit_s: float = 600.0) -> None:
+    """Wait until every follower process runs ``_follower``: one that dies first (the usual cause: a script that
+    builds the LLM at import time, without ``if __name__ == "__main__":``, which each spawned process re-runs)
+    would otherwise leave rank 0 waiting in ``init_process_group`` for the whole collective timeout."""
+    import time
+
+    deadline = time.monotonic() + limit_s
+    for rank, (proc, conn) in enumerate(zip(procs, conns), start=1):
+        while True:
+            try:
+                if conn.poll(0.2) and conn.recv() == "started":
+                    break
+            except (EOFError, OSError):
+                proc.join(5)
+            if not proc.is_alive():
+                raise RuntimeError(
+                    f"tensor parallelism: the process of rank {rank} exited (code {proc.exitcode}) before it "
+                    f"started; if the LLM is built by a script, build it under 'if __name__ == \"__main__\":' "
+                    f"(every rank's process is spawned and imports the script again)")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"tensor parallelism: the process of rank {rank} did not start in {limit_s:.0f} s")
 
 
 class LeaderEngine:
@@ -124,6 +148,11 @@ class LeaderEngine:
                                    daemon=True) for r, (_, child) in zip(range(1, size), pipes)]
         for p in self._procs:
             p.start()
+        try:
+            _await_followers(self._procs, self._conns)
+        except BaseException:
+            self._shutdown(self._procs, self._conns)
+            raise
         tp, rank_device = _init(0, size, port, device)
         try:
             self._engine = Engine(model, device=rank_device, dtype=dtype, engine_config=ec,

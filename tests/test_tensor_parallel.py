@@ -85,3 +85,19 @@ def test_tp_bench_harness_runs_on_cpu():
     assert [r["batch_size"] for r in recs] == [1, 3] and all(r["ms_per_step"] > 0 for r in recs)
     assert all(r["tensor_parallel_size"] == 2 for r in recs)
     assert not [p for p in multiprocessing.active_children() if p.is_alive()]
+
+
+def test_a_script_without_a_main_guard_fails_fast(tmp_path):
+    """A script that builds a tensor-parallel LLM at import time: each spawned rank re-runs it and dies at once.
+    Rank 0 says so (and what to do) in seconds, instead of waiting in init_process_group for the 30-minute
+    collective timeout."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "unguarded.py"
+    script.write_text("from hylo import LLM\nLLM(None, device='cpu', verbose=False, tensor_parallel_size=2)\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode != 0
+    assert "rank 1 exited" in run.stderr and "__main__" in run.stderr
