@@ -158,6 +158,13 @@ def test_config_forms_and_refusals(q35_dense_vl):
     mc = read_config(q35_dense_vl)
     assert mc.model_type == "qwen3_5" and mc.tie_word_embeddings and mc.num_experts == 0
     assert mc.rotary_dim == 12 and mc.rope_theta == 20000.0
+    # transformers ties by the outer flag alone: missing there, the head is untied whatever text_config says
+    outer = {k: v for k, v in cfg.items() if k != "tie_word_embeddings"}
+    assert not parse_config({**outer, "text_config": {**cfg["text_config"], "tie_word_embeddings": True}}
+                            ).tie_word_embeddings
+    assert parse_config({**cfg, "tie_word_embeddings": True, "text_config": {**cfg["text_config"],
+                                                                            "tie_word_embeddings": False}}
+                        ).tie_word_embeddings
     # the text form of the same model parses to the same shape
     text = parse_config({**cfg["text_config"], "model_type": "qwen3_5_text"})
     assert (text.hidden_size, text.layer_types, text.intermediate_size) == (mc.hidden_size, mc.layer_types,

@@ -52,8 +52,9 @@ def parse_config(cfg: dict[str, Any]) -> ModelConfig:
         raise ValueError(f"config.json: {model_type!r} needs intermediate_size > 0 (its dense MLP)")
     mc = parse_gdn_hybrid(text, model_type, rope_extra=("mrope_section", "mrope_interleaved"))
     if model_type in MULTIMODAL_TYPES:
-        # transformers ties the LM head by the outer config's flag; the stop ids of both levels apply
-        tie = bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
+        # transformers ties the LM head by the outer config's flag alone (False where it is missing: the
+        # text_config's flag is not read); the stop ids of both levels apply
+        tie = bool(cfg.get("tie_word_embeddings", False))
         eos = tuple(dict.fromkeys(eos_ids(cfg.get("eos_token_id")) + mc.eos_token_ids))
         mc = replace_fields(mc, tie_word_embeddings=tie, eos_token_ids=eos)
     return mc
