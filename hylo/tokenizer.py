@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 BYTE_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
@@ -33,26 +34,41 @@ CHATML_TEMPLATE = (
 )
 
 
+class ChatTemplateError(RuntimeError):
+    """The model's chat template cannot be used (it does not compile): the model's fault, not a request's."""
+
+
 class _TemplateMixin:
     chat_template: str | None = None
+    _compiled = None
+
+    def compiled_template(self):
+        """The chat template (ChatML if the tokenizer has none) compiled once, in the sandboxed environment chat
+        templates are written for; a ChatTemplateError where it does not compile."""
+        if self._compiled is None:
+            import jinja2
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            # block trimming, loop controls, a plain tojson
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                extensions=["jinja2.ext.loopcontrols"], undefined=jinja2.Undefined)
+            env.globals["raise_exception"] = _raise
+            env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: \
+                json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+            try:
+                self._compiled = env.from_string(self.chat_template or CHATML_TEMPLATE)
+            except jinja2.TemplateSyntaxError as e:
+                raise ChatTemplateError(f"the model's chat template does not compile (line {e.lineno}: {e.message})"
+                                        ) from None
+        return self._compiled
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             extra: dict | None = None) -> str:
         """Render chat messages to a prompt string with the tokenizer's template (ChatML if it has none);
         ``extra``: more template variables (a request's ``chat_template_kwargs``, e.g. ``enable_thinking``)."""
-        import jinja2
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        # the environment chat templates are written for: block trimming, loop controls, a plain tojson
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=["jinja2.ext.loopcontrols"], undefined=jinja2.Undefined)
-        env.globals["raise_exception"] = _raise
-        env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: \
-            json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-        template = env.from_string(self.chat_template or CHATML_TEMPLATE)
         values = dict(extra or {})
         values.update(messages=messages, add_generation_prompt=add_generation_prompt, bos_token="", eos_token="")
-        return template.render(**values)
+        return self.compiled_template().render(**values)
 
 
 def _raise(message):
@@ -78,9 +94,13 @@ class HFTokenizer(_TemplateMixin):
     def __init__(self, path: str):
         from tokenizers import Tokenizer
 
-        self._tok = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
-        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        file = os.path.join(path, "tokenizer.json")
+        try:
+            self._tok = Tokenizer.from_file(file)
+        except Exception as e:  # the tokenizers library raises its own bare Exception on a corrupt file
+            raise ValueError(f"{file} cannot be read as a tokenizer ({str(e).strip() or type(e).__name__})") from None
         self.chat_template = _read_chat_template(path)
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.special_ids = {i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -165,21 +185,31 @@ _UNICODE_TO_BYTE = _byte_alphabet()
 
 
 def _read_chat_template(path: str) -> str | None:
+    """The checkpoint's chat template: ``chat_template.jinja``, else ``tokenizer_config.json``'s ``chat_template``
+    (a string, or named templates of which the default one); None where it has none. A ValueError naming the file
+    that holds something else."""
     jinja = os.path.join(path, "chat_template.jinja")
     if os.path.isfile(jinja):
-        with open(jinja) as f:
+        with open(jinja, encoding="utf-8") as f:
             return f.read()
-    cfg = os.path.join(path, "tokenizer_config.json")
-    if os.path.isfile(cfg):
-        with open(cfg) as f:
-            tmpl = json.load(f).get("chat_template")
-        if isinstance(tmpl, str):
-            return tmpl
-        if isinstance(tmpl, list):  # named templates: take the default one
-            for entry in tmpl:
-                if entry.get("name") == "default":
-                    return entry.get("template")
-    return None
+    file = os.path.join(path, "tokenizer_config.json")
+    if not os.path.isfile(file):
+        return None
+    try:
+        with open(file, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{file} is not valid JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{file} must hold a JSON object, got {type(cfg).__name__}")
+    tmpl = cfg.get("chat_template")
+    if tmpl is None or isinstance(tmpl, str):
+        return tmpl
+    if isinstance(tmpl, list) and all(isinstance(e, dict) and isinstance(e.get("template"), str) for e in tmpl):
+        # named templates: take the default one
+        return next((e["template"] for e in tmpl if e.get("name") == "default"), None)
+    raise ValueError(f"{file}: chat_template must be a string or a list of {{'name', 'template'}} objects, got "
+                     f"{json.dumps(tmpl)[:80]}")
 
 
 def load_tokenizer(path: str) -> HFTokenizer | None:
@@ -188,7 +218,9 @@ def load_tokenizer(path: str) -> HFTokenizer | None:
     file = os.path.join(path, "tokenizer.json")
     if not os.path.exists(file):
         return None
+    tok = HFTokenizer(path)
     try:
-        return HFTokenizer(path)
-    except Exception as e:  # the tokenizers library raises its own bare Exception on a corrupt file
-        raise ValueError(f"{file} cannot be read as a tokenizer ({str(e).strip() or type(e).__name__})") from None
+        tok.compiled_template()
+    except ChatTemplateError as e:  # completions still serve; chat requests get this as the server's error
+        print(f"[hylo] warning: {e}: chat requests will fail", file=sys.stderr)
+    return tok

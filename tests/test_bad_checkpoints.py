@@ -268,3 +268,34 @@ def test_cli_reads_the_prompt_from_standard_input(monkeypatch, capsys):
     monkeypatch.setattr("sys.stdin", io.StringIO("def f(x):"))
     assert cli_main(["generate", "--prompt-file", "-", "--max-tokens", "4", "--model", "hylo-default-random"]) == 0
     assert capsys.readouterr().out == want and want.startswith("def f(x):")
+
+
+@pytest.mark.parametrize("which", ["qwen3_next", "granite"])
+def test_a_tie_flag_with_a_different_stored_head_uses_the_head(tmp_path, ckpt_a, ckpt_b, granite_hybrid, which):
+    """config.json says tie_word_embeddings while the file holds its own lm_head.weight: where the two differ,
+    transformers does not tie (the config is wrong) and computes with the stored head, and so does hylo; where they
+    are equal the head is the embedding (one tensor in memory)."""
+    from safetensors.torch import load_file, save_file
+
+    from hylo.config import EngineConfig
+    from hylo.engine.engine import Engine
+
+    src = granite_hybrid[0] if which == "granite" else next(p for p in (ckpt_a, ckpt_b)
+                                                             if not read_config(p).tie_word_embeddings)
+    want = Engine(src, engine_config=EngineConfig(verbose=False)).prompt_logits([3, 1, 4, 1, 5])
+    bad = str(tmp_path / "tied")
+    shutil.copytree(src, bad)
+    with open(os.path.join(bad, "config.json")) as f:
+        cfg = json.load(f)
+    with open(os.path.join(bad, "config.json"), "w") as f:
+        json.dump({**cfg, "tie_word_embeddings": True}, f)
+    eng = Engine(bad, engine_config=EngineConfig(verbose=False))
+    assert eng.model_config.tie_word_embeddings is False
+    assert torch.equal(eng.prompt_logits([3, 1, 4, 1, 5]), want)
+    file = os.path.join(bad, "model.safetensors")
+    tensors = load_file(file)
+    embed = next(k for k in tensors if k.endswith("embed_tokens.weight"))
+    tensors["lm_head.weight"] = tensors[embed].clone()
+    save_file(tensors, file, metadata={"format": "pt"})
+    model = Engine(bad, engine_config=EngineConfig(verbose=False)).model
+    assert model.config.tie_word_embeddings and model.lm_head is model.embed

@@ -120,6 +120,15 @@ def test_granite_layer_names_as_released_read_as_transformers_writes_them(granit
                                        for t in cfg["layer_types"]]}
     assert parse_config(released) == parse_config(cfg)
     assert parse_config(released).layer_types.count("full_attention") == 2
+    # transformers' reading of the sizes: mamba_d_head "auto" is derived (its default), no layer_types means every
+    # layer Mamba2, and a layer count the list contradicts is refused (transformers refuses it too)
+    auto = {**cfg, "mamba_d_head": "auto"}
+    assert parse_config(auto).mamba.head_dim == parse_config(cfg).mamba.head_dim
+    untyped = {k: v for k, v in cfg.items() if k != "layer_types"}
+    assert parse_config(untyped).layer_types == ("linear_attention",) * cfg["num_hidden_layers"]
+    for n in (len(cfg["layer_types"]) - 1, len(cfg["layer_types"]) + 2):
+        with pytest.raises(ValueError, match=f"num_hidden_layers is {n}, but layer_types lists"):
+            parse_config({**cfg, "num_hidden_layers": n})
 
 
 def test_granite_without_positional_encoding_or_experts_matches_transformers(tmp_path):
@@ -275,3 +284,14 @@ def test_granite_without_attention_layers_needs_no_even_rotary_size(tmp_path):
     with torch.no_grad():
         want = hf(torch.tensor([prompt]), use_cache=False).logits[0]
     assert torch.allclose(eng.prompt_logits(prompt), want, atol=1e-4)
+
+
+def test_falcon_mamba_head_size_auto_is_derived(falcon_h1):
+    """``mamba_d_head: "auto"`` (transformers' default for Falcon-H1) is the Mamba2 inner size over the heads."""
+    from hylo.models.registry import parse_config
+
+    with open(os.path.join(falcon_h1[0], "config.json")) as f:
+        cfg = json.load(f)
+    assert parse_config({**cfg, "mamba_d_head": "auto"}).mamba.head_dim == falcon_h1[1].config.mamba_d_head
+    with pytest.raises(ValueError, match="mamba_d_head must be an integer"):
+        parse_config({**cfg, "mamba_d_head": "big"})

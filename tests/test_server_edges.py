@@ -243,6 +243,10 @@ def test_vllm_request_rules(http):
     r = http.post("/v1/completions", json={"prompt": "ab", "logit_bias": {"x": 1, "-3": 1, "4": 1}})
     err = r.json()["error"]
     assert r.status_code == 400 and "'x'" in err["message"] and "'-3'" in err["message"]
+    r = http.post("/v1/completions", json={"prompt": "ab", "logit_bias": {"--5": 1, "5-": 1, "": 1}})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "logit_bias" and "'--5'" in err["message"]
+    assert "not token ids" in err["message"] and "'5-'" in err["message"]
     r = http.post("/v1/completions", json={"prompt": "ab", "logit_bias": {"1": 1, "99999": 1, "88888": 1}})
     err = r.json()["error"]
     assert r.status_code == 400 and "88888" in err["message"] and "99999" in err["message"]

@@ -107,10 +107,67 @@ def test_regex_positions_multiplies_counted_repetitions_out():
     assert regex_positions(r"\p{L}{5}") == 5  # an escape's braces are not a repetition
     assert regex_positions(r"[\]{}a]{7}") == 7  # nor are a class's
     assert regex_positions(r"\d{3}-\d{4}") == 8
+    # an open count is its copies and one starred copy: {0,} is * (it used to take the atom away)
+    assert regex_positions("a{0,}") == regex_positions("a*") == 1
+    assert regex_positions("(ab){2,}") == 6 and regex_positions("(x(,x){0,})") == 3
     # the translations hylo makes itself stay far below the bound
     assert regex_positions(Constraint.json_object().to_regex()) < MAX_REGEX_POSITIONS // 4
     schema = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 100}}, "required": ["a"]}
     assert 100 < regex_positions(Constraint.json_schema(schema).to_regex()) < 400
+
+
+def _nested_arrays(depth):
+    schema = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
+def test_a_schema_of_nested_arrays_is_refused_not_fatal(http):
+    """A 300-byte schema of arrays nested ten deep writes its item twice per level: its automaton took the whole
+    server down (21 GB, then the out-of-memory killer). Its size is now counted right and refused at once."""
+    start = time.perf_counter()
+    msg = _error(http.post("/v1/completions", json={"prompt": "a", "max_tokens": 2,
+                                                     "guided_json": _nested_arrays(10)}), "guided_json")
+    assert time.perf_counter() - start < 10 and f"more than the {MAX_REGEX_POSITIONS} hylo compiles" in msg
+    _still_serving(http)
+
+
+def test_a_schema_nested_past_the_depth_limit_is_a_400(http):
+    """340 nested objects (20 KB) exhausted the recursion limit: a 500 and a traceback in the log."""
+    schema = {"type": "string"}
+    for _ in range(340):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "deep", "schema": schema}}
+    msg = _error(http.post("/v1/completions", json={"prompt": "a", "max_tokens": 2, "response_format": fmt}),
+                 "response_format")
+    assert "more than 64 deep" in msg
+    tool = {"type": "function", "function": {"name": "f", "parameters": schema}}
+    r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                                                 "tools": [tool], "tool_choice": "required"})
+    assert r.status_code == 400 and "more than 64 deep" in r.json()["error"]["message"]
+    _still_serving(http)
+
+
+def test_a_compile_past_its_limits_is_refused_and_harms_nothing(http, monkeypatch):
+    """What no size bound sees (a small expression whose automaton is exponential, arrays nested eight deep)
+    compiles in a child process with a time and memory limit: past them the request is refused, and the server
+    and its other constraints go on."""
+    import hylo.constrain.automaton as automaton
+
+    monkeypatch.setattr(automaton, "COMPILE_TIMEOUT_S", 3.0)
+    start = time.perf_counter()
+    msg = _error(http.post("/v1/completions", json={"prompt": "a", "max_tokens": 2,
+                                                     "guided_regex": "(a|b)*a(a|b){22}"}), "guided_regex")
+    assert "did not compile within 3 s" in msg and time.perf_counter() - start < 30
+    monkeypatch.setattr(automaton, "COMPILE_TIMEOUT_S", 120.0)
+    monkeypatch.setattr(automaton, "COMPILE_MEMORY_BYTES", 600 << 20)
+    msg = _error(http.post("/v1/completions", json={"prompt": "a", "max_tokens": 2,
+                                                     "guided_json": _nested_arrays(8)}), "guided_json")
+    assert "needs more than 0.586 GiB to compile" in msg
+    r = http.post("/v1/completions", json={"prompt": "a", "max_tokens": 4, "guided_regex": "[0-9]{4}"})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"].isdigit()
+    _still_serving(http)
 
 
 def test_a_temperature_below_1e_5_is_greedy(http):

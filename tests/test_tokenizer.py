@@ -56,6 +56,40 @@ def test_chat_template_from_the_checkpoint_and_the_chatml_default(ckpt_with_toke
     assert ids[0] == byte.token_id("<|im_start|>") and byte.decode(ids) == "user\nhi\nassistant\n"
 
 
+def test_a_broken_tokenizer_config_or_template_is_named(tmp_path, ckpt_with_tokenizer, capsys):
+    """tokenizer_config.json that is not JSON, or whose chat_template is neither a string nor named templates, is
+    an error naming that file (tokenizer.json is fine); a template that does not compile loads with a warning, and
+    chat then fails as the model's fault (a 500 naming the template), while completions serve."""
+    from hylo.server.app import create_app
+    from hylo.tokenizer import ChatTemplateError
+
+    for text, words in (("{not json", "tokenizer_config.json is not valid JSON"),
+                        (json.dumps({"chat_template": ["a", "b"]}), "chat_template must be a string or a list")):
+        bad = tmp_path / words[:10].replace(" ", "_")
+        shutil.copytree(ckpt_with_tokenizer, bad)
+        (bad / "tokenizer_config.json").write_text(text)
+        with pytest.raises(ValueError, match=words):
+            load_tokenizer(str(bad))
+    broken = tmp_path / "broken"
+    shutil.copytree(ckpt_with_tokenizer, broken)
+    (broken / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{% for m in messages %}"}))
+    tok = load_tokenizer(str(broken))
+    assert "chat template does not compile" in capsys.readouterr().err
+    with pytest.raises(ChatTemplateError, match="line 1"):
+        tok.apply_chat_template([{"role": "user", "content": "w1"}])
+    from fastapi.testclient import TestClient
+
+    from hylo.config import EngineConfig
+    from hylo.engine.engine import Engine
+
+    with TestClient(create_app(Engine(str(broken), engine_config=EngineConfig(verbose=False)))) as http:
+        chat = http.post("/v1/chat/completions", json={"max_tokens": 2,
+                                                       "messages": [{"role": "user", "content": "w1"}]})
+        done = http.post("/v1/completions", json={"max_tokens": 2, "prompt": "w1 w2"})
+    assert chat.status_code == 500 and "chat template does not compile" in chat.json()["error"]["message"]
+    assert done.status_code == 200
+
+
 def test_real_qwen3_next_style_config_parses():
     """The original Qwen3-Next config.json layout: top-level rope_theta / partial_rotary_factor,
     full_attention_interval instead of layer_types; rope scaling is refused by name."""

@@ -10,6 +10,10 @@ once per (constraint, tokenizer) and is cached (``AutomatonCache``), outside the
 
 from __future__ import annotations
 
+import os
+import pickle
+import subprocess
+import sys
 import threading
 import time
 from collections import OrderedDict
@@ -18,6 +22,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from . import index_worker
+from .index_worker import flatten_index
 from .schema import first_line
 from .spec import Constraint
 
@@ -89,46 +95,63 @@ def vocabulary_bytes(tokenizer, vocab: int) -> dict[bytes, list[int]]:
     return out
 
 
+# Limits of one compile in its child process (``index_worker``): past them the constraint is refused, and nothing
+# else is harmed. A four-field JSON schema takes about a second at a 150k vocabulary; the cap on the child's address
+# space leaves room for the largest automata the device tables accept.
+COMPILE_TIMEOUT_S = float(os.environ.get("HYLO_CONSTRAINT_COMPILE_TIMEOUT_S", 60))
+COMPILE_MEMORY_BYTES = int(float(os.environ.get("HYLO_CONSTRAINT_COMPILE_MEMORY_GB", 8)) * 2 ** 30)
+
+
 def compile_automaton(constraint: Constraint, vocabulary: dict[bytes, list[int]], vocab: int) -> TokenAutomaton:
     """The constraint's automaton over ``vocabulary`` (``vocabulary_bytes``) for logits of width ``vocab``.
     Raises ValueError naming the problem: an expression the regex engine refuses, one that allows no output, one
-    too large for the device."""
-    from outlines_core import Index, Vocabulary
-
+    too large for the device, or one whose compile passes its time or memory limit. A given regular expression or a
+    schema's compiles in a child process (``index_worker``); choices and ``json_object``, whose sizes are known,
+    in this one."""
     start = time.perf_counter()
     regex = constraint.to_regex()
     try:
-        # the end-of-sequence id outlines wants is one no token has: the device tables allow the model's own
-        index = Index(regex, Vocabulary(vocab, vocabulary))
-    except (ValueError, TypeError, RuntimeError) as e:
+        if constraint.kind in ("choice", "json_object"):
+            arrays = flatten_index(regex, vocab, vocabulary)
+        else:
+            arrays = _compile_in_child(constraint, regex, vocab, vocabulary)
+    except _OverLimit as e:
+        raise ValueError(f"{constraint.kind} constraint: {e}") from None
+    except ValueError as e:
         raise ValueError(f"{constraint.kind} constraint: cannot be compiled ({first_line(e)})") from None
-    transitions = index.get_transitions()
-    finals = set(index.get_final_states())
-    order = {s: i for i, s in enumerate(sorted(set(transitions) | finals | {index.get_initial_state()}))}
-    words = (vocab + 31) // 32
-    keys, nexts, rows = [], [], []
-    for state, local in order.items():
-        moves = {t: n for t, n in transitions.get(state, {}).items() if t < vocab}
-        tokens = np.fromiter(moves.keys(), dtype=np.int64, count=len(moves))
-        targets = np.fromiter((order[n] for n in moves.values()), dtype=np.int32, count=len(moves))
-        sort = np.argsort(tokens)
-        keys.append(local * vocab + tokens[sort])
-        nexts.append(targets[sort])
-        bits = np.zeros(words * 32, dtype=np.uint8)
-        bits[tokens] = 1
-        rows.append(np.packbits(bits, bitorder="little").view(np.int32))
-    masks, mask_of = np.unique(np.stack(rows), axis=0, return_inverse=True)
-    final = np.zeros(len(order), dtype=bool)
-    final[[order[s] for s in finals]] = True
-    if masks.nbytes > MAX_MASK_BYTES:
-        raise ValueError(f"{constraint.kind} constraint: its automaton needs {len(masks)} distinct token masks "
-                         f"({masks.nbytes >> 20} MiB), more than the {MAX_MASK_BYTES >> 20} MiB allowed; simplify it")
-    initial = order[index.get_initial_state()]
-    if not final.any() and not any(len(k) for k in keys):
+    if arrays["masks"].nbytes > MAX_MASK_BYTES:
+        raise ValueError(f"{constraint.kind} constraint: its automaton needs {len(arrays['masks'])} distinct token "
+                         f"masks ({arrays['masks'].nbytes >> 20} MiB), more than the {MAX_MASK_BYTES >> 20} MiB "
+                         f"allowed; simplify it")
+    if not arrays["final"].any() and not len(arrays["keys"]):
         raise ValueError(f"{constraint.kind} constraint: no output of this vocabulary can match it")
-    return TokenAutomaton(constraint, vocab, initial, np.concatenate(keys), np.concatenate(nexts),
-                          np.ascontiguousarray(masks), mask_of.astype(np.int32).reshape(-1), final,
-                          time.perf_counter() - start)
+    return TokenAutomaton(constraint, vocab, compile_seconds=time.perf_counter() - start, **arrays)
+
+
+def _compile_in_child(constraint: Constraint, regex: str, vocab: int, vocabulary: dict[bytes, list[int]]) -> dict:
+    job = pickle.dumps(dict(regex=regex, vocab=vocab, vocabulary=vocabulary, memory_bytes=COMPILE_MEMORY_BYTES),
+                       protocol=pickle.HIGHEST_PROTOCOL)
+    script = "import runpy, sys; runpy.run_path(sys.argv[1], run_name='__main__')"
+    try:
+        run = subprocess.run([sys.executable, "-c", script, index_worker.__file__], input=job,
+                             capture_output=True, timeout=COMPILE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise _OverLimit(f"its automaton did not compile within {COMPILE_TIMEOUT_S:.0f} s; simplify it (fewer "
+                         f"nested repetitions or arrays)") from None
+    result = pickle.loads(run.stdout) if run.returncode == 0 and run.stdout else {"memory": True}
+    if "error" in result:
+        raise ValueError(result["error"])
+    if "memory" in result:
+        if run.returncode not in (0, -6, -9, 134, 137) and b"memory" not in run.stderr.lower():  # not the cap: a fault
+            raise RuntimeError(f"the constraint compiler's process failed (exit code {run.returncode}): "
+                               f"{run.stderr.decode(errors='replace').strip()[-500:]}")
+        raise _OverLimit(f"its automaton needs more than {COMPILE_MEMORY_BYTES / 2 ** 30:.3g} GiB to compile; "
+                         f"simplify it (fewer nested repetitions or arrays)")
+    return result["ok"]
+
+
+class _OverLimit(ValueError):
+    """A compile stopped at its time or memory limit."""
 
 
 class AutomatonCache:

@@ -150,10 +150,29 @@ def _grouped_patterns(schema):
 def prepare_schema(schema, where: str = "") -> dict | bool:
     """The schema as the translation will read it (``allOf`` merged into its parent), after checking that its
     output always validates against the original; ``ValueError`` naming the keyword and where it is otherwise."""
+    _check_depth(schema, where)
     merged = _merge_all_of(schema, where)
     check_schema(merged, where)
     _check_refs(merged, where)
     return merged
+
+
+# The deepest nesting of objects and lists a schema may have (a schema nested 20 objects deep is about 40: each level
+# is the schema and its "properties"). The translation walks it recursively; a request of 340 nested objects (20 KB)
+# exhausted Python's recursion limit.
+MAX_SCHEMA_DEPTH = 64
+
+
+def _check_depth(schema, where: str) -> None:
+    """Refuse a schema nested deeper than ``MAX_SCHEMA_DEPTH`` (walked without recursion)."""
+    stack = [(schema, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_SCHEMA_DEPTH:
+            raise ValueError(f"json_schema constraint: the schema at {where or '/'} nests objects and lists more "
+                             f"than {MAX_SCHEMA_DEPTH} deep; flatten it")
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
 
 
 def schema_regex(schema, what: str = "json_schema constraint") -> str:

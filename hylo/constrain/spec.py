@@ -88,6 +88,8 @@ class Constraint:
 # (``a{1000}`` is 1000). The automaton's states, and so its compile time and memory, grow with them: ``a{10000}``
 # took 1.5 s against the embedded model's 4096 tokens and ``a{100000}`` minutes and gigabytes, in a thread that
 # cannot be stopped once started. 4096 leaves room for any realistic field (a JSON string of maxLength 4000).
+# (The compile runs in a child process with a time and memory limit too, ``automaton.compile_automaton``: this
+# bound refuses the plainly large at once, the limits what no size bound sees, such as nested loops.)
 MAX_REGEX_POSITIONS = 4096
 
 
@@ -146,7 +148,9 @@ def regex_positions(pattern: str) -> int:
             counts = pattern[i + 1:close].split(",") if close > 0 else []
             if 1 <= len(counts) <= 2 and counts[0].strip().isdigit() and all(
                     x.strip().isdigit() or (k == 1 and not x.strip()) for k, x in enumerate(counts)):
-                times = max(int(x) for x in counts if x.strip())
+                # copies written out: {n} and {n,m} at most m; {n,} n and one starred copy (so {0,} is *)
+                times = int(counts[0]) + 1 if len(counts) == 2 and not counts[1].strip() else \
+                    max(1, *(int(x) for x in counts))
                 frame = frames[-1]
                 frame[0] = min(frame[0] + frame[1] * (times - 1), _CAP)
                 frame[1] = min(frame[1] * times, _CAP)

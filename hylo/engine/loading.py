@@ -20,7 +20,7 @@ from ..models.hybrid import HybridForCausalLM
 from ..models.loader import HeaderReader, SafetensorsReader
 from ..models.quant import keep_fp8, quantized_reader
 from ..models.random_init import random_checkpoint
-from ..models.registry import build_model, build_mtp, family_of, read_config
+from ..models.registry import build_model, build_mtp, family_of, read_config, untie_where_the_head_differs
 from ..parallel.group import SINGLE, TPGroup
 from ..parallel.sharding import ShardedReader, local_config
 from ..tokenizer import ByteTokenizer, load_tokenizer
@@ -103,6 +103,7 @@ def load_model(path: str | None, dtype: torch.dtype, device: torch.device, progr
         mc = read_config(path)
         files = SafetensorsReader(path)
         reader = quantized_reader(files, mc.quantization)  # headers checked, nothing read yet
+        mc = untie_where_the_head_differs(mc, reader)
         if files.nbytes >= HEADER_CHECK_MIN_BYTES:
             t0, headers = time.perf_counter(), HeaderReader(files)
             check_shapes(headers, mc, dtype, tp, mtp)

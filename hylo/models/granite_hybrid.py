@@ -33,9 +33,14 @@ def parse_config(cfg: dict[str, Any]) -> ModelConfig:
     """A Granite-4.0-H ``config.json`` (as transformers 5.24 writes it, or as released) as hylo's ModelConfig."""
     name = "granitemoehybrid config"
     types = cfg.get("layer_types") or cfg.get("layers_block_type")
-    if not types:
-        raise ValueError(f"{name}: layer_types (or layers_block_type) is not set")
+    if not types:  # transformers' default: every layer a Mamba2 layer
+        if not cfg.get("num_hidden_layers"):
+            raise ValueError(f"{name}: neither layer_types (or layers_block_type) nor num_hidden_layers is set")
+        types = ["mamba"] * cfg["num_hidden_layers"]
     types = tuple(LEGACY.get(t, t) for t in types)
+    if cfg.get("num_hidden_layers") is not None and cfg["num_hidden_layers"] != len(types):
+        raise ValueError(f"{name}: num_hidden_layers is {cfg['num_hidden_layers']}, but layer_types lists "
+                         f"{len(types)} layers")
     unknown = sorted(set(types) - {"linear_attention", "full_attention"})
     if unknown:
         raise ValueError(f"{name}: unknown layer types {unknown}")
@@ -43,7 +48,9 @@ def parse_config(cfg: dict[str, Any]) -> ModelConfig:
         raise ValueError(f"{name}: hidden_act={cfg['hidden_act']!r} is not supported (only 'silu')")
     hidden = cfg.get("hidden_size", 4096)
     heads = cfg.get("mamba_n_heads", 128)
-    head_dim = cfg.get("mamba_d_head") or int(cfg.get("mamba_expand", 2) * hidden) // heads
+    head_dim = cfg.get("mamba_d_head")
+    if head_dim in (None, "auto"):  # transformers derives it
+        head_dim = int(cfg.get("mamba_expand", 2) * hidden) // heads
     if heads * head_dim != int(cfg.get("mamba_expand", 2) * hidden):
         raise ValueError(f"{name}: mamba_n_heads * mamba_d_head = {heads * head_dim} is not mamba_expand * "
                          f"hidden_size = {int(cfg.get('mamba_expand', 2) * hidden)}")

@@ -56,7 +56,7 @@ def check_config_values(cfg: dict[str, Any], where: str = "config.json") -> None
     for scope, prefix in scopes:
         for key, value in scope.items():
             name = f"{where}: {prefix}{key}"
-            if value is None:
+            if value is None or key == "mamba_d_head" and value == "auto":  # (transformers' default: derived)
                 continue
             if key in _POSITIVE_INTS or key in _COUNT_INTS:
                 low = 1 if key in _POSITIVE_INTS else 0

@@ -121,6 +121,10 @@ class HybridForCausalLM(nn.Module):
         """Where the text model's tensors (``embed_tokens``, ``layers``, ``norm``) live in the checkpoint."""
         return "model"
 
+    @classmethod
+    def embed_name(cls, r: TensorReader) -> str:
+        return f"{cls.text_prefix(r)}.embed_tokens.weight"
+
     def load(self, r: TensorReader, progress: bool = False) -> None:
         mc, p = self.config, self.text_prefix(r)
         shape = (mc.vocab_size, mc.hidden_size)

@@ -8,9 +8,12 @@ read, with the list of the supported ones.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from ..config import ModelConfig, replace_fields
 from . import falcon_h1, granite_hybrid, nemotron_h, qwen3_5, qwen3_next
@@ -57,7 +60,7 @@ def supported_model_types() -> list[str]:
 
 
 def family_of(model_type: str | None) -> Family:
-    if model_type not in _BY_TYPE:
+    if not isinstance(model_type, str) or model_type not in _BY_TYPE:
         known = ", ".join(f"{t!r} ({f.name})" for t, f in _BY_TYPE.items())
         raise ValueError(f"unsupported model_type {model_type!r}: hylo serves {known}")
     return _BY_TYPE[model_type]
@@ -90,6 +93,22 @@ def parse_config(cfg: dict[str, Any]) -> ModelConfig:
                          f"Qwen families only)")
     mc.validate()
     return mc
+
+
+def untie_where_the_head_differs(mc: ModelConfig, reader) -> ModelConfig:
+    """transformers' rule for a config that ties the LM head to the embeddings while the checkpoint holds both
+    tensors: tied only where they are equal; where they differ the config is taken to be wrong, and the stored
+    ``lm_head.weight`` computes the logits (the two tensors are read here, once, to compare them)."""
+    if not mc.tie_word_embeddings or not reader.has("lm_head.weight"):
+        return mc
+    embed = family_of(mc.model_type).model.embed_name(reader)
+    if reader.has(embed) and reader.shape_of(embed) == reader.shape_of("lm_head.weight") and torch.equal(
+            reader.get(embed), reader.get("lm_head.weight")):
+        return mc
+    print("[hylo] warning: config.json ties the LM head to the embeddings, but the checkpoint holds a different "
+          "lm_head.weight: it is used (transformers does the same); set tie_word_embeddings to false to say so",
+          file=sys.stderr)
+    return replace_fields(mc, tie_word_embeddings=False)
 
 
 def read_config(path: str) -> ModelConfig:

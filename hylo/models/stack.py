@@ -69,6 +69,10 @@ class LayerStack(nn.Module):
         logits = F.linear(hidden, self.lm_head)
         return logits if self.config.mup is None else logits / self.config.mup.logits
 
+    @classmethod
+    def embed_name(cls, r: TensorReader) -> str:
+        return cls.EMBED
+
     def load(self, r: TensorReader, progress: bool = False) -> None:
         mc = self.config
         shape = (mc.vocab_size, mc.hidden_size)

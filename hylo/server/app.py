@@ -18,7 +18,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.engine import Engine
-from ..tokenizer import CHATML_TEMPLATE
+from ..tokenizer import CHATML_TEMPLATE, ChatTemplateError
 from .engine_thread import EngineThread
 from .metrics import Metrics
 from .protocol import (DEFAULT_COMPLETION_MAX_TOKENS, APIError, ChatCompletionRequest, CompletionRequest,
@@ -212,6 +212,8 @@ def create_app(engine: Engine, api_key: str | None = None, served_model_name: st
                                                    extra=extra)
         except APIError:
             raise
+        except ChatTemplateError as e:  # the model's fault: no message could be rendered
+            raise APIError(str(e), status=500, type="internal_server_error") from None
         except Exception as e:  # a template may raise on messages it does not accept
             raise APIError(f"the chat template rejected the messages: {e}", param="messages") from None
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 import uuid
 from typing import Annotated, Any, Literal, Union
@@ -154,8 +155,7 @@ class _SamplingFields(BaseModel):
             return None
         out, not_ids, out_of_range = {}, [], []
         for key, value in self.logit_bias.items():
-            digits = key.strip().lstrip("-")
-            tok = int(key) if key.isascii() and digits.isdigit() and len(digits) <= 18 else None
+            tok = int(key) if re.fullmatch(r"\s*-?[0-9]{1,18}\s*", key, re.ASCII) else None
             if tok is None or tok < 0:
                 not_ids.append(key)
             elif not (math.isfinite(value) and -100 <= value <= 100):
