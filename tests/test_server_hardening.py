@@ -236,6 +236,18 @@ def test_text_offset_points_into_the_text(http, prompt):
                 assert text[at:at + len(tok)] == tok, (i, tok, at, text)
 
 
+def test_text_offset_after_an_invalid_byte_belongs_to_its_token(http):
+    """A lead byte no continuation follows becomes U+FFFD when the next token comes: that character is the lead
+    byte's token's, so the next token starts after it."""
+    ids = [ord("a"), 0xC3, ord(" "), ord("b"), 0xE6, 0x97, ord("c")]  # 'a', a lone lead, ' ', 'b', a cut 3-byte
+    body = {"prompt": ids, "max_tokens": 1, "temperature": 0, "echo": True, "logprobs": 1, "ignore_eos": True}
+    choice = http.post("/v1/completions", json=body).json()["choices"][0]
+    text, offsets = choice["text"], choice["logprobs"]["text_offset"]
+    assert text.startswith("a\ufffd b\ufffdc")
+    assert offsets[:len(ids)] == [0, 1, 2, 3, 4, 4, 5]
+    assert text[offsets[2]] == " " and text[offsets[6]] == "c"
+
+
 def test_text_offset_counts_characters_split_over_byte_tokens(http):
     """A character whose bytes come in several tokens counts once its last byte has come: every token holding
     part of it points at it, and no offset runs past the text (each byte counted one character before), streamed

@@ -37,6 +37,15 @@ class TextCursor:
         self.chars = 0
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
+    def offset(self, data: bytes) -> int:
+        """Where a token of bytes ``data`` starts: past the characters so far, and past the replacement
+        characters that bytes left pending before it become where its first byte cannot continue them (an invalid
+        sequence's U+FFFD belongs to the token that held it, not to the next)."""
+        pending = self._utf8.getstate()[0]
+        if pending and (not data or data[0] & 0xC0 != 0x80):
+            return self.chars + len(pending.decode("utf-8", errors="replace"))
+        return self.chars
+
     def advance(self, data: bytes) -> None:
         self.chars += len(self._utf8.decode(data))
 
@@ -88,9 +97,11 @@ class Formatter:
         for i, (tok, lp) in enumerate(zip(token_ids, lps)):
             text = self.token(tok)
             out["tokens"].append(text)
-            out["text_offset"].append(cursor.chars)
-            if i < verbatim or tok not in specials:  # the token's own characters (``text`` may be its id)
-                cursor.advance(self.token_bytes(tok))
+            own = i < verbatim or tok not in specials  # the token has characters of its own (``text`` may be its id)
+            data = self.token_bytes(tok) if own else b""
+            out["text_offset"].append(cursor.offset(data) if own else cursor.chars)
+            if own:
+                cursor.advance(data)
             if lp is None:
                 out["token_logprobs"].append(None)
                 out["top_logprobs"].append(None)
