@@ -194,6 +194,11 @@ def test_bad_requests_get_error_objects(server):
         err = r.json()["error"]
         assert set(err) == {"message", "type", "param", "code"} and err["message"]
         assert err["param"] == param, (body[:60], err)
+    # the key is checked first: an oversized body without it is a 401, not a 413 (nothing of it read)
+    big = json.dumps({"prompt": "x" * (2 << 20)}).encode()
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        r = httpx.post(f"{server}/v1/completions", content=big, headers=headers, timeout=30)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
     r = httpx.post(f"{server}/v1/chat/completions", json={"messages": []}, headers=h)
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
     r = httpx.post(f"{server}/v1/chat/completions", json={"messages": [{"role": "wizard", "content": "x"}]}, headers=h)

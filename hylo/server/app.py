@@ -33,15 +33,15 @@ DEFAULT_MAX_BODY_BYTES = 4 << 20
 class BodyLimit:
     """Refuse request bodies over ``limit`` bytes with 413, by Content-Length or while reading a chunked body."""
 
-    def __init__(self, app, limit: int):
-        self.app, self.limit = app, limit
+    def __init__(self, app, limit: int, api_key: str | None = None):
+        self.app, self.limit, self.api_key = app, limit, api_key
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.limit:
-            return await self._reject(send)
+            return await self._reject(send, scope)
         if length is not None:
             return await self.app(scope, receive, send)
         # no length given (chunked): read the body here, refusing it as soon as it passes the limit, then replay it
@@ -53,7 +53,7 @@ class BodyLimit:
             chunks.append(message.get("body", b""))
             seen += len(chunks[-1])
             if seen > self.limit:
-                return await self._reject(send)
+                return await self._reject(send, scope)
             more = message.get("more_body", False)
         replayed = False
 
@@ -66,12 +66,26 @@ class BodyLimit:
 
         await self.app(scope, replay, send)
 
-    async def _reject(self, send):
-        body = json.dumps(error_body(f"request body is larger than the limit of {self.limit} bytes",
-                                     code="request_too_large")).encode()
-        await send({"type": "http.response.start", "status": 413,
+    async def _reject(self, send, scope):
+        status, body = 413, error_body(f"request body is larger than the limit of {self.limit} bytes",
+                                       code="request_too_large")
+        if not key_matches(dict(scope["headers"]).get(b"authorization", b"").decode("latin-1"), self.api_key):
+            status, body = 401, error_body(INVALID_KEY, code="invalid_api_key")  # the key first, as for any request
+        body = json.dumps(body).encode()
+        await send({"type": "http.response.start", "status": status,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body})
+
+
+INVALID_KEY = "invalid or missing API key (send 'Authorization: Bearer <key>')"
+
+
+def key_matches(header: str, api_key: str | None) -> bool:
+    """Whether an Authorization header carries the server's API key (always, where the server has none)."""
+    if api_key is None:
+        return True
+    scheme, _, token = header.partition(" ")
+    return scheme.lower() == "bearer" and secrets.compare_digest(token.strip().encode(), api_key.encode())
 
 
 def check_api_key(api_key: str | None) -> None:
@@ -152,13 +166,8 @@ def create_app(engine: Engine, api_key: str | None = None, served_model_name: st
         return JSONResponse(error_body(f"internal error: {type(exc).__name__}", type="server_error"), status_code=500)
 
     async def authorize(request: Request) -> None:
-        if api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), api_key.encode()):
-            raise APIError("invalid or missing API key (send 'Authorization: Bearer <key>')", status=401,
-                           code="invalid_api_key")
+        if not key_matches(request.headers.get("authorization", ""), api_key):
+            raise APIError(INVALID_KEY, status=401, code="invalid_api_key")
 
     def check_model(name: str | None) -> None:
         if name is not None and name != model_name:
@@ -305,7 +314,7 @@ def create_app(engine: Engine, api_key: str | None = None, served_model_name: st
                            chat=True, fmt=Formatter(engine.tokenizer, body.return_tokens_as_token_ids), tools=tools)
 
     if max_body_bytes:
-        app.add_middleware(BodyLimit, limit=max_body_bytes)
+        app.add_middleware(BodyLimit, limit=max_body_bytes, api_key=api_key)
     return app
 
 
