@@ -164,6 +164,18 @@ def test_rejected_requests_are_counted(http):
     assert rejected() == before + 3
 
 
+def test_a_request_asks_for_at_most_4096_completions(http):
+    """prompts x n past the limit is a 400 naming the count (300000 prompts in one request held every other
+    request back for minutes); at the limit it is served."""
+    from hylo.server.protocol import MAX_CHOICES
+
+    r = http.post("/v1/completions", json={"prompt": ["ab"] * (MAX_CHOICES // 4 + 1), "n": 4, "max_tokens": 1})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "prompt" and f"= {MAX_CHOICES + 4} completions" in err["message"]
+    r = http.post("/v1/completions", json={"prompt": [[5, 6]] * 8, "n": 2, "max_tokens": 1})
+    assert r.status_code == 200 and len(r.json()["choices"]) == 16
+
+
 def test_echo_with_max_tokens_zero_scores_the_prompt_only(http):
     """lm-eval-harness's loglikelihood request: echo, logprobs, max_tokens 0: the prompt's tokens and their log
     probabilities, nothing generated; the same values as the prompt part of an echo that generates."""

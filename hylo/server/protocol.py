@@ -40,6 +40,11 @@ TokenId = Annotated[int, Number]  # checked against the vocabulary by the engine
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
+# The most completions one request may ask for (prompts x n): each is an engine request, all queued at once, so a
+# request of 300000 short prompts (2.4 MB) held every later request back for minutes
+MAX_CHOICES = 4096
+
+
 class APIError(Exception):
     """An error that becomes an OpenAI-style error object with this HTTP status."""
 
@@ -245,10 +250,12 @@ class CompletionRequest(_SamplingFields):
             raise APIError("prompt is empty", param="prompt")
         if all(isinstance(x, int) for x in p):
             return [list(p)]
-        if all(isinstance(x, str) for x in p):
-            return list(p)
-        if all(isinstance(x, list) for x in p):
-            return [list(x) for x in p]
+        if all(isinstance(x, str) for x in p) or all(isinstance(x, list) for x in p):
+            if len(p) * self.n > MAX_CHOICES:  # each is a request of the engine's, queued before any other's
+                raise APIError(f"this request asks for {len(p)} prompts x n={self.n} = {len(p) * self.n} "
+                               f"completions; at most {MAX_CHOICES} per request: send the rest in further requests",
+                               param="prompt")
+            return [x if isinstance(x, str) else list(x) for x in p]
         raise APIError("prompt must be a string, a list of strings, a list of token ids or a list of such lists",
                        param="prompt")
 
