@@ -41,10 +41,12 @@ class LLM:
 
     def close(self) -> None:
         """Give the engine's memory back now (its CUDA graphs, caches and weights) and stop the tensor-parallel
-        follower processes, if any. Also done when the LLM is dropped (``del llm``) or its ``with`` block ends."""
-        engine = self.__dict__.pop("engine", None)
-        if engine is not None:
-            engine.close()
+        follower processes, if any. Also done when the LLM is dropped (``del llm``) or its ``with`` block ends. A
+        call running in another thread finishes first; a paused ``stream`` raises on its next step."""
+        with self._lock:
+            engine = self.__dict__.pop("engine", None)
+            if engine is not None:
+                engine.close()
 
     def __enter__(self) -> "LLM":
         return self
@@ -76,45 +78,57 @@ class LLM:
         Every prompt and parameter set is validated before anything runs: a bad one raises ValueError naming its
         index and the problem. Calls from several threads run one after another.
         """
-        engine = self._engine()
         with self._lock:
-            return self._generate(engine, prompts, sampling_params, use_tqdm)
+            return self._generate(self._engine(), prompts, sampling_params, use_tqdm)
 
     def stream(self, prompt: str | Sequence[int], sampling_params: SamplingParams | None = None
                ) -> Iterator[RequestOutput]:
         """Generate for one prompt (one sample), yielding its output as it grows: a RequestOutput after each step
         that added to it, whose ``text`` is what is settled (a tail that may still become a stop string is held
-        back), the last one finished. Checked as ``generate`` checks; leaving the loop early ends the request."""
-        engine = self._engine()
+        back), the last one finished. Checked as ``generate`` checks; leaving the loop early ends the request.
+
+        The engine is held only while it steps, not while the caller has an output: other streams and
+        ``generate`` calls (this thread's or another's) run meanwhile, and their steps advance this request too."""
         p = sampling_params or SamplingParams()
         with self._lock:
+            engine = self._engine()
             _check(engine, prompt, p)
             if p.n != 1:
                 raise ValueError(f"stream gives one sample; n={p.n} needs generate")
             rid = engine.add_request(prompt, p)
-            hold = max((len(s) for s in p.stop_strings), default=1) - 1
-            try:
-                while True:
-                    for req in engine.step():
-                        if req.rid != rid:
-                            continue
-                        out = engine.output_of(req)
-                        if not req.finished:
-                            if hold and out.text is not None:
-                                out.text = out.text[:max(0, len(out.text) - hold)]
-                            yield out
-                            continue
+        hold = max((len(s) for s in p.stop_strings), default=1) - 1
+        seen = 0  # output tokens already yielded
+        try:
+            while True:
+                with self._lock:
+                    engine = self._engine()
+                    req = engine.request(rid)
+                    if not req.finished and len(req.output_ids) == seen:
+                        engine.step()
+                        if not req.finished and not engine.has_unfinished():
+                            raise RuntimeError("engine stopped with the request pending (this is a bug)")
+                    if req.finished:
                         if engine.scheduler.num_unfinished == 0:
                             engine.drain()  # its launched step, read: the slots are free again
                         out = engine.pop_finished(rid)
-                        if out.error:
-                            raise _error(out.error, out.error_status)
-                        yield out
-                        return
-                    if not engine.has_unfinished():
-                        raise RuntimeError("engine stopped with the request pending (this is a bug)")
-            finally:
-                _discard(engine, [rid])
+                    elif len(req.output_ids) > seen:
+                        seen = len(req.output_ids)
+                        out = engine.output_of(req)
+                        if hold and out.text is not None:
+                            out.text = out.text[:max(0, len(out.text) - hold)]
+                    else:
+                        continue
+                if out.finished:
+                    if out.error:
+                        raise _error(out.error, out.error_status)
+                    yield out
+                    return
+                yield out
+        finally:
+            with self._lock:
+                engine = self.__dict__.get("engine")
+                if engine is not None:
+                    _discard(engine, [rid])
 
     def _generate(self, eng, prompts, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
         if prompts is None or isinstance(prompts, (dict, bytes, int)) or not isinstance(prompts, Iterable):

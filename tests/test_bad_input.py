@@ -228,3 +228,48 @@ def test_stream_gives_generates_output_as_it_grows():
         next(llm.stream("x", SamplingParams(n=2)))
     assert llm.generate(["def f(x):"], SamplingParams(max_tokens=24, temperature=0), use_tqdm=False)[0].text \
         == list(llm.stream("def f(x):", SamplingParams(max_tokens=24, temperature=0)))[-1].text
+
+
+def test_streams_and_generate_interleave_without_holding_the_engine():
+    """A paused stream holds nothing: generate inside a stream's loop (same thread), two streams zipped, and a
+    generate from another thread all run, with the outputs each gives alone; leaving a stream ends its request."""
+    import threading
+
+    llm = LLM(None, device="cpu", verbose=False, max_num_seqs=4)
+    p = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    alone = {t: llm.generate(t, p, use_tqdm=False)[0].token_ids for t in ("def f(", "import ", "class A")}
+    got = []
+    for i, out in enumerate(llm.stream("def f(", p)):
+        if i == 2:
+            got.append(llm.generate("import ", p, use_tqdm=False)[0].token_ids)
+    assert out.finished and out.token_ids == alone["def f("] and got == [alone["import "]]
+    pairs = list(zip(llm.stream("def f(", p), llm.stream("class A", p)))
+    assert pairs[-1][0].token_ids[:len(pairs)] == alone["def f("][:len(pairs)]
+    paused = llm.stream("import ", p)
+    next(paused)
+    box = []
+    worker = threading.Thread(target=lambda: box.append(llm.generate("class A", p, use_tqdm=False)[0].token_ids))
+    worker.start()
+    worker.join(60)
+    assert box == [alone["class A"]]
+    assert list(paused)[-1].token_ids == alone["import "]
+    assert not llm.engine._reqs and llm.engine.caches.req_slots.num_used == 0
+
+
+def test_close_waits_for_a_running_call_and_a_paused_stream_says_closed():
+    import threading
+    import time
+
+    llm = LLM(None, device="cpu", verbose=False)
+    p = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    paused = llm.stream("def f(", p)
+    next(paused)
+    box = []
+    worker = threading.Thread(target=lambda: box.append(llm.generate(["import "] * 3, p, use_tqdm=False)))
+    worker.start()
+    time.sleep(0.2)
+    llm.close()  # waits for the generate running in the other thread
+    worker.join(60)
+    assert len(box) == 1 and all(len(o.token_ids) == 40 for o in box[0])
+    with pytest.raises(RuntimeError, match="this LLM was closed"):
+        next(paused)

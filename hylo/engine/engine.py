@@ -211,6 +211,10 @@ class Engine:
             prompt_logprobs=((list(req.prompt_logprobs) or [None]) if req.params.prompt_logprobs is not None
                              else None))
 
+    def request(self, request_id: str) -> Req | None:
+        """The request of this id, while it is in the table (until ``pop_finished`` or ``discard``)."""
+        return self._reqs.get(request_id)
+
     def pop_finished(self, request_id: str) -> RequestOutput:
         req = self._reqs.pop(request_id)
         return self.output_of(req)
