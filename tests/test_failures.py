@@ -174,3 +174,50 @@ def test_dropping_an_llm_gives_its_memory_back():
         llm.close()  # twice is fine
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("where", ["reading", "forward"])
+def test_an_interrupt_mid_step_leaves_nothing_behind(where, monkeypatch):
+    """Ctrl-C while generate() waits for a step's results, or inside a step's forward pass (after some layers
+    updated the states in place): the call raises KeyboardInterrupt, every slot comes back, the prefix cache keeps
+    nothing the cut step half-wrote (the next turn's output is the cache-off output), and the LLM serves on."""
+    from hylo.engine.host_reads import PendingRead
+
+    llm = LLM(None, device="cpu", verbose=False, max_num_seqs=2)
+    eng = llm.engine
+    p = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    first = llm.generate("def f(x):", p, use_tqdm=False)[0]
+    turn = first.prompt_token_ids + first.token_ids
+    calls = [0]
+    if where == "reading":
+        wait = PendingRead.wait
+
+        def cut(self):
+            calls[0] += 1
+            if calls[0] == 3:
+                raise KeyboardInterrupt
+            return wait(self)
+        monkeypatch.setattr(PendingRead, "wait", cut)
+    else:
+        layer = eng.model.layers[3]
+        forward = type(layer).forward
+
+        def cut(self, *args, **kwargs):
+            if self is layer:
+                calls[0] += 1
+                if calls[0] == 4:  # a decode step, layers 0-2 written
+                    raise KeyboardInterrupt
+            return forward(self, *args, **kwargs)
+        monkeypatch.setattr(type(layer), "forward", cut)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([turn, "import os"], p, use_tqdm=False)
+    monkeypatch.undo()
+    assert calls[0] >= 3
+    nxt = turn + [5, 6, 7]
+    got = llm.generate(nxt, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=0),
+                       use_tqdm=False)[0]
+    cold = LLM(None, device="cpu", verbose=False, enable_prefix_caching=False).generate(
+        nxt, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=0), use_tqdm=False)[0]
+    assert got.token_ids == cold.token_ids
+    assert abs(got.logprobs[0].logprob - cold.logprobs[0].logprob) < 1e-4
+    assert not eng.has_unfinished() and all_freed(eng)

@@ -41,6 +41,7 @@ class _Launched:
     read: PendingRead
     prompt_read: PendingRead | None = None
     timer: StepTimer | None = None  # the device time of a speculative engine's decoding step (its policy's costs)
+    rows_read: int = 0  # rows whose results were applied (``_read`` ends the rest if the reading is cut)
 
 
 class Engine:
@@ -236,7 +237,7 @@ class Engine:
         if (self._inflight is not None and self.scheduler.host_matching
                 and any(r.host_matched for r in self.scheduler.running)):
             # a grammar row's mask needs the token the step in flight samples: read it first (constrain.host)
-            early, self._inflight = self._complete(self._inflight), None
+            early, self._inflight = self._read(self._inflight), None
             self.host_syncs += 1
         if self.scheduler.host_matching:
             self._check_grammars()
@@ -244,10 +245,10 @@ class Engine:
         self._last_plan = launched.plan if launched is not None else None
         failed, self._failed = self._failed, []
         if not self.ec.overlap:
-            done = self._complete(launched) if launched is not None else []
+            done = self._read(launched) if launched is not None else []
         else:
             previous, self._inflight = self._inflight, launched
-            done = self._complete(previous) if previous is not None else []
+            done = self._read(previous) if previous is not None else []
         # each request once (a grammar row that failed in ``_check_grammars`` may also have been read this step)
         return list({id(r): r for r in failed + early + done}.values()) if failed else early + done
 
@@ -264,7 +265,7 @@ class Engine:
     def drain(self) -> list[Req]:
         """Read the launched, unread step (overlap loop), launching nothing new."""
         previous, self._inflight = self._inflight, None
-        return self._complete(previous) if previous is not None else []
+        return self._read(previous) if previous is not None else []
 
     def _launch(self) -> "_Launched | None":
         sched = self.scheduler.schedule()
@@ -281,14 +282,17 @@ class Engine:
             if timer is not None:
                 timer.stop()
             pool.copy(sched.copies_after)  # new snapshots of the states this step produced
-        except Exception as e:  # noqa: BLE001 - the step's own requests fail; the others go on
+        except BaseException as e:  # noqa: BLE001 - the step's own requests fail; the others go on
             # Nothing of this step was launched as far as the host's bookkeeping goes (step_launched did not run);
             # its rows' device state may be half-updated, so exactly these requests end, and their slots are freed
-            # once their earlier in-flight steps (if any) are read.
+            # once their earlier in-flight steps (if any) are read. An interrupt (KeyboardInterrupt, SystemExit)
+            # ends them the same way, then goes on up.
             self.scheduler.step_failed(sched)
             for req in sched.reqs:
-                self._fail(req, e)
+                self._fail(req, e) if isinstance(e, Exception) else self._interrupted(req)
             self._failed.extend(sched.reqs)
+            if not isinstance(e, Exception):
+                raise
             return None
         self.host_reads.note_launch()
         read = self.host_reads.start(res.host_view())  # one copy for everything the host needs
@@ -314,17 +318,29 @@ class Engine:
             write_host_masks(rows, self.caches.req_slots.ensure_constraints(self.model_config.vocab_size,
                                                                             self.model_worker.eos_ids))
 
+    def _read(self, launched: "_Launched") -> list[Req]:
+        """``_complete``, and where it is cut (an interrupt while waiting for the device, most likely) the rows not
+        yet read end: else their in-flight counts never fall and their slots stay held for good."""
+        try:
+            return self._complete(launched)
+        except BaseException:
+            for req in launched.plan.reqs[launched.rows_read:]:
+                self._interrupted(req)
+            self.scheduler.step_abandoned(launched.plan, launched.rows_read)
+            raise
+
     def _complete(self, launched: "_Launched") -> list[Req]:
         """Read a launched step's results (waiting on its event) and apply them: tokens, stop rules, freeing."""
         sched = launched.plan
         rows = iter(launched.read.wait())
+        prompt_values = launched.prompt_read.wait() if launched.prompt_read is not None else None
         verify = sched.mode is ForwardMode.TARGET_VERIFY
         width = self.ec.spec_tokens + 1 if verify else 1  # tokens per row; a verify row's count follows them
         top_n = max((r.params.logprobs for r, keep in zip(sched.reqs, sched.sample)
                      if keep and r.params.logprobs is not None), default=None)
         updated = []
-        if launched.prompt_read is not None:
-            apply_prompt_logprobs(sched, launched.prompt_read.wait())
+        if prompt_values is not None:
+            apply_prompt_logprobs(sched, prompt_values)
         policy = self.scheduler.policy
         if launched.timer is not None:  # the step's results are read: its end event has completed
             policy.observe_step(verify, len(sched.reqs), launched.timer.ms())
@@ -350,6 +366,7 @@ class Engine:
                 else:  # finished while this step was in flight: its tokens are not output, but its state is theirs
                     req.extra_ids.extend(new[:count])
             self.scheduler.step_done(sched, i, committed)
+            launched.rows_read = i + 1
         if verify:
             policy.observe_verify(accepted)
         return updated
@@ -394,6 +411,13 @@ class Engine:
         req.error_status = status
         req.use_prefix_cache = False  # a step that failed half-way may have left its state half-written
         if not req.finished:
+            self.scheduler.finish(req, "abort")
+
+    def _interrupted(self, req: Req) -> None:
+        """End ``req``, whose step an interrupt cut (its state may be half-written: nothing of it is cached)."""
+        req.use_prefix_cache = False
+        if not req.finished:
+            req.error, req.error_status = "the step serving the request was interrupted", 500
             self.scheduler.finish(req, "abort")
 
     def _append_token(self, req: Req, token: int) -> bool:
