@@ -13,8 +13,8 @@ from .config import EngineConfig
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=None,
-                   help="checkpoint directory of a supported family: Qwen3-Next, Qwen3.5, Qwen3.5-MoE (default: the "
-                        "embedded default model)")
+                   help="checkpoint directory of a supported family (Qwen3-Next, Qwen3.5, Qwen3.5-MoE, Nemotron-H, "
+                        "Granite-4.0-H, Falcon-H1) or a Hugging Face Hub id (default: the embedded default model)")
     g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
     g.add_argument("--dtype", default="auto", help="auto (CPU float32, CUDA bfloat16), float32, bfloat16, float16")
     d = EngineConfig()
@@ -26,12 +26,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--state-dtype", default=d.state_dtype, help="GDN recurrent state dtype (default float32)")
     g.add_argument("--speculative", choices=["mtp", "ngram"], default=None,
                    help="speculative decoding: the checkpoint's MTP head, or n-gram prompt lookup")
-    g.add_argument("--num-speculative-tokens", type=int, default=d.num_speculative_tokens,
-                   help="drafts per verify step (default 3)")
-    g.add_argument("--spec-policy", choices=["adaptive", "fixed"], default=d.spec_policy,
+    g.add_argument("--num-speculative-tokens", type=int, default=None,
+                   help=f"drafts per verify step (default {d.num_speculative_tokens})")
+    g.add_argument("--spec-policy", choices=["adaptive", "fixed"], default=None,
                    help="adaptive (default): verify drafts only while the requests accept enough of them to beat plain "
                    "decoding, else decode plainly and probe now and then; fixed: verify k drafts at every step")
-    g.add_argument("--spec-commit", choices=["replay", "checkpoints"], default=d.spec_commit,
+    g.add_argument("--spec-commit", choices=["replay", "checkpoints"], default=None,
                    help="how a verify's accepted GDN state reaches the slot: replay the kept step inputs (default; "
                    "less state traffic and memory) or copy the per-step state checkpoint")
     g.add_argument("--tensor-parallel-size", type=int, default=1,
@@ -50,6 +50,14 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def _engine_options(args) -> dict:
+    d = EngineConfig()
+    given = [f for f, v in (("--num-speculative-tokens", args.num_speculative_tokens),
+                            ("--spec-policy", args.spec_policy), ("--spec-commit", args.spec_commit)) if v is not None]
+    if given and args.speculative is None:
+        raise ValueError(f"{given[0]} tunes speculative decoding: give --speculative mtp or ngram too")
+    for name in ("num_speculative_tokens", "spec_policy", "spec_commit"):
+        if getattr(args, name) is None:
+            setattr(args, name, getattr(d, name))
     return dict(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, chunk_size=args.chunk_size,
                 kv_cache_tokens=args.kv_cache_tokens, memory_budget_gb=args.memory_budget_gb,
                 state_dtype=args.state_dtype, speculative=args.speculative,
@@ -121,15 +129,16 @@ def _generate(args) -> int:
     llm = LLM(args.model, device=args.device, dtype=args.dtype, **_engine_options(args))
     t0 = time.perf_counter()
     shown = 0  # characters of the completion printed: it is printed as it comes (LLM.stream)
+    echo = sys.stdout.isatty()  # on a terminal the prompt comes first, for reading; piped, the completion alone
     for out in llm.stream(prompt, params):
         if out.text is not None:
-            if not shown and out.text:
+            if not shown and out.text and echo:
                 print(prompt, end="")
             print(out.text[shown:], end="", flush=True)
             shown = max(shown, len(out.text))
     dt = time.perf_counter() - t0
     if out.text is not None:
-        print(prompt if not shown else "")
+        print(prompt if not shown and echo else "")
     else:
         print(out.token_ids)
     n = len(out.token_ids)
@@ -193,6 +202,8 @@ def _serve(args) -> int:
         return 2
     _check_port(args.host, args.port)  # before the model loads: a busy or bad port should not cost a load
     check_api_key(args.api_key)
+    if args.served_model_name is not None and not args.served_model_name.strip():
+        raise ValueError("--served-model-name is empty: give the id clients will send, or leave it out")
     if args.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"[hylo] warning: serving on {args.host} without --api-key: anyone who can reach it can use it",
               file=sys.stderr)
@@ -254,7 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0,
                    help="sample from the K most likely tokens (default %(default)s: all)")
     g.add_argument("--seed", type=int, default=None,
-                   help="seed of the sampling noise: the same seed gives the same output (default: drawn)")
+                   help="seed of the sampling noise: the same seed gives the same output (default: drawn from "
+                        "the engine's generator, itself seeded 0, so an unseeded run repeats too)")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
     c = g.add_mutually_exclusive_group()

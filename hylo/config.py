@@ -336,6 +336,13 @@ class EngineConfig:
         if isinstance(self.num_speculative_tokens, bool) or not isinstance(self.num_speculative_tokens, int) \
                 or self.num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be an integer >= 1, got {self.num_speculative_tokens!r}")
+        sal = self.simulate_accept_length
+        if sal is not None and (isinstance(sal, bool) or not isinstance(sal, (int, float)) or not math.isfinite(sal)):
+            raise ValueError(f"simulate_accept_length must be a number, got {sal!r}")
+        sizes = self.cuda_graph_sizes
+        if sizes is not None and (isinstance(sizes, (str, bytes)) or not hasattr(sizes, "__iter__") or not all(
+                isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in sizes)):
+            raise ValueError(f"cuda_graph_sizes must be batch sizes (integers >= 1), got {sizes!r}")
         if self.simulate_accept_length is not None:
             if self.speculative is None:
                 raise ValueError("simulate_accept_length needs speculative decoding (speculative='mtp' or 'ngram')")

@@ -37,6 +37,16 @@ def test_engine_switches_must_be_booleans(kwargs):
         EngineConfig(**kwargs)
 
 
+@pytest.mark.parametrize("kwargs,word", [(dict(speculative="ngram", simulate_accept_length="2"), "a number"),
+                                         (dict(cuda_graph_sizes="abc"), "batch sizes"),
+                                         (dict(cuda_graph_sizes=[1, 0]), "batch sizes")])
+def test_engine_numbers_of_the_wrong_type_are_named(kwargs, word):
+    from hylo.config import EngineConfig
+
+    with pytest.raises(ValueError, match=f"{next(iter(kwargs.keys() - {'speculative'}))} must be {word}"):
+        EngineConfig(**kwargs)
+
+
 @pytest.mark.parametrize("kwargs,word", BAD_PARAMS)
 def test_bad_sampling_params(kwargs, word):
     with pytest.raises(ValueError, match=word):
@@ -139,7 +149,7 @@ def test_cli_generate_and_cli_errors():
     run = [sys.executable, "-m", "hylo", "generate"]
     ok = subprocess.run(run + ["Hello", "--max-tokens", "8"], capture_output=True, text=True, timeout=120)
     assert ok.returncode == 0, ok.stderr
-    assert ok.stdout.startswith("Hello")
+    assert ok.stdout.strip() and not ok.stdout.startswith("Hello")  # piped: the completion alone, no prompt
     assert "8 tokens" in ok.stderr and "tokens/s" in ok.stderr and "embedded default" in ok.stderr
     bad = subprocess.run(run + ["Hello", "--temperature", "-1"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "temperature" in bad.stderr
@@ -154,6 +164,9 @@ def test_cli_generate_and_cli_errors():
     bad_k = subprocess.run(run + ["x", "--speculative", "ngram", "--num-speculative-tokens", "0"],
                            capture_output=True, text=True, timeout=120)
     assert bad_k.returncode == 2 and "num_speculative_tokens" in bad_k.stderr
+    for flag, value in (("--num-speculative-tokens", "5"), ("--spec-policy", "fixed"), ("--spec-commit", "replay")):
+        alone = subprocess.run(run + ["x", flag, value], capture_output=True, text=True, timeout=120)
+        assert alone.returncode == 2 and f"{flag} tunes speculative decoding" in alone.stderr, alone.stderr
 
 
 def test_a_refused_or_interrupted_generate_leaves_nothing_queued(monkeypatch):

@@ -361,3 +361,18 @@ def test_release_spelling_of_the_80b_shape_is_accepted(monkeypatch):
     assert seen["name"] == "qwen3-next-80b-fp8"
     with pytest.raises(SystemExit):
         cli.build_parser().parse_args(["bench", "--model-name", "qwen3-next-80b-a3b-int4"])
+
+
+def test_bench_modes_on_the_cpu_take_only_tiny_shapes(capsys):
+    """``hylo bench --structured / --prefix-replay / --spec-policy`` on a CPU machine with a released shape: one
+    error line naming the fix (they used to build bench-6b in float32, tens of GB, before any output)."""
+    import torch
+
+    from hylo.cli import main
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU machine runs them")
+    for mode in ("--structured", "--prefix-replay", "--spec-policy"):
+        assert main(["bench", mode]) == 2
+        err = capsys.readouterr().err
+        assert "benchmarking bench-6b needs a CUDA GPU" in err and "--model-name tiny" in err

@@ -381,3 +381,14 @@ def test_the_converter_refuses_bad_paths_in_one_line(tmp_path, ckpt_a):
     assert tool.main([str(ckpt_a), str(out), "--force"]) == 0
     assert not (out / "stale-00009.safetensors").exists() and (out / "config.json").is_file()
     assert json.loads((out / "config.json").read_text())["quantization_config"]["quant_method"] == "fp8"
+    # a source that cannot be converted leaves a forced output as it was (nothing removed first)
+    kept = sorted(os.listdir(out))
+    for bad, match in ((out, "already quantized"), (tmp_path / "badcfg", "not valid JSON")):
+        with pytest.raises(SystemExit, match=match):
+            tool.main([str(bad), str(out), "--force"])
+    again = tmp_path / "again"
+    again.mkdir()
+    (again / "keep.safetensors").write_text("mine")
+    with pytest.raises(SystemExit, match="already quantized"):
+        tool.main([str(out), str(again), "--force"])
+    assert sorted(os.listdir(out)) == kept and (again / "keep.safetensors").read_text() == "mine"

@@ -41,7 +41,12 @@ def check_paths(src: str, dst: str, force: bool = False) -> dict:
         raise SystemExit(f"{cfg_path} is not valid JSON: {e}") from None
     if not isinstance(config, dict):
         raise SystemExit(f"{cfg_path} must hold a JSON object")
-    if os.path.exists(dst):
+    if config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config"):
+        raise SystemExit(f"{src} is already quantized ({config.get('quantization_config')})")
+    if not (os.path.isfile(os.path.join(src, "model.safetensors.index.json"))
+            or os.path.isfile(os.path.join(src, "model.safetensors"))):
+        raise SystemExit(f"no model.safetensors or model.safetensors.index.json in {src}")
+    if os.path.exists(dst):  # (after every check of the source: --force removes files only for a convertible one)
         if not os.path.isdir(dst):
             raise SystemExit(f"{dst} exists and is not a directory")
         if os.path.samefile(src, dst):
@@ -65,8 +70,6 @@ def quantize_checkpoint(src: str, dst: str, block: tuple[int, int], keep_mtp: bo
     from hylo.ops.fp8 import quantize_fp8_block
 
     config = check_paths(src, dst, force)
-    if config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config"):
-        raise SystemExit(f"{src} is already quantized ({config.get('quantization_config')})")
     index_path = os.path.join(src, "model.safetensors.index.json")
     if os.path.isfile(index_path):
         with open(index_path) as f:

@@ -31,6 +31,17 @@ BENCH_MODELS = BASE_MODELS + tuple(f"{m}-fp8" for m in BASE_MODELS) + MAMBA2_MOD
 ALIASES = {"qwen3-next-80b-a3b": "qwen3-next-80b", "qwen3-next-80b-a3b-fp8": "qwen3-next-80b-fp8"}
 
 
+CPU_MODELS = ("tiny", "tiny-dense", "tiny-fp8", "tiny-dense-fp8", "tiny-mamba2")  # the shapes a CPU holds and runs in seconds
+
+
+def check_cpu_shape(model_name: str, device) -> None:
+    """A benchmark on the CPU runs only the tiny shapes: a released one (bench-6b is 6 B parameters, float32 on
+    the CPU) would fill the machine's memory for minutes before its first record."""
+    if str(device) == "cpu" and canonical_name(model_name) not in CPU_MODELS:
+        raise ValueError(f"benchmarking {model_name} needs a CUDA GPU; on the CPU only --model-name "
+                         f"{' / '.join(CPU_MODELS[:2])} run")
+
+
 def canonical_name(name: str) -> str:
     """The benchmark model's own name for ``name`` (an alias or the name itself)."""
     return ALIASES.get(name, name)

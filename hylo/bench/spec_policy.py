@@ -16,6 +16,7 @@ import time
 import torch
 
 from ..config import EngineConfig
+from .shapes import check_cpu_shape
 from ..engine.engine import Engine, LoadedModel
 from ..speculative.setup import SpecSetup
 from .run import build_model, release_gpu_memory, results_file
@@ -103,6 +104,7 @@ def run_spec_policy_bench(model_name: str = "bench-6b", out_dir: str = "bench/re
     from .shapes import bench_config
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    check_cpu_shape(model_name, device)
     mc = bench_config(model_name)
     lm = build_model(mc, device, name=model_name)
     big = device == "cuda" and not quick

@@ -21,6 +21,7 @@ import torch
 from ..constrain.automaton import AutomatonCache
 from ..constrain.spec import Constraint
 from .run import build_model, release_gpu_memory, results_file
+from .shapes import check_cpu_shape
 from .spec_policy import _engine, per_token_ms
 from .steps import clear, fake_prefill, overlap_profile
 
@@ -62,6 +63,7 @@ def run_structured_bench(model_name: str = "bench-6b", out_dir: str = "bench/res
     from .shapes import bench_config
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    check_cpu_shape(model_name, device)
     mc = bench_config(model_name)
     tok = SyntheticTokenizer(mc.vocab_size)
     lm = dataclasses.replace(build_model(mc, device, name=model_name), tokenizer=tok)

@@ -98,8 +98,29 @@ def vocabulary_bytes(tokenizer, vocab: int) -> dict[bytes, list[int]]:
 # Limits of one compile in its child process (``index_worker``): past them the constraint is refused, and nothing
 # else is harmed. A four-field JSON schema takes about a second at a 150k vocabulary; the cap on the child's address
 # space leaves room for the largest automata the device tables accept.
-COMPILE_TIMEOUT_S = float(os.environ.get("HYLO_CONSTRAINT_COMPILE_TIMEOUT_S", 60))
-COMPILE_MEMORY_BYTES = int(float(os.environ.get("HYLO_CONSTRAINT_COMPILE_MEMORY_GB", 8)) * 2 ** 30)
+def _env_number(var: str, default: float, minimum: float) -> float:
+    text = os.environ.get(var)
+    try:
+        value = float(text) if text is not None else default
+    except ValueError:
+        value = None
+    if value is None or not minimum <= value < float("inf"):
+        raise ValueError(f"{var}={text!r}: expected a number of at least {minimum:g}")
+    return value
+
+
+# (read once when the first constraint compiles: a bad value is that request's error, naming the variable)
+COMPILE_TIMEOUT_S: float | None = None
+COMPILE_MEMORY_BYTES: int | None = None
+
+
+def _limits() -> tuple[float, int]:
+    global COMPILE_TIMEOUT_S, COMPILE_MEMORY_BYTES
+    if COMPILE_TIMEOUT_S is None:
+        COMPILE_TIMEOUT_S = _env_number("HYLO_CONSTRAINT_COMPILE_TIMEOUT_S", 60, 1)
+    if COMPILE_MEMORY_BYTES is None:  # below about 1 GiB the child cannot even load its libraries
+        COMPILE_MEMORY_BYTES = int(_env_number("HYLO_CONSTRAINT_COMPILE_MEMORY_GB", 8, 1) * 2 ** 30)
+    return COMPILE_TIMEOUT_S, COMPILE_MEMORY_BYTES
 
 
 def compile_automaton(constraint: Constraint, vocabulary: dict[bytes, list[int]], vocab: int) -> TokenAutomaton:
@@ -129,14 +150,15 @@ def compile_automaton(constraint: Constraint, vocabulary: dict[bytes, list[int]]
 
 
 def _compile_in_child(constraint: Constraint, regex: str, vocab: int, vocabulary: dict[bytes, list[int]]) -> dict:
-    job = pickle.dumps(dict(regex=regex, vocab=vocab, vocabulary=vocabulary, memory_bytes=COMPILE_MEMORY_BYTES),
+    timeout_s, memory_bytes = _limits()
+    job = pickle.dumps(dict(regex=regex, vocab=vocab, vocabulary=vocabulary, memory_bytes=memory_bytes),
                        protocol=pickle.HIGHEST_PROTOCOL)
     script = "import runpy, sys; runpy.run_path(sys.argv[1], run_name='__main__')"
     try:
         run = subprocess.run([sys.executable, "-c", script, index_worker.__file__], input=job,
-                             capture_output=True, timeout=COMPILE_TIMEOUT_S)
+                             capture_output=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        raise _OverLimit(f"its automaton did not compile within {COMPILE_TIMEOUT_S:.0f} s; simplify it (fewer "
+        raise _OverLimit(f"its automaton did not compile within {timeout_s:.0f} s; simplify it (fewer "
                          f"nested repetitions or arrays)") from None
     result = pickle.loads(run.stdout) if run.returncode == 0 and run.stdout else {"memory": True}
     if "error" in result:
@@ -145,7 +167,7 @@ def _compile_in_child(constraint: Constraint, regex: str, vocab: int, vocabulary
         if run.returncode not in (0, -6, -9, 134, 137) and b"memory" not in run.stderr.lower():  # not the cap: a fault
             raise RuntimeError(f"the constraint compiler's process failed (exit code {run.returncode}): "
                                f"{run.stderr.decode(errors='replace').strip()[-500:]}")
-        raise _OverLimit(f"its automaton needs more than {COMPILE_MEMORY_BYTES / 2 ** 30:.3g} GiB to compile; "
+        raise _OverLimit(f"its automaton needs more than {memory_bytes / 2 ** 30:.3g} GiB to compile; "
                          f"simplify it (fewer nested repetitions or arrays)")
     return result["ok"]
 
