@@ -169,6 +169,17 @@ def test_cli_generate_and_cli_errors():
         assert alone.returncode == 2 and f"{flag} tunes speculative decoding" in alone.stderr, alone.stderr
 
 
+def test_a_malformed_tuning_variable_is_one_cli_line():
+    """A HYLO_* setting read when the kernels' modules load: the CLI names it in one line (it was a traceback
+    before the CLI's error handler ran, from importing the package)."""
+    import os
+
+    env = {**os.environ, "HYLO_PDL": "abc"}
+    bad = subprocess.run([sys.executable, "-m", "hylo", "generate", "x", "--max-tokens", "2"], capture_output=True,
+                         text=True, timeout=120, env=env)
+    assert bad.returncode == 2 and "HYLO_PDL='abc'" in bad.stderr and "Traceback" not in bad.stderr
+
+
 def test_a_refused_or_interrupted_generate_leaves_nothing_queued(monkeypatch):
     """Every prompt of a generate call is checked before any is queued (a constraint that does not compile names
     its prompt); a call interrupted mid-run ends its requests and drops them from the engine's table; the next
