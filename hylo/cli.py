@@ -50,22 +50,18 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def _engine_options(args) -> dict:
-    d = EngineConfig()
-    given = [f for f, v in (("--num-speculative-tokens", args.num_speculative_tokens),
-                            ("--spec-policy", args.spec_policy), ("--spec-commit", args.spec_commit)) if v is not None]
-    if given and args.speculative is None:
-        raise ValueError(f"{given[0]} tunes speculative decoding: give --speculative mtp or ngram too")
-    for name in ("num_speculative_tokens", "spec_policy", "spec_commit"):
-        if getattr(args, name) is None:
-            setattr(args, name, getattr(d, name))
+    # the speculation flags default to None: EngineConfig's defaults apply, and one given alone can be refused
+    spec = {name: getattr(args, name) for name in ("num_speculative_tokens", "spec_policy", "spec_commit")
+            if getattr(args, name) is not None}
+    if spec and args.speculative is None:
+        flag = "--" + next(iter(spec)).replace("_", "-")
+        raise ValueError(f"{flag} tunes speculative decoding: give --speculative mtp or ngram too")
     return dict(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, chunk_size=args.chunk_size,
                 kv_cache_tokens=args.kv_cache_tokens, memory_budget_gb=args.memory_budget_gb,
                 state_dtype=args.state_dtype, speculative=args.speculative,
-                num_speculative_tokens=args.num_speculative_tokens, spec_commit=args.spec_commit,
-                spec_policy=args.spec_policy,
                 simulate_accept_length=args.simulate_accept_length, overlap=args.overlap,
                 tensor_parallel_size=args.tensor_parallel_size, enable_prefix_caching=args.enable_prefix_caching,
-                prefix_state_interval=args.prefix_state_interval, prefix_snapshots=args.prefix_snapshots)
+                prefix_state_interval=args.prefix_state_interval, prefix_snapshots=args.prefix_snapshots, **spec)
 
 
 def _constraint(args):
@@ -148,7 +144,7 @@ def _generate(args) -> int:
         s = out.spec
         mean = (f"mean accept length {s.mean_accept_length:.2f} tokens per step" if s.verify_steps
                 else "no verify step ran")
-        print(f"[hylo] speculative ({args.speculative}, k={args.num_speculative_tokens}): "
+        print(f"[hylo] speculative ({args.speculative}, k={llm.engine.ec.num_speculative_tokens}): "
               f"{_count(s.verify_steps, 'verify step')}, {s.plain_steps} plain, {s.accepted_tokens}/{s.draft_tokens} "
               f"drafts accepted, {mean}", file=sys.stderr)
     return 0

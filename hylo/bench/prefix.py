@@ -19,7 +19,7 @@ import time
 import torch
 
 from ..config import EngineConfig
-from .shapes import check_cpu_shape
+from .shapes import bench_config, check_cpu_shape
 from ..sampling_params import SamplingParams
 from ..engine.engine import Engine, LoadedModel
 from .steps import clear, fake_prefill, time_steps
@@ -174,7 +174,6 @@ def run_prefix_bench(model_name: str = "bench-6b", out_dir: str = "bench/results
     import platform
 
     from .run import build_model
-    from .shapes import bench_config
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     check_cpu_shape(model_name, device)

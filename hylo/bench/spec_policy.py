@@ -16,7 +16,7 @@ import time
 import torch
 
 from ..config import EngineConfig
-from .shapes import check_cpu_shape
+from .shapes import bench_config, check_cpu_shape
 from ..engine.engine import Engine, LoadedModel
 from ..speculative.setup import SpecSetup
 from .run import build_model, release_gpu_memory, results_file
@@ -101,7 +101,6 @@ def _spec_runs(eng: Engine, spec: str, batches, accepts, warmup: int, steps: int
 
 def run_spec_policy_bench(model_name: str = "bench-6b", out_dir: str = "bench/results", quick: bool = False,
                           device: str | None = None) -> list[dict]:
-    from .shapes import bench_config
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     check_cpu_shape(model_name, device)

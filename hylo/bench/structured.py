@@ -21,7 +21,7 @@ import torch
 from ..constrain.automaton import AutomatonCache
 from ..constrain.spec import Constraint
 from .run import build_model, release_gpu_memory, results_file
-from .shapes import check_cpu_shape
+from .shapes import bench_config, check_cpu_shape
 from .spec_policy import _engine, per_token_ms
 from .steps import clear, fake_prefill, overlap_profile
 
@@ -60,7 +60,6 @@ class SyntheticTokenizer:
 
 def run_structured_bench(model_name: str = "bench-6b", out_dir: str = "bench/results", quick: bool = False,
                          device: str | None = None) -> list[dict]:
-    from .shapes import bench_config
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     check_cpu_shape(model_name, device)

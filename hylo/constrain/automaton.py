@@ -95,9 +95,6 @@ def vocabulary_bytes(tokenizer, vocab: int) -> dict[bytes, list[int]]:
     return out
 
 
-# Limits of one compile in its child process (``index_worker``): past them the constraint is refused, and nothing
-# else is harmed. A four-field JSON schema takes about a second at a 150k vocabulary; the cap on the child's address
-# space leaves room for the largest automata the device tables accept.
 def _env_number(var: str, default: float, minimum: float) -> float:
     text = os.environ.get(var)
     try:
@@ -109,7 +106,10 @@ def _env_number(var: str, default: float, minimum: float) -> float:
     return value
 
 
-# (read once when the first constraint compiles: a bad value is that request's error, naming the variable)
+# Limits of one compile in its child process (``index_worker``): past them the constraint is refused, and nothing
+# else is harmed. A four-field JSON schema takes about a second at a 150k vocabulary; the cap on the child's address
+# space leaves room for the largest automata the device tables accept. Read from the environment when the first
+# constraint compiles (a malformed value is that request's error, naming the variable).
 COMPILE_TIMEOUT_S: float | None = None
 COMPILE_MEMORY_BYTES: int | None = None
 
@@ -160,16 +160,18 @@ def _compile_in_child(constraint: Constraint, regex: str, vocab: int, vocabulary
     except subprocess.TimeoutExpired:
         raise _OverLimit(f"its automaton did not compile within {timeout_s:.0f} s; simplify it (fewer "
                          f"nested repetitions or arrays)") from None
-    result = pickle.loads(run.stdout) if run.returncode == 0 and run.stdout else {"memory": True}
-    if "error" in result:
-        raise ValueError(result["error"])
-    if "memory" in result:
-        if run.returncode not in (0, -6, -9, 134, 137) and b"memory" not in run.stderr.lower():  # not the cap: a fault
-            raise RuntimeError(f"the constraint compiler's process failed (exit code {run.returncode}): "
-                               f"{run.stderr.decode(errors='replace').strip()[-500:]}")
-        raise _OverLimit(f"its automaton needs more than {memory_bytes / 2 ** 30:.3g} GiB to compile; "
-                         f"simplify it (fewer nested repetitions or arrays)")
-    return result["ok"]
+    if run.returncode == 0 and run.stdout:
+        result = pickle.loads(run.stdout)
+        if "ok" in result:
+            return result["ok"]
+        if "error" in result:
+            raise ValueError(result["error"])
+    # out of memory: a MemoryError reported, an abort from a failed allocation (SIGABRT), or the kernel's kill
+    elif run.returncode not in (0, -6, -9, 134, 137) and b"memory" not in run.stderr.lower():  # not the cap: a fault
+        raise RuntimeError(f"the constraint compiler's process failed (exit code {run.returncode}): "
+                           f"{run.stderr.decode(errors='replace').strip()[-500:]}")
+    raise _OverLimit(f"its automaton needs more than {memory_bytes / 2 ** 30:.3g} GiB to compile; "
+                     f"simplify it (fewer nested repetitions or arrays)")
 
 
 class _OverLimit(ValueError):

@@ -29,7 +29,7 @@ def flatten_index(regex: str, vocab: int, vocabulary: dict[bytes, list[int]]) ->
         # the end-of-sequence id outlines wants is one no token has: the device tables allow the model's own
         index = Index(regex, Vocabulary(vocab, vocabulary))
     except (ValueError, TypeError, RuntimeError) as e:
-        raise ValueError(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__) from None
+        raise ValueError(str(e).strip() or type(e).__name__) from None  # (the caller keeps its first line)
     transitions = index.get_transitions()
     finals = set(index.get_final_states())
     order = {s: i for i, s in enumerate(sorted(set(transitions) | finals | {index.get_initial_state()}))}

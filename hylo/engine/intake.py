@@ -25,7 +25,7 @@ def encode_prompt(prompt, tokenizer, vocab_size: int, max_model_len: int,
     elif isinstance(prompt, (list, tuple)) or is_id_vector(prompt):
         ids = prompt.tolist() if is_id_vector(prompt) else list(prompt)
         for i, t in enumerate(ids):
-            if isinstance(t, bool) or not isinstance(t, numbers.Integral) or type(t).__name__ == "bool_":
+            if isinstance(t, bool) or not isinstance(t, numbers.Integral):
                 raise ValueError(f"prompt token at position {i} is {t!r}, not an integer token id")
         ids = [int(t) for t in ids]
     else:

@@ -90,11 +90,11 @@ class PrefixReuse:
         if not kept:
             self.cache.drop_reserved(slot)
 
-    def drop_snapshots(self, plan: ScheduledBatch) -> None:
-        """``plan`` was never launched: the snapshot slots it reserved go back."""
-        for _, slot in plan.snapshots.values():
-            self.cache.drop_reserved(slot)
-        plan.snapshots.clear()
+    def drop_snapshots(self, plan: ScheduledBatch, first_row: int = 0) -> None:
+        """The snapshot slots ``plan`` reserved for its rows from ``first_row`` on go back (a plan never launched,
+        or one whose reading was cut there)."""
+        for row in [r for r in plan.snapshots if r >= first_row]:
+            self.cache.drop_reserved(plan.snapshots.pop(row)[1])
 
     # ---- release ----------------------------------------------------------------------------------------------
     def on_release(self, req: Req, own: torch.Tensor) -> tuple[bool, torch.Tensor]:

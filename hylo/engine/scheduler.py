@@ -150,9 +150,9 @@ class Scheduler:
     def step_abandoned(self, plan: ScheduledBatch, first_row: int) -> None:
         """Reading ``plan``'s results was cut at row ``first_row`` (the rows from there on have ended): they complete
         committing nothing, and the snapshots they reserved go back (their states may be half-written)."""
+        if self.reuse is not None:
+            self.reuse.drop_snapshots(plan, first_row)
         for row in range(first_row, len(plan.reqs)):
-            if row in plan.snapshots:
-                self.reuse.cache.drop_reserved(plan.snapshots.pop(row)[1])
             self.step_done(plan, row, 0)
 
     def step_done(self, plan: ScheduledBatch, row: int, committed: int) -> None:

@@ -128,7 +128,7 @@ class HybridForCausalLM(nn.Module):
     def load(self, r: TensorReader, progress: bool = False) -> None:
         mc, p = self.config, self.text_prefix(r)
         shape = (mc.vocab_size, mc.hidden_size)
-        copy_into(self.embed, r.get(f"{p}.embed_tokens.weight", shape))
+        copy_into(self.embed, r.get(self.embed_name(r), shape))
         if not mc.tie_word_embeddings:
             copy_into(self.lm_head, r.get("lm_head.weight", shape))
         for i, layer in enumerate(progress_of(self.layers, "loading layers", enabled=progress, unit="layers")):
