@@ -176,6 +176,50 @@ def test_dropping_an_llm_gives_its_memory_back():
         gc.enable()
 
 
+def test_an_interrupt_in_a_grammar_rows_early_read_leaves_nothing_behind(monkeypatch):
+    """A grammar row's step reads the step in flight before it launches (its mask needs that token): Ctrl-C while
+    waiting there raises, every slot comes back, and the cut step is not read a second time by the next call
+    (which would end its rows twice: in-flight counts below zero, slots never freed)."""
+    from hylo.constrain.spec import Constraint
+    from hylo.engine.host_reads import PendingRead
+
+    llm = LLM(None, device="cpu", verbose=False, max_num_seqs=2)
+    eng = llm.engine
+    grammar = SamplingParams(max_tokens=12, temperature=0, constraint=Constraint.grammar('root ::= "x = " [0-9]+'))
+    plain = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    alone = llm.generate(["\n", "def f(x):"], [grammar, plain], use_tqdm=False)
+    wait, step, launch = PendingRead.wait, type(eng).step, type(eng)._launch
+    phase, cuts, syncs = [None], [0], eng.host_syncs
+
+    def marked_step(self):  # a read made in step() before its launch is the early one
+        phase[0] = "early"
+        try:
+            return step(self)
+        finally:
+            phase[0] = None
+
+    def marked_launch(self):
+        phase[0] = "launch"
+        return launch(self)
+
+    def cut(self):
+        if phase[0] == "early" and eng.host_syncs >= syncs + 2:
+            cuts[0] += 1
+            raise KeyboardInterrupt
+        return wait(self)
+    monkeypatch.setattr(type(eng), "step", marked_step)
+    monkeypatch.setattr(type(eng), "_launch", marked_launch)
+    monkeypatch.setattr(PendingRead, "wait", cut)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(["\n", "def f(x):"], [grammar, plain], use_tqdm=False)
+    monkeypatch.undo()
+    assert cuts[0] == 1 and not eng.has_unfinished()
+    assert all(r.inflight == 0 for r in eng._reqs.values())
+    again = llm.generate(["\n", "def f(x):"], [grammar, plain], use_tqdm=False)
+    assert [o.token_ids for o in again] == [o.token_ids for o in alone]
+    assert all_freed(eng)
+
+
 @pytest.mark.parametrize("where", ["reading", "forward"])
 def test_an_interrupt_mid_step_leaves_nothing_behind(where, monkeypatch):
     """Ctrl-C while generate() waits for a step's results, or inside a step's forward pass (after some layers

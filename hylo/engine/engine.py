@@ -236,8 +236,10 @@ class Engine:
         early = []
         if (self._inflight is not None and self.scheduler.host_matching
                 and any(r.host_matched for r in self.scheduler.running)):
-            # a grammar row's mask needs the token the step in flight samples: read it first (constrain.host)
-            early, self._inflight = self._read(self._inflight), None
+            # a grammar row's mask needs the token the step in flight samples: read it first (constrain.host);
+            # it leaves ``_inflight`` before the read, so that a read cut short is never read again
+            pending, self._inflight = self._inflight, None
+            early = self._read(pending)
             self.host_syncs += 1
         if self.scheduler.host_matching:
             self._check_grammars()
