@@ -343,6 +343,9 @@ class EngineConfig:
         if sizes is not None and (isinstance(sizes, (str, bytes)) or not hasattr(sizes, "__iter__") or not all(
                 isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in sizes)):
             raise ValueError(f"cuda_graph_sizes must be batch sizes (integers >= 1), got {sizes!r}")
+        if sizes and min(sizes) > self.max_num_seqs:  # (sizes past max_num_seqs are never captured)
+            raise ValueError(f"cuda_graph_sizes {tuple(sizes)} has no size within max_num_seqs={self.max_num_seqs}: "
+                             "no batch could replay a graph")
         if self.simulate_accept_length is not None:
             if self.speculative is None:
                 raise ValueError("simulate_accept_length needs speculative decoding (speculative='mtp' or 'ngram')")

@@ -47,6 +47,15 @@ def test_engine_numbers_of_the_wrong_type_are_named(kwargs, word):
         EngineConfig(**kwargs)
 
 
+def test_graph_sizes_that_no_batch_can_use_are_refused():
+    """Every captured size past max_num_seqs: no batch could replay a graph (the capture crashed on none left)."""
+    from hylo.config import EngineConfig
+
+    with pytest.raises(ValueError, match="no size within max_num_seqs=8"):
+        EngineConfig(cuda_graph_sizes=(16, 32), max_num_seqs=8)
+    assert EngineConfig(cuda_graph_sizes=(4, 16), max_num_seqs=8).cuda_graph_sizes == (4, 16)
+
+
 @pytest.mark.parametrize("kwargs,word", BAD_PARAMS)
 def test_bad_sampling_params(kwargs, word):
     with pytest.raises(ValueError, match=word):
