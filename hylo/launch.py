@@ -34,7 +34,7 @@ from .speculative.setup import SpecSetup
 # NVLink multicast can take the host's shared GPUs out of service: never let NCCL or symmetric memory use it
 _SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 TIMEOUT_S = 1800  # the longest a collective may wait for a rank (model loading, first-use compilation included)
-_MUTATING = ("abort", "step", "drain", "pop_finished", "discard", "prompt_logits")
+_MUTATING = ("abort", "step", "drain", "pop_finished", "discard", "prompt_logits", "reset_prefix_cache")
 
 
 def create_engine(model, device: str, dtype: str, ec: EngineConfig):
@@ -82,8 +82,7 @@ def _follower(rank: int, size: int, port: int, model, device: str, dtype: str, e
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
     conn.send("started")  # the leader waits for this before it joins the group (see _await_followers)
     tp, rank_device = _init(rank, size, port, device)
-    quiet = EngineConfig(**{**{f: getattr(ec, f) for f in EngineConfig.option_names()}, "verbose": False})
-    engine = Engine(model, device=rank_device, dtype=dtype, engine_config=quiet,
+    engine = Engine(model, device=rank_device, dtype=dtype, engine_config=replace(ec, verbose=False),
                     spec_setup=SpecSetup(ec.speculative) if ec.speculative else None, tp=tp)
     try:
         with torch.inference_mode():
@@ -170,7 +169,7 @@ class LeaderEngine:
         if name == "add_request":  # host-only: validate and register here first, then mirror with the same id
             def add_request(*args, **kwargs):
                 rid = attr(*args, **kwargs)
-                req = engine._reqs[rid]
+                req = engine.request(rid)
                 # the seed rank 0 drew travels too, so every rank samples with the same noise
                 self._broadcast(name, (req.prompt_ids, replace(req.params, seed=req.seed)), {"request_id": rid})
                 return rid

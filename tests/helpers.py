@@ -129,6 +129,14 @@ def all_freed(engine) -> bool:
             and c.kv_pool.num_free == c.kv_pool.num_tokens and (cache is None or cache.num_snapshots == 0))
 
 
+def write_snapshot_count(engine, folder: str) -> None:
+    """For ``LeaderEngine.run_on_all``: each rank writes its prefix cache's snapshot count to ``folder/<pid>``."""
+    import os
+
+    with open(os.path.join(folder, str(os.getpid())), "w") as f:
+        f.write(str(engine.prefix_cache.num_snapshots))
+
+
 def random_prompts(vocab: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]

@@ -2,11 +2,14 @@
 linear-attention state the engine already computed, exactly (the same tokens as with the cache off) under the
 overlap loop, speculation, preemption, eviction and tensor parallelism; everything goes back when all ends."""
 
+import os
+import time
+
 import pytest
 
 from hylo import LLM, SamplingParams
 
-from helpers import all_freed, cycle_steps, random_prompts, run_all, spec_engine, vocab_of
+from helpers import all_freed, cycle_steps, random_prompts, run_all, spec_engine, vocab_of, write_snapshot_count
 
 
 def _conversation(on, off, vocab, turns, params, seed):
@@ -142,9 +145,9 @@ def test_cache_off_and_prompt_logits(ckpt_a):
     assert on.prompt_logits(prompt).shape[0] == 40
 
 
-def test_tensor_parallel_ranks_cache_the_same(ckpt_a):
+def test_tensor_parallel_ranks_cache_the_same(ckpt_a, tmp_path):
     """Two ranks (gloo) with the cache on: each caches its own shard by the same decisions; a second turn hits
-    and gives one rank's tokens."""
+    and gives one rank's tokens; dropping the cache drops it on every rank."""
     vocab = vocab_of(ckpt_a)
     first = random_prompts(vocab, [21], seed=12)[0]
     one = LLM(ckpt_a, verbose=False, enable_prefix_caching=False)
@@ -156,5 +159,12 @@ def test_tensor_parallel_ranks_cache_the_same(ckpt_a):
         b = two.generate([nxt], GREEDY, use_tqdm=False)[0]
         assert b.num_cached_tokens == len(first) + len(a.token_ids) - 1
         assert b.token_ids == one.generate([nxt], GREEDY, use_tqdm=False)[0].token_ids
+        assert two.engine.reset_prefix_cache()  # every rank drops its cache, or their next plans would differ
+        two.engine.run_on_all(write_snapshot_count, str(tmp_path))
+        deadline = time.monotonic() + 60
+        while len(os.listdir(tmp_path)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.1)  # (a follower's file may be open still)
+        assert sorted((tmp_path / f).read_text() for f in os.listdir(tmp_path)) == ["0", "0"]
     finally:
         two.close()
