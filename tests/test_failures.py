@@ -81,6 +81,40 @@ def test_failed_launch_fails_that_step_only(reference):
     assert _run(eng, [[5, 6, 7]])[0].token_ids == reference[(5, 6, 7)]
 
 
+@pytest.mark.parametrize("where", ["step", "row"])
+def test_failed_read_fails_that_step_only(reference, where, monkeypatch, capsys):
+    """An internal error while a step's results are read (``step``: before any row, ``row``: one row's log
+    probabilities) fails the rows not yet read, or that row alone, as 500s, logged once; the engine goes on and a
+    request waiting meanwhile is served exactly (the error used to escape ``step()`` and stop the engine)."""
+    import hylo.engine.engine as engine_module
+
+    eng = Engine(MODEL, device="cpu", engine_config=EngineConfig(verbose=False, chunk_size=8, max_num_seqs=2))
+    calls = [0]
+
+    def failing(*args):
+        calls[0] += 1
+        raise RuntimeError("injected read failure")
+    monkeypatch.setattr(engine_module, "apply_prompt_logprobs" if where == "step" else "unpack_logprobs", failing)
+    first = (SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, prompt_logprobs=0) if where == "step"
+             else SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=1))
+    params = [first, GREEDY, GREEDY]
+    rids = [eng.add_request(p, sp) for p, sp in zip([[5, 6, 7], [8, 9], [10, 11, 12, 13]], params)]
+    while eng.has_unfinished():
+        eng.step()
+    outs = {tuple(o.prompt_token_ids): o for o in map(eng.pop_finished, rids)}
+    assert calls[0] == 1
+    failed = [p for p, o in outs.items() if o.error is not None]
+    assert (5, 6, 7) in failed and all("internal error" in outs[p].error for p in failed)
+    assert sorted(failed) == ([(5, 6, 7)] if where == "row" else [(5, 6, 7), (8, 9)])  # (the first step's two)
+    for p, o in outs.items():
+        if p not in failed:
+            assert o.token_ids == reference[p]
+    assert capsys.readouterr().err.count("RuntimeError: injected read failure") == 1  # one traceback a step
+    monkeypatch.undo()
+    assert all_freed(eng)
+    assert _run(eng, [[5, 6, 7]])[0].token_ids == reference[(5, 6, 7)]
+
+
 def test_offline_generate_raises_on_an_internal_error():
     llm = LLM(MODEL, device="cpu", verbose=False)
     llm.engine._append_token = lambda req, token: 1 / 0

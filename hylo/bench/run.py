@@ -227,7 +227,7 @@ def _spec_records(lm: LoadedModel, batches: list[int], accepts: tuple[float, ...
             eng.worker.simulate_accept_length = accept
             rids = fake_prefill(eng, bs, 1024)
             ms = time_steps(eng, steps)
-            reqs = [eng._reqs[r] for r in rids]
+            reqs = [eng.request(r) for r in rids]
             emitted = sum(r.spec.emitted_tokens for r in reqs)
             verify_steps = sum(r.spec.verify_steps for r in reqs) / bs
             measured_len = emitted / max(sum(r.spec.verify_steps for r in reqs), 1)
@@ -342,7 +342,7 @@ def _overlap_record(eng: Engine, bs: int, k: int, steps: int) -> dict:
     setting: wall time, GPU busy fraction, blocking reads, measured accept length."""
     rids = fake_prefill(eng, bs, 1024)
     prof = overlap_profile(eng, steps)
-    reqs = [eng._reqs[r] for r in rids]
+    reqs = [eng.request(r) for r in rids]
     measured_len = sum(r.spec.emitted_tokens for r in reqs) / max(sum(r.spec.verify_steps for r in reqs), 1)
     try:
         extra = _unprofiled_busy(eng, steps) if eng.ec.overlap else {}

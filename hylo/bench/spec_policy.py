@@ -30,7 +30,7 @@ MODEL_LEN = 2048
 def per_token_ms(eng: Engine, rids: list[str], warmup: int, steps: int) -> tuple[float, float]:
     """(wall ms per generated token, tokens per step) over ``steps`` steps after ``warmup``; the tokens are those
     the host read in that window (the overlap loop reads each step's one step later, the same count of steps)."""
-    reqs = [eng._reqs[r] for r in rids]
+    reqs = [eng.request(r) for r in rids]
     for _ in range(warmup):
         eng.step()
     _sync()
@@ -65,7 +65,7 @@ def _spec_runs(eng: Engine, spec: str, batches, accepts, warmup: int, steps: int
                 eng.worker.simulate_accept_length = accept
                 rids = fake_prefill(eng, bs, CONTEXT)
                 ms, per_step = per_token_ms(eng, rids, warmup, steps)
-                reqs = [eng._reqs[r] for r in rids]
+                reqs = [eng.request(r) for r in rids]
                 row[f"{name}_ms_per_token"] = ms
                 row[f"{name}_tokens_per_step"] = per_step
                 row[f"{name}_verify_fraction"] = (sum(r.spec.verify_steps for r in reqs)
@@ -86,7 +86,7 @@ def _spec_runs(eng: Engine, spec: str, batches, accepts, warmup: int, steps: int
                 policy.adaptive = name == "adaptive"
                 eng.worker.simulate_accept_length = 1.0
                 rids = fake_prefill(eng, bs, CONTEXT)
-                eng.worker.simulate_rows([eng._reqs[r].req_slot for r in rids[:bs // 2]], 3.5)
+                eng.worker.simulate_rows([eng.request(r).req_slot for r in rids[:bs // 2]], 3.5)
                 row[f"{name}_ms_per_token"], row[f"{name}_tokens_per_step"] = per_token_ms(eng, rids, warmup, steps)
                 clear(eng, rids)
             eng.worker.simulate_accept_length = 1.0

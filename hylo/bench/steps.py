@@ -183,8 +183,7 @@ def prefill_times(engine: Engine, prompt: list[int], runs: int) -> list[float]:
 def clear(engine: Engine, rids: list[str]) -> None:
     engine.drain()
     for rid in rids:
-        engine.abort(rid)
-        engine._reqs.pop(rid, None)
+        engine.discard(rid)
 
 
 def graph_alone_ms(eng: Engine, name: str, iters: int) -> float | None:

@@ -88,7 +88,7 @@ def run_structured_bench(model_name: str = "bench-6b", out_dir: str = "bench/res
           f"{len(auto.keys)} transitions, {auto.nbytes / 2 ** 20:.1f} MiB); cached: "
           f"{meta['cached_seconds'] * 1e6:.0f} us", flush=True)
     eng = _engine(lm, device, max(batches), None, tuple(batches))
-    eng._automata = cache  # compiled above
+    eng.automata = cache  # compiled above
     # the benchmark shapes have no end-of-sequence token, which a constraint ends with: a control byte stands for
     # it (no JSON text allows one; the free rows ignore it)
     eng.eos_ids = eng.model_worker.eos_ids = {3}
@@ -101,8 +101,8 @@ def run_structured_bench(model_name: str = "bench-6b", out_dir: str = "bench/res
             half += fake_prefill(eng, bs // 2, CONTEXT, temperature=temp, constraint=constraint)
             ms = per_token_ms(eng, half, warmup, steps)[0]
             prof = overlap_profile(eng, steps // 2) if big else {}
-            still = sum(not eng._reqs[r].finished for r in half)
-            clear(eng, [r for r in half if not eng._reqs[r].finished])
+            still = sum(not eng.request(r).finished for r in half)
+            clear(eng, [r for r in half if not eng.request(r).finished])
             # the free batch once more, after: a first batch of a size or sampler may pay for what the second
             # does not (session 26: the first sampled batch of 64 ran 1.5x slower than the constrained one)
             free = fake_prefill(eng, bs, CONTEXT, temperature=temp)

@@ -78,12 +78,9 @@ class Engine:
                              if self.ec.enable_prefix_caching and self.caches.snapshot_slots else None)
         self.scheduler = Scheduler(self.caches, self.ec, k, self.prefix_cache,
                                    decode_matches_prefill=self.model_config.decode_matches_prefill)
+        self.eos_ids = set(self.model_config.eos_token_ids)
         self.model_worker = ModelWorker(self.model, self.caches, self.device, extra_kv,
-                                        vocab_size=self.model_config.vocab_size)
-        # the stop ids, for min_tokens and for the verify's acceptance limit (before any graph is captured)
-        self.model_worker.eos_ids = set(self.model_config.eos_token_ids)
-        self.model_worker.eos_tensor = torch.tensor(sorted(self.model_worker.eos_ids), dtype=torch.int64,
-                                                    device=self.device)
+                                        vocab_size=self.model_config.vocab_size, eos_ids=self.eos_ids)
         # the worker interface: run(ScheduledBatch) -> StepResult; a speculative worker wraps the plain one
         self.worker = (spec_setup.wrap(self.model_worker, self.ec) if spec_setup is not None else self.model_worker)
         if self.device.type == "cuda" and self.ec.cuda_graphs and use_triton(self.caches.kv_pool.k):
@@ -98,8 +95,8 @@ class Engine:
         self._inflight: _Launched | None = None  # the overlap loop's launched, unread step
         self._last_plan: ScheduledBatch | None = None  # the plan of the step the last step() launched
         self._failed: list[Req] = []  # requests failed by an internal error, reported by the next step()
-        self.eos_ids = set(self.model_config.eos_token_ids)
-        self._automata = AutomatonCache(self.tokenizer, self.model_config.vocab_size, eos_ids=self.eos_ids)
+        # compiled constraints, shared by every request (read by the server's metrics)
+        self.automata = AutomatonCache(self.tokenizer, self.model_config.vocab_size, eos_ids=self.eos_ids)
         self.host_syncs = 0  # blocking reads for host-matched constraints (constrain.host)
         self.load_seconds = time.perf_counter() - t0
         if self.ec.verbose:
@@ -161,7 +158,7 @@ class Engine:
         if not self.eos_ids:
             raise ValueError("constrained output ends at the model's end-of-sequence token, and this model has none "
                              "(eos_token_id in its config)")
-        return self._automata.get(constraint)
+        return self.automata.get(constraint)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its slots; returns False if it is unknown or already finished."""
@@ -287,11 +284,9 @@ class Engine:
         except BaseException as e:  # noqa: BLE001 - the step's own requests fail; the others go on
             # Nothing of this step was launched as far as the host's bookkeeping goes (step_launched did not run);
             # its rows' device state may be half-updated, so exactly these requests end, and their slots are freed
-            # once their earlier in-flight steps (if any) are read. An interrupt (KeyboardInterrupt, SystemExit)
-            # ends them the same way, then goes on up.
+            # once their earlier in-flight steps (if any) are read.
             self.scheduler.step_failed(sched)
-            for req in sched.reqs:
-                self._fail(req, e) if isinstance(e, Exception) else self._interrupted(req)
+            self._end_cut_step(sched.reqs, e)
             self._failed.extend(sched.reqs)
             if not isinstance(e, Exception):
                 raise
@@ -321,15 +316,33 @@ class Engine:
                                                                             self.model_worker.eos_ids))
 
     def _read(self, launched: "_Launched") -> list[Req]:
-        """``_complete``, and where it is cut (an interrupt while waiting for the device, most likely) the rows not
-        yet read end: else their in-flight counts never fall and their slots stay held for good."""
+        """``_complete``, and where it is cut (an interrupt while waiting for the device, most likely, or an
+        internal error) the rows not yet read end: else their in-flight counts never fall and their slots stay held
+        for good. Returns the step's requests then (the read ones may have new tokens, the others have ended)."""
         try:
             return self._complete(launched)
-        except BaseException:
-            for req in launched.plan.reqs[launched.rows_read:]:
-                self._interrupted(req)
-            self.scheduler.step_abandoned(launched.plan, launched.rows_read)
-            raise
+        except BaseException as e:  # noqa: BLE001 - the step's own requests fail; the others go on
+            plan = launched.plan
+            self._end_cut_step(plan.reqs[launched.rows_read:], e)
+            self.scheduler.step_abandoned(plan, launched.rows_read)
+            if not isinstance(e, Exception):
+                raise
+            return list({id(r): r for r in plan.reqs}.values())
+
+    def _end_cut_step(self, reqs: list[Req], error: BaseException) -> None:
+        """End the requests of a step cut by ``error`` (their states may be half-written, so nothing of theirs is
+        cached): an internal error, logged once with its traceback, ends just them as a 500 and the engine goes
+        on; an interrupt (KeyboardInterrupt, SystemExit) ends them the same way, and the caller raises it on."""
+        if isinstance(error, Exception):
+            self._log_internal_error(reqs, error)
+            for req in reqs:
+                self._fail(req, error, logged=True)
+            return
+        for req in reqs:
+            req.use_prefix_cache = False
+            if not req.finished:
+                req.error, req.error_status = "the step serving the request was interrupted", 500
+                self.scheduler.finish(req, "abort")
 
     def _complete(self, launched: "_Launched") -> list[Req]:
         """Read a launched step's results (waiting on its event) and apply them: tokens, stop rules, freeing."""
@@ -356,11 +369,10 @@ class Engine:
                     accepted.append(count - 1)
                 # a verify row commits its last token and the accepted drafts: count - 1 of them
                 committed = count if verify else n
-                lps = None
-                if top_n is not None and req.params.logprobs is not None:
-                    lps = unpack_logprobs(row[width + verify:], width, top_n, req.params.logprobs)
                 if not req.finished:
                     try:
+                        lps = (unpack_logprobs(row[width + verify:], width, top_n, req.params.logprobs)
+                               if top_n is not None and req.params.logprobs is not None else None)
                         self._apply_row(req, new, count, verify, lps, sched.mode is ForwardMode.DECODE)
                     except Exception as e:  # noqa: BLE001 - one request's host-side failure ends that request only
                         self._fail(req, e)
@@ -396,18 +408,17 @@ class Engine:
         elif stats is not None and plain:
             stats.plain_steps += 1
 
-    def _fail(self, req: Req, error: BaseException, status: int = 500) -> None:
+    def _fail(self, req: Req, error: BaseException, status: int = 500, logged: bool = False) -> None:
         """End ``req`` because of an error raised while serving it: an internal one (status 500), logged with its
-        traceback (it is the engine's fault, not the client's), or the request's own (status 400, such as a
-        grammar the matcher gave up on), whose message goes to the client and nothing to the log. The request
-        finishes with finish_reason "abort" and ``error`` set, and every other request goes on."""
+        traceback (it is the engine's fault, not the client's) unless ``logged``, or the request's own (status
+        400, such as a grammar the matcher gave up on), whose message goes to the client and nothing to the log.
+        The request finishes with finish_reason "abort" and ``error`` set, and every other request goes on."""
         if req.finished and req.error is not None:
             return
         if status >= 500:
             req.error = f"internal error while serving the request: {type(error).__name__}"
-            print(f"[hylo] error: request {req.rid} failed:\n"
-                  + "".join(traceback.format_exception(type(error), error, error.__traceback__)).rstrip(),
-                  file=sys.stderr, flush=True)
+            if not logged:
+                self._log_internal_error([req], error)
         else:
             req.error = str(error)
         req.error_status = status
@@ -415,12 +426,12 @@ class Engine:
         if not req.finished:
             self.scheduler.finish(req, "abort")
 
-    def _interrupted(self, req: Req) -> None:
-        """End ``req``, whose step an interrupt cut (its state may be half-written: nothing of it is cached)."""
-        req.use_prefix_cache = False
-        if not req.finished:
-            req.error, req.error_status = "the step serving the request was interrupted", 500
-            self.scheduler.finish(req, "abort")
+    @staticmethod
+    def _log_internal_error(reqs: list[Req], error: BaseException) -> None:
+        names = ", ".join(r.rid for r in reqs[:8]) + (f" and {len(reqs) - 8} more" if len(reqs) > 8 else "")
+        print(f"[hylo] error: request{'s' * (len(reqs) > 1)} {names} failed:\n"
+              + "".join(traceback.format_exception(type(error), error, error.__traceback__)).rstrip(),
+              file=sys.stderr, flush=True)
 
     def _append_token(self, req: Req, token: int) -> bool:
         """Append one generated token and apply the stop rules; True when the request finished."""
@@ -445,6 +456,8 @@ class Engine:
         try:
             while req.num_computed < len(ids):
                 sched = self.scheduler.schedule()
+                if sched is None:
+                    raise RuntimeError(f"prompt_logits: the KV cache cannot hold the prompt's {len(ids)} tokens")
                 hidden = self.model_worker.forward_hidden(self.model_worker.build_batch(sched))
                 chunks.append(self.model.compute_logits(hidden).float())
                 req.num_computed += sched.extend_lens[0]

@@ -86,7 +86,7 @@ def _dev(values, device, dtype=torch.int64) -> torch.Tensor:
 
 class ModelWorker:
     def __init__(self, model: HybridForCausalLM, caches: Caches, device: torch.device, extra_attn_layers: int = 0,
-                 vocab_size: int | None = None):
+                 vocab_size: int | None = None, eos_ids=()):
         self.model = model
         self.caches = caches
         self.device = device
@@ -96,8 +96,9 @@ class ModelWorker:
         self.backend = HybridBackend(AttentionBackend(caches.kv_pool, caches.req_slots), linear,
                                      model.config.layer_types, extra_attn_layers)
         self.graphs: GraphRunner | None = None
-        self.eos_ids: set[int] = set()  # the model's stop ids (min_tokens masks them); the engine sets them
-        self.eos_tensor = torch.empty(0, dtype=torch.int64, device=device)  # the same, on the device
+        # the model's stop ids (min_tokens masks them; the verify's acceptance limit), on the device too
+        self.eos_ids: set[int] = set(eos_ids)
+        self.eos_tensor = torch.tensor(sorted(self.eos_ids), dtype=torch.int64, device=device)
 
     def build_batch(self, sched: ScheduledBatch, input_ids: torch.Tensor | None = None,
                     drafts: torch.Tensor | None = None) -> ForwardBatch:
@@ -150,8 +151,6 @@ class ModelWorker:
             sample_idx=v["sample_idx"],
             sample_rows=v["sample_rows"],
         )
-        if self.backend.needs_cpu_seq_lens:
-            batch.seq_lens_cpu = torch.tensor([p + n for p, n in zip(sched.prefix_lens, sched.extend_lens)])
         return batch
 
     def table_batch(self, mode: ForwardMode, n: int, req_slots: torch.Tensor, state_slots: torch.Tensor,
@@ -202,7 +201,7 @@ class ModelWorker:
         def prologue(req_slots, state_slots, kv):
             return self.table_batch(mode, n, req_slots, state_slots, max_context, drafts, kv=kv)
         # a decoding row reserves at most n new locations per step in the steady state; room for twice that
-        self.graphs.capture_staged(name, mode, n, prologue, fn, kv_per_row=2 * n)
+        self.graphs.capture_staged(name, n, prologue, fn, kv_per_row=2 * n)
 
     def run_staged(self, name: str, sched: ScheduledBatch) -> tuple[dict[str, torch.Tensor], ForwardBatch]:
         """Replay the staged graph ``name`` for a step of decoding rows: the host stages their slots and new KV
@@ -295,8 +294,8 @@ class ModelWorker:
         """The rows of the penalty tables (allocated when a request first changes its logits), written when a
         request's prefill starts: every request's once the tables exist, not only the penalized ones'. A step with
         a penalized row applies the tables to all its rows, so the others' must be neutral (zero bias, repetition
-        1), not a never-written row or one left by the slot's earlier request (session 29: one request's
-        logit_bias changed another's greedy tokens in the same batch)."""
+        1), not a never-written row or one left by the slot's earlier request (one request's logit_bias would
+        change another's greedy tokens in the same batch)."""
         tables = self.caches.req_slots.penalties
         if tables is None:
             if not any(r.params.penalized for r in reqs):

@@ -63,7 +63,7 @@ class EngineThread:
         self._thread = threading.Thread(target=self._run, name="hylo-engine", daemon=True)
         self.error: str | None = None  # set if the loop died: /health reports it
         self.metrics.prefix = getattr(engine, "prefix_cache", None)
-        self.metrics.automata = getattr(engine, "_automata", None)
+        self.metrics.automata = getattr(engine, "automata", None)
         self.metrics.engine = engine
         caches = getattr(engine, "caches", None)
         if caches is not None:
@@ -147,7 +147,7 @@ class EngineThread:
                 self._send(stream, Delta(error=f"internal error while adding the request: {type(e).__name__}",
                                          status=500))
                 return
-            stream.req = eng._reqs[rid]
+            stream.req = eng.request(rid)
             self._streams[rid] = stream
             self.metrics.requests_started += 1
         elif item[0] == "abort":

@@ -63,7 +63,7 @@ def test_steady_state_steps_with_constrained_rows_never_sync(gpu_ckpt, spec):  #
 
     eng = _engine(gpu_ckpt, spec=spec, dtype="bfloat16")
     tok = SyntheticTokenizer(eng.model_config.vocab_size)
-    eng.tokenizer, eng._automata = tok, AutomatonCache(tok, eng.model_config.vocab_size)
+    eng.tokenizer, eng.automata = tok, AutomatonCache(tok, eng.model_config.vocab_size)
     eng.eos_ids = eng.model_worker.eos_ids = {3}  # the test model has none; a constraint needs one
     constraint = Constraint.json_schema(SCHEMA)
     rids = []
