@@ -112,6 +112,51 @@ def test_constraints_are_checked_and_refused_by_name(tok, cache):
     assert not auto.final[auto.walk(tok.encode('"a'))] and auto.final[auto.walk(tok.encode('"b"'))]
 
 
+@pytest.mark.parametrize("fmt,good,bad", [
+    ("time", "21:34:39.25Z", ["21:34:39\\q5", "21:34:39\\\"5"]),
+    ("email", "a.b+c@ex-ample.org", ['\\"x\\"@a.bc', '\\u0001@a.bc']),
+    ("uri", "https://ex.org/a?b=1#c", ["https://ex.org/a\\\"b", "https://ex.org/\\\\"]),
+    ("date-time", "2026-12-08T02:30:00Z", []), ("date", "2026-12-08", ["\u0664026-12-08"]),
+    ("uuid", "123e4567-e89b-12d3-a456-426614174000", [])])
+def test_string_formats_stay_valid_json(tok, cache, fmt, good, bad):
+    """A string ``format`` is enforced with nothing a JSON string must escape inside it (outlines-core's own
+    "time" allowed a backslash before any character, its "email" a quoted local part, its "uri" quotes and
+    backslashes: outputs that were not JSON; its "date" any Unicode digit), and every output a walk through the
+    automaton can end is JSON holding a value of the format."""
+    schema = {"type": "string", "format": fmt}
+    regex = Constraint.json_schema(schema).to_regex()
+    assert re.fullmatch(regex, json.dumps(good))
+    for text in bad:  # JSON string bodies whose escapes are not the format's value
+        assert not re.fullmatch(regex, f'"{text}"'), text
+    auto, rng, ended = cache.get(Constraint.json_schema(schema)), random.Random(3), 0
+    singles = {t for t in range(tok.vocab_size) if len(tok.decode([t])) == 1}  # mostly these: walks that end
+    for _ in range(40):
+        state, out = auto.initial, []
+        while len(out) < 300:
+            allowed = auto.allowed(state)
+            if auto.final[state] and (rng.random() < 0.2 or not len(allowed)):
+                value = json.loads(tok.decode(out))
+                assert isinstance(value, str) and re.fullmatch(regex, json.dumps(value, ensure_ascii=False)), value
+                ended += 1
+                break
+            short = [t for t in allowed.tolist() if t in singles]
+            t = rng.choice(short if short and rng.random() < 0.8 else allowed.tolist())
+            out.append(t)
+            state = auto.step(state, t)
+    assert ended >= 10
+
+
+def test_string_keywords_the_translation_would_drop_are_refused():
+    """The translation reads one of a string's length bounds, pattern or format and drops the others: a schema
+    with two of them is refused by name (a length alone, or both bounds, is fine)."""
+    for schema, words in [({"type": "string", "pattern": "a+", "maxLength": 3}, "maxLength beside pattern"),
+                          ({"type": "string", "format": "uuid", "minLength": 5}, "minLength beside format"),
+                          ({"type": "string", "format": "date", "pattern": "2.*"}, "pattern beside format")]:
+        with pytest.raises(ValueError, match=words):
+            Constraint.json_schema(schema)
+    Constraint.json_schema({"type": "string", "minLength": 1, "maxLength": 3})
+
+
 def _accepts(auto, tok, text: str) -> bool:
     state = auto.walk(tok.encode(text))
     return state is not None and bool(auto.final[state])

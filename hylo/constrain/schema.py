@@ -20,6 +20,22 @@ _ENFORCED = {"type", "properties", "required", "additionalProperties", "items", 
 _ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated",
                 "readOnly", "writeOnly", "discriminator"}
 _FORMATS = {"date-time", "date", "time", "uuid", "email", "uri"}
+# Patterns hylo writes for formats whose own translation can break the JSON string it sits in: outlines-core's
+# "time" has ``\\.`` (a backslash, then any character) for the fraction's dot, its "email" allows a quoted local
+# part (raw quotes and control characters) and its "uri" any non-space character (a quote, a backslash). These
+# match the same values (ASCII digits only) with nothing a JSON string must escape.
+_NO_ESCAPE = r'\s"\\\x00-\x1F\x7F'  # whitespace, quote, backslash, controls: never inside these values
+_FORMAT_PATTERNS = {
+    "date": r"[0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])",  # (outlines-core's \d takes any Unicode digit)
+    "time": r"(2[0-3]|[01][0-9]):[0-5][0-9]:[0-5][0-9](\.[0-9]+)?Z?",
+    "email": r"[a-z0-9!#$%&'*+/=?^_`{|}~-]+(\.[a-z0-9!#$%&'*+/=?^_`{|}~-]+)*@([a-z0-9]([a-z0-9-]*[a-z0-9])?\.)+"
+             r"[a-z0-9]([a-z0-9-]*[a-z0-9])?",
+    "uri": rf"(https?|ftp)://([^{_NO_ESCAPE}:@]+(:[^{_NO_ESCAPE}:@]*)?@)?([a-zA-Z0-9.-]+\.[a-zA-Z]{{2,}}|localhost)"
+           rf"(:[0-9]+)?(/[^{_NO_ESCAPE}?#]*)?(\?[^{_NO_ESCAPE}#]*)?(#[^{_NO_ESCAPE}]*)?"
+           rf"|urn:[a-zA-Z0-9][a-zA-Z0-9-]{{0,31}}:[^{_NO_ESCAPE}]+",
+}
+# a string schema's keyword families, of which the translation reads the first present and drops the others
+_STRING_FAMILIES = (("minLength", "maxLength"), ("pattern",), ("format",))
 _CHILD_MAPS = ("properties", "$defs", "definitions")  # where sub-schemas are: maps of name -> schema,
 _CHILD_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")  # lists of schemas,
 _CHILD_ONE = ("items", "additionalProperties")  # one schema
@@ -125,7 +141,8 @@ def _disjoint_types(branches) -> bool:
 
 def _grouped_patterns(schema):
     """A copy of the schema whose ``pattern`` values are one group without anchors: the translation writes a
-    pattern between the string's quotes as it is, so a top-level alternation (``a|b``) would escape them."""
+    pattern between the string's quotes as it is, so a top-level alternation (``a|b``) would escape them. A format
+    of ``_FORMAT_PATTERNS`` becomes its pattern (a format stands alone in its schema: ``_check_combination``)."""
     if isinstance(schema, list):
         return [_grouped_patterns(s) for s in schema]
     if not isinstance(schema, dict):
@@ -137,6 +154,8 @@ def _grouped_patterns(schema):
             if body.endswith("$") and not body.endswith("\\$"):
                 body = body[:-1]
             out[key] = f"({body})"
+        elif key == "format" and isinstance(value, str) and value in _FORMAT_PATTERNS:
+            out["pattern"] = f"({_FORMAT_PATTERNS[value]})"
         elif key in ("enum", "const", "default", "examples"):
             out[key] = value
         else:
@@ -306,6 +325,12 @@ def _check_combination(schema: dict, where: str) -> None:
                 which = "enum" if "enum" in schema else "const"
                 raise ValueError(f"json_schema constraint: {which} value {json.dumps(v)} (at {at}) is not of type "
                                  f"{json.dumps(schema['type'])}")
+    families = [f for f in _STRING_FAMILIES if any(k in schema for k in f)]
+    if len(families) > 1:
+        names = [k for f in families for k in f if k in schema]
+        raise ValueError(f"json_schema constraint: {' beside '.join(names)} (at {at}) is not enforced by hylo's "
+                         f"constrained decoding (the translation reads only {names[0]}); write the length into the "
+                         f"pattern ({{m,n}}) or keep one of them")
     if "prefixItems" in schema and schema.get("items", False) is not False:
         raise ValueError(f"json_schema constraint: prefixItems beside items (at {at}) is not enforced by hylo's "
                          f"constrained decoding: the items after the prefix would be left out")
