@@ -257,13 +257,6 @@ class ModelConfig:
         }
 
 
-def replace_fields(obj, **changes):
-    """A frozen dataclass with some fields changed."""
-    values = {f.name: getattr(obj, f.name) for f in fields(obj)}
-    values.update(changes)
-    return type(obj)(**values)
-
-
 @dataclass(frozen=True)
 class EngineConfig:
     """Options of one engine instance. Every field can be passed to ``LLM(...)`` and most to the CLI."""
@@ -273,7 +266,7 @@ class EngineConfig:
     chunk_size: int = 2048  # prefill tokens per step (chunked prefill budget)
     kv_cache_tokens: int | None = None  # explicit KV pool size in tokens; default: from the memory budget
     memory_budget_gb: float | None = None  # cache memory budget; default: CPU 2 GiB, CUDA 90% of free memory
-    state_dtype: str = "float32"  # recurrent state dtype of the GDN layers
+    state_dtype: str = "float32"  # recurrent state dtype of the linear-attention layers
     seed: int = 0  # seed of the engine's own random draws (per-request seeds for unseeded requests)
     preemption: str = "recompute"  # when KV runs out mid-decode: preempt the newest request and re-run it
     speculative: str | None = None  # None, "mtp" (the checkpoint's MTP head) or "ngram" (prompt lookup)
@@ -372,4 +365,4 @@ class EngineConfig:
         return {f.name for f in fields(cls)}
 
 
-__all__ = ["ModelConfig", "EngineConfig", "replace_fields"]
+__all__ = ["ModelConfig", "EngineConfig"]

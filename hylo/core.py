@@ -51,7 +51,6 @@ class Req:
     finish_reason: str | None = None  # "length" | "stop" | "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it (None at the EOS)
     num_preemptions: int = 0
-    arrival: int = 0  # admission order; the newest running request is preempted first
     kv_locs: list[torch.Tensor] = field(default_factory=list)  # host copies of its KV locations, for freeing
     # the prompt as a host int64 tensor, made when the request arrives (a prefill chunk slices it instead of
     # converting thousands of Python ints before its first kernel)
@@ -180,7 +179,6 @@ class ForwardBatch:
     req_slots_cpu: list[int] | None = None
     state_slots_cpu: list[int] | None = None
     generated_rows_cpu: list[bool] | None = None  # rows feeding generated tokens, not a prompt's (plan.generated)
-    seq_lens_cpu: torch.Tensor | None = None  # only when some backend needs it (none of ours does)
     # EXTEND, on the device: every token's row, and the last fed token and the row of every sampling row
     token_rows: torch.Tensor | None = None  # [T] int64
     sample_idx: torch.Tensor | None = None  # [S] int64

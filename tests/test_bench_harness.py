@@ -253,7 +253,7 @@ def test_fp8_bench_model_builds_with_fp8_weights_and_computes_their_values():
     """``tiny-fp8`` built as the bench builds it (random weights rounded to FP8 on the device, kept FP8): every
     projection is FP8, and it computes what the same weights dequantized compute."""
     from hylo.bench.run import build_model
-    from hylo.config import replace_fields
+    from dataclasses import replace
     from hylo.ops.fp8 import Fp8Weight
 
     mc = bench_config("tiny-fp8")
@@ -261,7 +261,7 @@ def test_fp8_bench_model_builds_with_fp8_weights_and_computes_their_values():
     fp8 = [n for n, m in lm.model.named_modules() if isinstance(m, Fp8Weight)]
     layers = mc.num_hidden_layers
     assert len(fp8) >= 4 * layers, fp8  # mixer in / out, w13 / w2 or gate_up / down
-    plain = build_model(replace_fields(mc, quantization=replace_fields(mc.quantization, keep=False)), "cpu")
+    plain = build_model(replace(mc, quantization=replace(mc.quantization, keep=False)), "cpu")
     assert not any(isinstance(m, Fp8Weight) for m in plain.model.modules())
     ec = EngineConfig(verbose=False, enable_prefix_caching=False, max_num_seqs=2)
     a = Engine(lm, device="cpu", engine_config=ec).prompt_logits(list(range(3, 40)))

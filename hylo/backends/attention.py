@@ -19,7 +19,6 @@ KV_IN_ROPE = env_flag("HYLO_KV_IN_ROPE", True)
 
 class AttentionBackend(Backend):
     # Grids and gathers are sized from batch.max_seq_len, a host upper bound the scheduler knows.
-    needs_cpu_seq_lens = False
 
     def __init__(self, kv_pool: KVPool, req_slots: ReqSlots):
         self.kv_pool = kv_pool

@@ -2,27 +2,34 @@
 
 from __future__ import annotations
 
-from ..core import ForwardBatch, ForwardMode
+import torch
+
+from ..core import ForwardBatch
 
 
 class Backend:
-    """Metadata hooks of a backend.
-
-    ``needs_cpu_seq_lens`` says whether the backend reads ``batch.seq_lens_cpu``. When no backend in use needs it,
-    the batch carries ``None`` there and nothing computes it: that is what lets the overlapped speculative loop
-    launch step N+1 before it knows how many drafts step N accepted.
-    """
-
-    needs_cpu_seq_lens: bool = False
+    """Metadata hooks of a backend. None of them reads a length back from the device (no backend takes host-side
+    sequence lengths): that is what lets the overlapped speculative loop launch step N+1 before it knows how many
+    drafts step N accepted."""
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         """Prepare per-batch metadata for an eager forward."""
 
-    def init_graph_state(self, max_bs: int, max_tokens: int) -> None:
-        """Allocate the static buffers that captured graphs read."""
-
-    def init_forward_metadata_capture(self, bs: int, mode: ForwardMode) -> None:
-        """Prepare metadata while capturing a graph of batch size ``bs`` (no padding at capture)."""
-
     def init_forward_metadata_replay(self, batch: ForwardBatch) -> None:
         """Refresh the static metadata before a replay; ``batch.num_padding`` rows at the tail are padding."""
+
+
+class LinearStateBackend(Backend):
+    """A backend of linear-attention layers (GDN, Mamba2): its states live in a ``StatePool``, by state slot."""
+
+    def init_forward_metadata_replay(self, batch: ForwardBatch) -> None:
+        """Padded rows get state slot -1: every kernel of these layers skips them (they read zeros and write
+        only their own verify rows)."""
+        if batch.num_padding:
+            batch.state_slots[batch.batch_size - batch.num_padding:] = -1
+
+
+def slot_states(pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """The references' read of ``pool[slots]`` in float32, zeros for state slot -1 (a padded row): [B, ...]."""
+    valid = (slots >= 0).view(-1, *[1] * (pool.dim() - 1))
+    return pool[slots.clamp(min=0)].float() * valid

@@ -21,7 +21,7 @@ from ..core import ForwardBatch, ForwardMode, to_device
 from ..ops import conv1d as conv_ops
 from ..ops import gdn as gdn_ops
 from ..ops.triton_utils import INTERPRET, use_triton
-from .base import Backend
+from .base import LinearStateBackend, slot_states
 
 
 FLA_CHUNK = 64  # the chunk length of fla's chunked gated delta rule (its default), for the chunk index we build
@@ -116,8 +116,7 @@ class PrefillIndex:
         return cls(cu_seqlens_cpu=cu_cpu, all_slots=len(kept) == len(slots), token_row=token_row, **views)
 
 
-class GDNBackend(Backend):
-    needs_cpu_seq_lens = False
+class GDNBackend(LinearStateBackend):
 
     def __init__(self, state_pool: StatePool):
         self.state_pool = state_pool
@@ -134,11 +133,6 @@ class GDNBackend(Backend):
         self._prefill = None
         if self.fast and batch.mode.is_extend:
             self._prefill_index(batch)
-
-    def init_forward_metadata_replay(self, batch: ForwardBatch) -> None:
-        """Padded rows get state slot -1: every GDN kernel skips them (they write only their own verify rows)."""
-        if batch.num_padding:
-            batch.state_slots[batch.batch_size - batch.num_padding:] = -1
 
     def forward(self, layer: int, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, params: GDNParams,
                 shape: GDNShape, batch: ForwardBatch) -> torch.Tensor:
@@ -253,7 +247,7 @@ class GDNBackend(Backend):
                                          pool.verify_ab[layer, :n, 1])
             q, k, v = shape.split(pool.verify_x[layer, :n].view(bs, steps, -1))
             rec = pool.recurrent[layer]
-            rec0 = rec[idx].float() * valid[:, None, None, None]
+            rec0 = slot_states(rec, state_slots)
             _, states = gdn_ops.gdn_verify_ref(q, k, v, g.view(bs, steps, -1), beta.view(bs, steps, -1), rec0)
             final = states[rows, accepted].to(rec.dtype)
             rec[idx] = torch.where(valid[:, None, None, None], final, rec[idx])
@@ -292,10 +286,8 @@ class GDNBackend(Backend):
         every step go to the verify buffers."""
         pool = self.state_pool
         bs, steps = batch.batch_size, batch.tokens_per_row
-        valid = batch.state_slots >= 0
-        idx = batch.state_slots.clamp(min=0)
-        conv0 = conv_pool[idx] * valid[:, None, None]
-        rec0 = rec_pool[idx].float() * valid[:, None, None, None]
+        conv0 = slot_states(conv_pool, batch.state_slots).to(conv_pool.dtype)
+        rec0 = slot_states(rec_pool, batch.state_slots)
         x, conv_states = conv_ops.causal_conv1d_windows_ref(
             mixed_qkv.view(bs, steps, -1), conv0, params.conv_weight)
         q, k, v = shape.split(x)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..core import ForwardBatch, ForwardMode
+from ..core import ForwardBatch
 from .attention import AttentionBackend
 from .base import Backend
 from .gdn import GDNBackend
@@ -29,7 +29,6 @@ class HybridBackend(Backend):
         model_attn = len(self.attn_index)
         for i in range(extra_attn_layers):
             self.attn_index[len(layer_types) + i] = model_attn + i
-        self.needs_cpu_seq_lens = any(c.needs_cpu_seq_lens for c in self.children)
 
     def attention(self, layer_id: int, *args, **kwargs):
         return self.attn.forward(self.attn_index[layer_id], *args, **kwargs)
@@ -50,14 +49,6 @@ class HybridBackend(Backend):
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         for c in self.children:
             c.init_forward_metadata(batch)
-
-    def init_graph_state(self, max_bs: int, max_tokens: int) -> None:
-        for c in self.children:
-            c.init_graph_state(max_bs, max_tokens)
-
-    def init_forward_metadata_capture(self, bs: int, mode: ForwardMode) -> None:
-        for c in self.children:
-            c.init_forward_metadata_capture(bs, mode)
 
     def init_forward_metadata_replay(self, batch: ForwardBatch) -> None:
         for c in self.children:

@@ -32,7 +32,7 @@ from ..core import ForwardBatch, ForwardMode
 from ..ops import conv1d as conv_ops
 from ..ops import mamba2 as ops
 from ..ops.triton_utils import use_triton
-from .base import Backend
+from .base import LinearStateBackend, slot_states
 from .gdn import commit_checkpoints
 
 
@@ -58,8 +58,7 @@ class Mamba2Params:
     chunk_size: int = 128  # the prefill scan's chunk (the result does not depend on it)
 
 
-class Mamba2Backend(Backend):
-    needs_cpu_seq_lens = False
+class Mamba2Backend(LinearStateBackend):
 
     def __init__(self, state_pool: StatePool):
         self.state_pool = state_pool
@@ -79,11 +78,6 @@ class Mamba2Backend(Backend):
             self._plan = (batch, ScanPlan.build(batch.extend_lens_cpu, self.state_pool.recurrent.device, per_segment,
                                                 SCAN_CHUNK, unclamped=batch.generated_rows_cpu))
         return self._plan[1]
-
-    def init_forward_metadata_replay(self, batch: ForwardBatch) -> None:
-        """Padded rows get state slot -1: they read zeros and write nothing (only their own verify rows)."""
-        if batch.num_padding:
-            batch.state_slots[batch.batch_size - batch.num_padding:] = -1
 
     def forward(self, layer: int, xbc: torch.Tensor, dt: torch.Tensor, params: Mamba2Params, shape: Mamba2Spec,
                 batch: ForwardBatch) -> torch.Tensor:
@@ -149,15 +143,12 @@ class Mamba2Backend(Backend):
         pool = self.state_pool
         steps = batch.tokens_per_row
         bs = xbc.shape[0] // steps
-        slots = batch.state_slots
-        valid = (slots >= 0)[:, None, None]
-        idx = slots.clamp(min=0)
-        conv0 = conv_pool[idx].float() * valid
+        conv0 = slot_states(conv_pool, batch.state_slots)
         x, conv_states = conv_ops.causal_conv1d_windows_ref(xbc.view(bs, steps, -1), conv0, params.conv_weight,
                                                             params.conv_bias)
         pool.verify_conv[layer, :bs] = conv_states.to(pool.verify_conv.dtype)
         xs, B, C = split_xbc(shape, x)
-        rec0 = rec_pool[idx].float() * valid[..., None]
+        rec0 = slot_states(rec_pool, batch.state_slots)
         y, states = ops.ssd_verify_ref(xs, ops.discretize(dt.view(bs, steps, -1), params.dt_bias), A, B, C,
                                        params.D, rec0)
         pool.verify_recurrent[layer, :bs] = states.to(pool.verify_recurrent.dtype)

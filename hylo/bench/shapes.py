@@ -22,7 +22,9 @@ head), with their MTP head.
 
 from __future__ import annotations
 
-from ..config import ModelConfig, QuantConfig, replace_fields
+from dataclasses import replace
+
+from ..config import ModelConfig, QuantConfig
 
 BASE_MODELS = ("bench-6b", "qwen3-next-80b", "qwen3.5-9b", "qwen3.5-35b-a3b", "tiny", "tiny-dense")
 MAMBA2_MODELS = ("nemotron-h-8b", "nemotron-3-nano-30b-a3b", "tiny-mamba2")  # no FP8 copies: quantized Mamba2 checkpoints are not served yet
@@ -38,8 +40,8 @@ def check_cpu_shape(model_name: str, device) -> None:
     """A benchmark on the CPU runs only the tiny shapes: a released one (bench-6b is 6 B parameters, float32 on
     the CPU) would fill the machine's memory for minutes before its first record."""
     if str(device) == "cpu" and canonical_name(model_name) not in CPU_MODELS:
-        raise ValueError(f"benchmarking {model_name} needs a CUDA GPU; on the CPU only --model-name "
-                         f"{' / '.join(CPU_MODELS[:2])} run")
+        raise ValueError(f"benchmarking {model_name} needs a CUDA GPU; on the CPU only the tiny shapes run "
+                         f"(--model-name {', '.join(CPU_MODELS)})")
 
 
 def canonical_name(name: str) -> str:
@@ -74,7 +76,7 @@ def bench_config(name: str) -> ModelConfig:
     if name.endswith("-fp8"):
         base = name.removesuffix("-fp8")
         block = (16, 16) if base.startswith("tiny") else (128, 128)
-        return replace_fields(bench_config(base), quantization=QuantConfig("fp8", block, keep=True))
+        return replace(bench_config(base), quantization=QuantConfig("fp8", block, keep=True))
     big_gdn = dict(linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
                    linear_value_head_dim=128)
     tiny_gdn = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,

@@ -13,7 +13,7 @@ SAMPLING_INTS = 5  # the columns of ReqSlots.sampling_i
 
 
 class ReqSlots:
-    """``req_to_token[slot, pos]`` is the KV pool location of position ``pos``; ``req_to_state[slot]`` the state slot.
+    """``req_to_token[slot, pos]`` is the KV pool location of position ``pos`` of the request in ``slot``.
 
     ``last_token[slot]`` and ``seq_len[slot]`` are the device-resident request tables of the overlap loop: the newest
     sampled token (not yet fed) and the tokens committed to the caches. Every step writes them on the device, and
@@ -21,7 +21,7 @@ class ReqSlots:
     step's results.
 
     NOTE: slot 0 is reserved as the padding row. Padded batch rows point at it, its ``req_to_token`` row is all
-    location 0 (the KV pool's dummy location) and its state slot is -1, so a padded row reads nothing real and its
+    location 0 (the KV pool's dummy location) and a padded row's state slot is -1, so a padded row reads nothing real and its
     writes land on dummies.
     """
 
@@ -29,7 +29,6 @@ class ReqSlots:
         self.max_num_seqs = max_num_seqs
         self.max_context = max_context
         self.req_to_token = torch.zeros(max_num_seqs + 1, max_context, dtype=torch.int64, device=device)
-        self.req_to_state = torch.full((max_num_seqs + 1,), -1, dtype=torch.int64, device=device)
         self.last_token = torch.zeros(max_num_seqs + 1, dtype=torch.int64, device=device)
         self.seq_len = torch.zeros(max_num_seqs + 1, dtype=torch.int64, device=device)
         # each request's sampling parameters, written once when its prefill starts: (temperature, top_p) and

@@ -1,4 +1,5 @@
-"""State pool of the linear-attention (GDN) layers: conv windows and recurrent states, by state slot."""
+"""State pool of the linear-attention layers (Gated DeltaNet or Mamba2): conv windows and recurrent states, by state
+slot."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ from ..core import to_device
 
 
 class StatePool:
-    """``conv[num_lin_layers, slots + 1, conv_dim, K - 1]`` and ``recurrent[num_lin_layers, slots + 1, Hv, Dk, Dv]``.
+    """``conv[num_lin_layers, slots + 1, conv_dim, K - 1]`` and ``recurrent[num_lin_layers, slots + 1, H, A, B]``:
+    a GDN layer's ``[Hv, Dk, Dv]`` state per value head, a Mamba2 layer's ``[H, P, N]`` (``ModelConfig.state_dims``).
 
     NOTE: slot 0 is reserved (never handed out): kernels redirect rows whose state slot is -1 to it and write back
     its own contents, so a skipped row changes nothing. A slot is zeroed when it is handed out, so a new request

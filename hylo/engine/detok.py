@@ -10,9 +10,9 @@ from __future__ import annotations
 from ..core import Req
 
 
-def detokenize_step(tokenizer, req: Req, upto: int | None = None) -> str:
-    """Extend ``req.text`` with the text of ``output_ids[:upto]`` not yet emitted; returns the new text."""
-    ids = req.output_ids if upto is None else req.output_ids[:upto]
+def detokenize_step(tokenizer, req: Req) -> str:
+    """Extend ``req.text`` with the text of ``output_ids`` not yet emitted; returns the new text."""
+    ids = req.output_ids
     if len(ids) <= req.detok_read:
         return ""
     before = tokenizer.decode(ids[req.detok_prefix:req.detok_read])

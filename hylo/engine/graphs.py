@@ -1,5 +1,6 @@
-"""CUDA graphs for the fixed-shape passes (DECODE, TARGET_VERIFY, and the MTP head's DRAFT_EXTEND / DRAFT_DECODE),
-captured at a list of batch sizes and replayed with padding.
+"""CUDA graphs for the fixed-shape passes (DECODE, TARGET_VERIFY, and the MTP head's DRAFT_EXTEND / DRAFT_DECODE;
+the speculative worker's whole steps: ``spec_step``, and the plain steps of its adaptive policy), captured at a list
+of batch sizes and replayed with padding.
 
 At replay a batch of ``raw_bs`` rows is padded to the next captured size ``bs``; the runner knows
 ``num_padding = bs - raw_bs`` on the host for free. Nothing on this path reads sequence lengths back from the
@@ -189,7 +190,6 @@ class GraphRunner:
         def make_run(bs):
             batch = st.view(bs, 0, self.max_context)  # capture uses num_padding = 0
             extras = {k: v[:bs * tokens_per_row] for k, v in st.extras.items()}
-            self.backend.init_forward_metadata_capture(bs, mode)
             return lambda: (None, fn(batch, extras))
         self._capture_all(name, st, make_run)
 
@@ -216,7 +216,7 @@ class GraphRunner:
         return _real_outputs(rep.outputs, raw_bs, bs, s)
 
     # ---- staged passes ------------------------------------------------------------------------------------------
-    def capture_staged(self, name: str, mode: ForwardMode, tokens_per_row: int,
+    def capture_staged(self, name: str, tokens_per_row: int,
                        prologue: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], ForwardBatch], fn: Callable,
                        kv_per_row: int) -> None:
         """Capture ``fn(prologue(req_slots, state_slots, kv_triples), {})`` at every size; the prologue builds the
@@ -230,7 +230,6 @@ class GraphRunner:
             req_slots, state_slots, kv = st.views(bs)
             stage.zero_()  # every row padding (request slot 0, state slot -1), every KV triple (0, 0, 0)
             state_slots.fill_(-1)
-            self.backend.init_forward_metadata_capture(bs, mode)
 
             def run():
                 batch = prologue(req_slots, state_slots, kv)

@@ -7,11 +7,11 @@ from __future__ import annotations
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from ..config import ModelConfig, replace_fields
+from ..config import ModelConfig
 from ..layers.weights import DictReader, TensorReader
 from ..models.default import (DEFAULT_MODEL_NAME, DEFAULT_SEED, TRAINED_DEFAULT_NAME, default_model_config,
                               trained_default_path)
@@ -112,7 +112,7 @@ def load_model(path: str | None, dtype: torch.dtype, device: torch.device, progr
                       f"({time.perf_counter() - t0:.1f}s); loading {files.nbytes / 2**30:.1f} GiB", file=sys.stderr,
                       flush=True)
         if mc.quantization is not None and keep_fp8(device):  # FP8 weights stay FP8 in memory (on the GPU)
-            mc = replace_fields(mc, quantization=replace_fields(mc.quantization, keep=True))
+            mc = replace(mc, quantization=replace(mc.quantization, keep=True))
         name = display_name or name
         tokenizer, is_random = load_tokenizer(path), False
     local = local_config(mc, tp.size)
@@ -161,8 +161,9 @@ def print_load_notes(lm: LoadedModel, dtype: torch.dtype) -> None:
     if lm.config.quantization is not None:
         q, dt = lm.config.quantization, str(dtype).removeprefix("torch.")
         fp8 = sum(p.numel() for p in lm.model.parameters() if p.dtype == torch.float8_e4m3fn)
-        how = (f"{fp8 / 1e9:.2f} B weights kept in FP8 ({fp8 / 2**30:.1f} GiB), dequantized by the kernels as "
-               f"they load them" if q.keep else f"weights dequantized to {dt} at load")
+        count = f"{fp8 / 1e9:.2f} B" if fp8 >= 1e8 else f"{fp8 / 1e6:.2f} M"
+        how = (f"{count} weights kept in FP8 ({fp8 / 2**30:.2f} GiB), dequantized by the kernels as they load them"
+               if q.keep else f"weights dequantized to {dt} at load")
         print(f"[hylo] block-FP8 checkpoint ({q.block[0]}x{q.block[1]} blocks): {how}", file=sys.stderr)
 
 

@@ -25,7 +25,6 @@ class ScheduledBatch:
     # millisecond before its first kernel)
     kv_starts: list[tuple[int, int]] = field(default_factory=list)
     kv_locs: list[torch.Tensor] = field(default_factory=list)
-    preempted: list[Req] = field(default_factory=list)
     # rows whose inputs (newest token, and for verify rows the position) come from the device tables
     from_device: list[bool] = field(default_factory=list)
     # rows that feed generated tokens (decoding rows, or a resumed request's outputs computed again): the Mamba2

@@ -66,7 +66,6 @@ class Scheduler:
         self.kv_lookahead = 2 * num_spec_tokens
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []  # in admission order
-        self._arrivals = 0
         self._last_was_prefill = False
 
     # ---- queue ------------------------------------------------------------------------------------------------
@@ -288,8 +287,6 @@ class Scheduler:
             req.extra_ids = []
             req.prompt_logprobs = []  # computed again from the first position (after a preemption too)
             req.decoding = False
-            req.arrival = self._arrivals
-            self._arrivals += 1
             self.running.append(req)
             plan.admitted.append(req)
             if cached:
@@ -362,13 +359,11 @@ class Scheduler:
         while locs is None and pending:
             victim = pending.pop()  # the newest request not yet scheduled in this step
             self._preempt(victim)
-            plan.preempted.append(victim)
             if victim.release_deferred:  # its KV returns when its in-flight step completes: wait for that
                 return False
             locs = kv.alloc(need)
         if locs is None:
             self._preempt(req)
-            plan.preempted.append(req)
             return False
         if need:
             plan.kv_starts.append((req.req_slot, req.num_kv))

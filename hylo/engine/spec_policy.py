@@ -1,5 +1,5 @@
 """When speculation pays: the host-side policy that picks, step by step, whether the decoding rows verify k drafts
-or decode one token plainly (issue 38: speculation that never loses to plain decoding).
+or decode one token plainly, so that speculation never loses to plain decoding.
 
 A verify step costs more than a plain one (k + 1 tokens per row through the target, then the drafts); it pays when
 the rows accept enough drafts. The policy compares the two per generated token:
@@ -22,7 +22,7 @@ Verification needs drafts made by the step before it, so the policy decides one 
 its end (``draft_after``) when the next step is to verify, and a row whose last step drafted nothing decodes plainly
 once more (``Req.has_drafts``). Rows in one step share its width (the captured graphs are plain decode and the
 k + 1 verify); every row of a verify step keeps its k drafts, since a shorter draft costs the step nothing less.
-``fixed`` (``EngineConfig.spec_policy``) verifies at every step, as hylo did before this policy.
+``fixed`` (``EngineConfig.spec_policy``) verifies at every step.
 """
 
 from __future__ import annotations
@@ -45,11 +45,11 @@ class StepChoice:
 
 
 class DraftPolicy:
-    def __init__(self, k: int, adaptive: bool = True, prior_accept: float | None = None):
+    def __init__(self, k: int, adaptive: bool = True):
         self.k = k
         self.adaptive = adaptive
         # a new request is assumed to accept half its drafts until its own verifies say otherwise
-        self.prior_accept = k / 2 if prior_accept is None else prior_accept
+        self.prior_accept = k / 2
         self.costs: dict[tuple[bool, int], float] = {}  # (verify, batch size) -> device ms per step
         self.interval = BASE_INTERVAL
         self.plain_run = 0  # plain steps since the last verify

@@ -2,9 +2,10 @@
 is read, and the reader that dequantizes block-FP8 weights as the layers load them.
 
 Served: block FP8 as Qwen and DeepSeek release it (``quant_method: fp8``, ``weight_block_size: [bn, bk]``,
-float8_e4m3fn weights with a ``<name>_scale_inv`` of one scale per block, dynamic activations). The weights are
-dequantized at load into the compute dtype (the torch reference of ``ops.fp8``), so the model computes what
-transformers computes from the same files. Anything else that is quantized (another method, per-tensor FP8,
+float8_e4m3fn weights with a ``<name>_scale_inv`` of one scale per block, dynamic activations). On the CPU the
+weights are dequantized at load into the compute dtype (the torch reference of ``ops.fp8``), so the model computes
+what transformers computes from the same files; on a GPU they stay FP8 with their scales (``keep_fp8``) and the
+kernels dequantize each block as they load it (``ops.fp8_triton``). Anything else that is quantized (another method, per-tensor FP8,
 static activation scales, UE8M0 scales, or quantized tensors without a ``quantization_config``) is an error that
 names it: a checkpoint hylo cannot run correctly never loads.
 """

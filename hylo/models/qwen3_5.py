@@ -15,12 +15,13 @@ layer), and RoPE is written as multimodal RoPE (``mrope_section``, ``mrope_inter
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from ..backends.gdn import GDNShape
-from ..config import ModelConfig, replace_fields
+from ..config import ModelConfig
 from ..layers.weights import TensorReader
 from .hf_config import eos_ids
 from .hybrid import HybridForCausalLM
@@ -56,7 +57,7 @@ def parse_config(cfg: dict[str, Any]) -> ModelConfig:
         # text_config's flag is not read); the stop ids of both levels apply
         tie = bool(cfg.get("tie_word_embeddings", False))
         eos = tuple(dict.fromkeys(eos_ids(cfg.get("eos_token_id")) + mc.eos_token_ids))
-        mc = replace_fields(mc, tie_word_embeddings=tie, eos_token_ids=eos)
+        mc = replace(mc, tie_word_embeddings=tie, eos_token_ids=eos)
     return mc
 
 
@@ -92,8 +93,3 @@ class Qwen3_5ForCausalLM(HybridForCausalLM):
     @staticmethod
     def text_prefix(r: TensorReader) -> str:
         return "model.language_model" if r.has("model.language_model.embed_tokens.weight") else "model"
-
-
-def vision_tensors(r: TensorReader) -> int:
-    """How many of the checkpoint's tensors belong to the vision tower (which hylo never reads)."""
-    return sum(1 for k in r.keys() if k.startswith(VISION_PREFIX))

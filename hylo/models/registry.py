@@ -10,12 +10,12 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
-from ..config import ModelConfig, replace_fields
+from ..config import ModelConfig
 from . import falcon_h1, granite_hybrid, nemotron_h, qwen3_5, qwen3_next
 from .hf_config import check_config_values, eos_ids
 from .hybrid import HybridForCausalLM
@@ -87,7 +87,7 @@ def parse_config(cfg: dict[str, Any]) -> ModelConfig:
         raise ValueError(f"config.json has no {e.args[0]!r}, which a {family.name} config needs") from None
     except (TypeError, ZeroDivisionError) as e:  # a value of a shape the family's parser cannot read
         raise ValueError(f"config.json: a value the {family.name} config cannot hold ({e})") from None
-    mc = replace_fields(mc, quantization=parse_quantization(cfg))
+    mc = replace(mc, quantization=parse_quantization(cfg))
     if mc.quantization is not None and mc.mamba is not None:
         raise ValueError(f"quantized {family.name} checkpoints are not supported yet (block FP8 is served for the "
                          f"Qwen families only)")
@@ -108,7 +108,7 @@ def untie_where_the_head_differs(mc: ModelConfig, reader) -> ModelConfig:
     print("[hylo] warning: config.json ties the LM head to the embeddings, but the checkpoint holds a different "
           "lm_head.weight: it is used (transformers does the same); set tie_word_embeddings to false to say so",
           file=sys.stderr)
-    return replace_fields(mc, tie_word_embeddings=False)
+    return replace(mc, tie_word_embeddings=False)
 
 
 def read_config(path: str) -> ModelConfig:
@@ -124,7 +124,7 @@ def read_config(path: str) -> ModelConfig:
         if not isinstance(gen, dict):
             raise ValueError(f"{gen_path} must hold a JSON object, got {type(gen).__name__}")
         eos = eos_ids(gen.get("eos_token_id"), "generation_config.json")
-        mc = replace_fields(mc, eos_token_ids=tuple(dict.fromkeys(mc.eos_token_ids + eos)))
+        mc = replace(mc, eos_token_ids=tuple(dict.fromkeys(mc.eos_token_ids + eos)))
         mc.validate()  # its ids inside the vocabulary
     return mc
 

@@ -380,8 +380,3 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
-
-
-def openai_finish_reason(reason: str | None) -> str | None:
-    """hylo's finish reasons are OpenAI's, plus "abort" (a request ended by the server)."""
-    return reason

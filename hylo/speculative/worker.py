@@ -1,8 +1,9 @@
 """The speculative worker: prefill + first drafts, or verify + accept + commit + next drafts, in one step.
 
 It has the plain worker's interface (``run(sched) -> StepResult``), so the engine drives both the same way. The
-committed GDN state is never touched by a verify pass: the GDN backend writes every step's state into the verify
-buffers, and only the checkpoint after the last accepted token is copied into the request's slot.
+committed linear-attention state is never touched by a verify pass: the backend keeps what the verify needs in its
+verify buffers (the step's inputs, or a state checkpoint after every position), and the commit brings each row's
+slot to its last accepted token (``GDNBackend.commit_verified``: the kept inputs replayed, or a checkpoint copied).
 
 Where the drafts do not pay (engine/spec_policy.py) a step decodes one token per row as the plain worker does, and
 the drafter keeps up with it (``after_decode``: the n-gram history, the MTP head's KV of the new position), drafting
@@ -187,8 +188,9 @@ class SpecWorker:
     def _greedy_step(self, batch, extras=None) -> dict[str, torch.Tensor]:
         """A verify step whose rows are all greedy, entirely on the device and fixed-shape, so that it can run as
         one captured graph (``spec_step``) or eagerly: the verify pass, acceptance (simulated when asked), the
-        commit of the accepted states, the request tables, and the drafter's next drafts. Returns the emitted
-        tokens per token ([B * (k+1)]) and the accepted counts per row ([B])."""
+        commit of the accepted states, the request tables, and the drafter's next drafts. Returns ``packed``
+        ([B, k + 2]): each row's emitted tokens, then its count (accepted + 1; 0 for an inert row), what the host
+        reads back."""
         tw, k = self.target, self.k
         bs = batch.batch_size
         hidden = tw.model(batch, tw.backend)
