@@ -15,7 +15,7 @@ from .config import EngineConfig
 from .core import CompletionOutput, RequestOutput
 from .sampling_params import SamplingParams, wrap_int64
 from .launch import create_engine
-from .engine.intake import is_id_vector
+from .engine.intake import check_room, is_id_vector
 
 
 class LLM:
@@ -224,12 +224,7 @@ def _check(eng, prompt, p) -> None:
     if not isinstance(p, SamplingParams):
         raise ValueError(f"sampling params must be SamplingParams, got {type(p).__name__}")
     p.validate()
-    ids = eng.encode_prompt(prompt)
-    room = eng.max_model_len - len(ids)
-    if p.max_tokens > room:
-        raise ValueError(f"max_tokens is {p.max_tokens}, but the prompt has {len(ids)} tokens and the "
-                         f"context limit (max_model_len) is {eng.max_model_len}: at most {room} "
-                         f"tokens fit")
+    check_room(eng.max_model_len, len(eng.encode_prompt(prompt)), p.max_tokens)
     eng.check_token_ids(p)
     if p.constraint is not None:
         eng.compile_constraint(p.constraint)  # (cached: add_request finds it compiled)

@@ -23,7 +23,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--chunk-size", type=int, default=d.chunk_size, help="prefill tokens per step (default %(default)s)")
     g.add_argument("--kv-cache-tokens", type=int, default=None, help="KV pool size in tokens (default: from the memory budget)")
     g.add_argument("--memory-budget-gb", type=float, default=None, help="cache memory budget in GiB (default: CPU 2, CUDA 90%% of free memory less 2)")
-    g.add_argument("--state-dtype", default=d.state_dtype, help="GDN recurrent state dtype (default float32)")
+    g.add_argument("--state-dtype", default=d.state_dtype,
+                   help="recurrent state dtype of the linear-attention layers (default float32)")
     g.add_argument("--speculative", choices=["mtp", "ngram"], default=None,
                    help="speculative decoding: the checkpoint's MTP head, or n-gram prompt lookup")
     g.add_argument("--num-speculative-tokens", type=int, default=None,
@@ -56,6 +57,11 @@ def _engine_options(args) -> dict:
     if spec and args.speculative is None:
         flag = "--" + next(iter(spec)).replace("_", "-")
         raise ValueError(f"{flag} tunes speculative decoding: give --speculative mtp or ngram too")
+    if not args.enable_prefix_caching:
+        tuned = [f for f in ("prefix_state_interval", "prefix_snapshots") if getattr(args, f) is not None]
+        if tuned:
+            raise ValueError(f"--{tuned[0].replace('_', '-')} tunes the prefix cache, which --no-prefix-caching "
+                             f"turns off: give one of them")
     return dict(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, chunk_size=args.chunk_size,
                 kv_cache_tokens=args.kv_cache_tokens, memory_budget_gb=args.memory_budget_gb,
                 state_dtype=args.state_dtype, speculative=args.speculative,
@@ -276,11 +282,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="constrain the output to a Lark or GBNF grammar (text, or @FILE; matched on the host)")
     _add_engine_args(g)
     g.set_defaults(func=_generate)
-    b = sub.add_parser("bench", help="benchmark on the GPU (random-weight benchmark model, no checkpoint)")
+    b = sub.add_parser("bench", help="benchmark on the GPU (random-weight benchmark model, no checkpoint; on a CPU "
+                                     "the tiny shapes only)")
     b.add_argument("--model-name", default="bench-6b", choices=BENCH_MODELS + tuple(ALIASES), metavar="NAME",
                    help="benchmark model (random weights at a real shape): bench-6b, qwen3.5-9b, qwen3.5-35b-a3b, "
-                        "or qwen3-next-80b (also qwen3-next-80b-a3b; needs --tensor-parallel-size), each also with -fp8 (block-FP8 "
-                        "projections kept FP8: qwen3-next-80b-fp8 fits one H200); default %(default)s")
+                        "or qwen3-next-80b (also qwen3-next-80b-a3b; needs --tensor-parallel-size), each also with -fp8 "
+                        "(block-FP8 projections kept FP8: qwen3-next-80b-fp8 fits one H200); the Mamba2 shapes "
+                        "nemotron-h-8b and nemotron-3-nano-30b-a3b; on a CPU the tiny shapes tiny, tiny-dense, "
+                        "tiny-mamba2 (tiny and tiny-dense also with -fp8); default %(default)s")
     b.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="also time decode sharded across this many GPUs (and the collectives' share)")
     b.add_argument("--vs-hf", action="store_true", help="also time HF transformers generate on the same weights")

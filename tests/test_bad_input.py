@@ -176,6 +176,9 @@ def test_cli_generate_and_cli_errors():
     for flag, value in (("--num-speculative-tokens", "5"), ("--spec-policy", "fixed"), ("--spec-commit", "replay")):
         alone = subprocess.run(run + ["x", flag, value], capture_output=True, text=True, timeout=120)
         assert alone.returncode == 2 and f"{flag} tunes speculative decoding" in alone.stderr, alone.stderr
+    off = subprocess.run(run + ["x", "--no-prefix-caching", "--prefix-snapshots", "4"], capture_output=True, text=True,
+                         timeout=120)
+    assert off.returncode == 2 and "--prefix-snapshots tunes the prefix cache" in off.stderr, off.stderr
 
 
 def test_a_malformed_tuning_variable_is_one_cli_line():

@@ -82,6 +82,9 @@ def child_prefill(tokens: int, model_name: str) -> None:
 
 
 def main() -> None:
+    from gpu_only import require
+
+    require("tools/ab_decode.py", modules=())
     ap = argparse.ArgumentParser()
     ap.add_argument("--variant", action="append", default=[],
                     help="NAME:VAR=VALUE,VAR=VALUE (environment of that variant; 'base:' for none)")
@@ -109,6 +112,7 @@ def main() -> None:
     child_path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
     best: dict[str, list[dict]] = {}
     every: list[dict] = []
+    failed: set[str] = set()
     os.makedirs(args.out, exist_ok=True)
     kind = "prefill" if args.prefill else "decode"
     path = os.path.join(args.out, f"ab-{kind}-{time.strftime('%Y%m%d-%H%M%S')}.json")
@@ -126,6 +130,7 @@ def main() -> None:
             line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("AB_ROWS ")), None)
             if line is None:
                 print(f"{name}: failed (rc {proc.returncode})\n{proc.stderr[-3000:]}", flush=True)
+                failed.add(name)
                 continue
             rows = json.loads(line[len("AB_ROWS "):])
             every.append({"round": rnd + 1, "variant": name, "rows": rows})
@@ -146,8 +151,12 @@ def main() -> None:
             continue
         print(f"  {name:>12}: " + ", ".join(f"bs{r['batch_size']} {r['ms_per_step']:.3f} / graph {r['graph_ms']:.3f} "
                                             f"({r['graph_ms'] / r['floor_ms']:.2f}x)" for r in rows))
-    save()
-    print(f"wrote {path}")
+    if every:
+        save()
+        print(f"wrote {path}")
+    if failed:
+        print(f"error: variant{'s' * (len(failed) > 1)} {', '.join(sorted(failed))} failed", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -136,6 +136,9 @@ def compile_all(path: str, arch: int) -> int:
 
 
 def main() -> int:
+    from gpu_only import require
+
+    require("tools/compile_check.py", cuda=False)
     ap = argparse.ArgumentParser()
     ap.add_argument("--checkpoint", default=None)
     ap.add_argument("--spec", default=None, choices=[None, "mtp", "ngram"])

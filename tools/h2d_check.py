@@ -11,6 +11,9 @@ import torch
 
 
 def main() -> None:
+    from gpu_only import require
+
+    require("tools/h2d_check.py", modules=())
     dev = torch.device("cuda")
     dst = torch.empty(64, dtype=torch.int64, device=dev)
     host = torch.arange(64)

@@ -118,6 +118,9 @@ def time_check(path: str) -> None:
 
 
 def main():
+    from gpu_only import require
+
+    require("tools/header_only_checkpoint.py", cuda=False, modules=("transformers",))
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("--model-name", default="qwen3-next-80b-a3b-fp8")

@@ -27,6 +27,9 @@ from hylo.speculative.setup import SpecSetup
 
 
 def main():
+    from gpu_only import require
+
+    require("tools/profile_step.py", modules=())
     ap = argparse.ArgumentParser()
     ap.add_argument("--bs", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--prefill", type=int, default=0, help="profile one prefill of this many tokens instead")

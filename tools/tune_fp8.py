@@ -17,11 +17,15 @@ import argparse
 import json
 import os
 
-import torch
+from gpu_only import require
 
-from hylo.ops import moe_triton as M
-from hylo.ops.fp8 import Fp8Weight, quantize_fp8_block
-from tune_common import COPY_TBPS, kernel_split, overall_winner, routed_ids, sweep
+require("tools/tune_fp8.py")  # one line, not a traceback, where there is no CUDA GPU or no Triton
+
+import torch  # noqa: E402
+
+from hylo.ops import moe_triton as M  # noqa: E402
+from hylo.ops.fp8 import Fp8Weight, quantize_fp8_block  # noqa: E402
+from tune_common import COPY_TBPS, kernel_split, overall_winner, routed_ids, sweep  # noqa: E402
 
 H, I, BLOCK = 2048, 512, (128, 128)
 SHAPES = {"35b": (256, 8), "80b": (512, 10)}  # (routed experts, routed per token); plus one shared expert

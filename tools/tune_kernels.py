@@ -16,17 +16,21 @@ import itertools
 import json
 import os
 
-import torch
-import triton
+from gpu_only import require
 
-from hylo.bench.floors import measure_matmul_rate
-from hylo.ops import moe_grouped_mm as G
-from hylo.ops import moe_pairs_triton as MP
-from hylo.ops import moe_triton as M
-from tune_common import (COPY_TBPS, E, H, I, LAYERS, TOP_K, kernel_split, overall_winner, routed_ids, sweep,
-                         time_eager)
-from tune_gdn import time_sampling, tune_conv_prefill, tune_steps
-from tune_gemv import tune_fma, tune_gates, tune_gemv, tune_split
+require("tools/tune_kernels.py")  # one line, not a traceback, where there is no CUDA GPU or no Triton
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+from hylo.bench.floors import measure_matmul_rate  # noqa: E402
+from hylo.ops import moe_grouped_mm as G  # noqa: E402
+from hylo.ops import moe_pairs_triton as MP  # noqa: E402
+from hylo.ops import moe_triton as M  # noqa: E402
+from tune_common import (COPY_TBPS, E, H, I, LAYERS, TOP_K, kernel_split, overall_winner, routed_ids,  # noqa: E402
+                         sweep, time_eager)
+from tune_gdn import time_sampling, tune_conv_prefill, tune_steps  # noqa: E402
+from tune_gemv import tune_fma, tune_gates, tune_gemv, tune_split  # noqa: E402
 
 
 def main():

@@ -11,6 +11,19 @@ import torch
 from ..sampling_params import SamplingParams
 
 
+class ContextLengthError(ValueError):
+    """A prompt, or a prompt and its output limit, longer than the context (OpenAI's ``context_length_exceeded``)."""
+
+
+def check_room(max_model_len: int, prompt_len: int, max_tokens: int, field: str = "max_tokens") -> None:
+    """An output limit (``field``) that the context left after the prompt cannot hold is refused, naming both
+    numbers: it is never clamped silently."""
+    room = max_model_len - prompt_len
+    if max_tokens > room:
+        raise ContextLengthError(f"{field} is {max_tokens}, but the prompt has {prompt_len} tokens and the context "
+                                 f"limit (max_model_len) is {max_model_len}: at most {room} tokens fit")
+
+
 def encode_prompt(prompt, tokenizer, vocab_size: int, max_model_len: int,
                   add_special_tokens: bool = True) -> list[int]:
     """Token ids of a prompt (a string or token ids), validated: non-empty, inside the vocabulary, shorter than the
@@ -37,7 +50,7 @@ def encode_prompt(prompt, tokenizer, vocab_size: int, max_model_len: int,
             raise ValueError(f"prompt token id {t} at position {i} is out of vocabulary "
                              f"(ids are 0..{vocab_size - 1})")
     if len(ids) >= max_model_len:
-        raise ValueError(f"prompt has {len(ids)} tokens, but the context limit (max_model_len) is "
+        raise ContextLengthError(f"prompt has {len(ids)} tokens, but the context limit (max_model_len) is "
                          f"{max_model_len}: it must be shorter to leave room for output")
     return ids
 

@@ -18,6 +18,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.engine import Engine
+from ..engine.intake import ContextLengthError, check_room
 from ..tokenizer import CHATML_TEMPLATE, ChatTemplateError
 from .engine_thread import EngineThread
 from .metrics import Metrics
@@ -326,13 +327,13 @@ def _version() -> str:
 
 def _check_room(engine: Engine, prompt: list[int], max_tokens: int, explicit: bool,
                 field: str = "max_tokens") -> None:
-    """An output limit (``field``: max_tokens or max_completion_tokens) that the context cannot hold is refused,
-    naming both numbers (never clamped silently)."""
-    room = engine.max_model_len - len(prompt)
-    if explicit and max_tokens > room:
-        raise APIError(f"{field} is {max_tokens}, but the prompt has {len(prompt)} tokens and the context limit "
-                       f"(max_model_len) is {engine.max_model_len}: at most {room} tokens fit",
-                       param=field, code="context_length_exceeded")
+    """An output limit (``field``: max_tokens or max_completion_tokens) given explicitly that the context cannot
+    hold (``intake.check_room``)."""
+    if explicit:
+        try:
+            check_room(engine.max_model_len, len(prompt), max_tokens, field)
+        except ContextLengthError as e:
+            raise APIError(str(e), param=field, code="context_length_exceeded") from None
 
 
 def _check_token_ids(engine: Engine, params) -> None:
@@ -348,6 +349,5 @@ def _encode(engine: Engine, prompt, add_special_tokens: bool = True, field: str 
     try:
         return engine.encode_prompt(prompt, add_special_tokens=add_special_tokens)
     except ValueError as e:
-        msg = str(e)
-        code = "context_length_exceeded" if "context limit" in msg else None
-        raise APIError(msg, param=field, code=code) from None
+        code = "context_length_exceeded" if isinstance(e, ContextLengthError) else None
+        raise APIError(str(e), param=field, code=code) from None

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import random
+import sys
 import time
 
 
@@ -82,6 +84,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--api-key", default=None)
     ap.add_argument("--model", default=None)
     args = ap.parse_args(argv)
+    if importlib.util.find_spec("httpx") is None:
+        print("error: the load test needs httpx: pip install httpx (or bash scripts/setup.sh client)",
+              file=sys.stderr)
+        return 2
     report = asyncio.run(run_load(args.url, args.requests, args.concurrency, args.max_tokens, args.api_key,
                                   args.model))
     print(json.dumps(report, indent=1))

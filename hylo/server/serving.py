@@ -218,7 +218,7 @@ def _choice(index: int, r: Delta, prompt: list[int], body, chat: bool, fmt: Form
             content, calls = parse_calls(r.text, tools)
             if calls:
                 message = {"role": "assistant", "content": content, "tool_calls": calls}
-                finish = "tool_calls" if finish == "stop" else finish
+                finish = tools.finish_reason(finish)
         choice = {"index": index, "message": message,
                   "logprobs": fmt.chat(r.token_ids, r.logprobs) if want_lp else None,
                   "finish_reason": finish, "stop_reason": r.stop_reason}
@@ -313,7 +313,7 @@ async def _stream(runner: EngineThread, rid: str, created: int, model: str, obj:
         if not calls:
             return delta, d.finish_reason
         delta["tool_calls"] = [dict(c, index=j) for j, c in enumerate(calls)]
-        return delta, "tool_calls" if d.finish_reason == "stop" else d.finish_reason
+        return delta, tools.finish_reason(d.finish_reason)
 
     def current_usage():
         done = sum(completion.values())

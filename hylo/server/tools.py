@@ -37,6 +37,11 @@ class Tools:
     parallel: bool
     call_format: str
 
+    def finish_reason(self, finish: str | None) -> str | None:
+        """A choice's finish reason once its output parsed into calls: "tool_calls" where it stopped by itself, as
+        OpenAI (and vLLM) answer, except for a named function, which the request forced: "stop" stays."""
+        return "tool_calls" if finish == "stop" and self.choice in ("auto", "required") else finish
+
     def constraint(self) -> Constraint | None:
         """With ``required`` or a named function: the calls the output must consist of (one, or several with
         parallel calls); None with ``auto``."""
