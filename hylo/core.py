@@ -304,6 +304,11 @@ def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     return pin(t).to(device, non_blocking=True)
 
 
+def host_tensor_to(values, device: torch.device | str, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """Host values (a list, or nested lists) as a tensor on ``device``, by ``to_device``."""
+    return to_device(torch.tensor(values, dtype=dtype), device)
+
+
 def pin(t: torch.Tensor) -> torch.Tensor:
     """A pinned copy of the host tensor ``t``, from torch's caching host allocator, which reuses the block only
     after the copies that read it (events it records) have completed."""

@@ -198,7 +198,7 @@ class GDNBackend(LinearStateBackend):
 
         pool = self.state_pool
         verify = batch.mode is ForwardMode.TARGET_VERIFY
-        keep = verify and self._keeps_inputs(layer, params, shape)
+        keep = verify and self._note_verify_layer(layer, params, shape)
         steps, n = batch.tokens_per_row, mixed_qkv.shape[0]
         # keeping inputs, the conv writes its output straight into the verify buffer the replay reads
         x = conv_steps(mixed_qkv, params.conv_weight, conv_pool, batch.state_slots, steps,
@@ -208,8 +208,9 @@ class GDNBackend(LinearStateBackend):
                          pool.verify_recurrent[layer] if verify and not keep else None,
                          keep_ab=pool.verify_ab[layer] if keep else None)
 
-    def _keeps_inputs(self, layer: int, params: GDNParams, shape: GDNShape) -> bool:
-        """Whether verifies keep inputs for a replay commit; if so, note what the commit needs of this layer."""
+    def _note_verify_layer(self, layer: int, params: GDNParams, shape: GDNShape) -> bool:
+        """Note what the replay commit needs of this verifying layer (its gate parameters, the shape) and say
+        whether verifies keep inputs for that commit at all (False: the state checkpoints are kept instead)."""
         if self.state_pool.verify_x is None:
             return False
         old = self._layer_params.get(layer)
@@ -293,7 +294,7 @@ class GDNBackend(LinearStateBackend):
         q, k, v = shape.split(x)
         o, rec_states = gdn_ops.gdn_verify_ref(q, k, v, g.view(bs, steps, -1), beta.view(bs, steps, -1), rec0)
         pool.verify_conv[layer, :bs] = conv_states.to(pool.verify_conv.dtype)
-        if self._keeps_inputs(layer, params, shape):
+        if self._note_verify_layer(layer, params, shape):
             n = bs * steps
             pool.verify_x[layer, :n] = x.reshape(n, -1).to(pool.verify_x.dtype)
             pool.verify_ab[layer, :n, 0] = a

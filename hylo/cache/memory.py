@@ -11,6 +11,12 @@ from .kv_pool import KVPool
 from .req_slots import ReqSlots
 from .state_pool import StatePool
 
+
+def positions_ahead(k: int) -> int:
+    """The KV positions a decoding request reserves past its last token with ``k`` speculative tokens: a verify
+    row feeds positions c..c+k, and the k - 1 drafts chained after it reach c + 2k - 1."""
+    return 2 * k
+
 _GIB = 1 << 30
 CPU_DEFAULT_BUDGET_GB = 2.0
 CUDA_FREE_FRACTION = 0.9
@@ -110,14 +116,14 @@ def allocate_caches(mc: ModelConfig, ec: EngineConfig, dtype: torch.dtype, devic
                 + ", or raise memory_budget_gb")
         kv_tokens = (budget - state_bytes) // max(kv_bytes_per_token, 1)
         # no more than every slot at the context limit, with the positions its drafts reserve past it
-        kv_tokens = int(min(kv_tokens, ec.max_num_seqs * (len_limit + 2 * k)))
+        kv_tokens = int(min(kv_tokens, ec.max_num_seqs * (len_limit + positions_ahead(k))))
     need = kv_tokens * kv_bytes_per_token + state_bytes
     free = _free_bytes(device)
     if free is not None and need > free:  # an explicit kv_cache_tokens (or a budget) past what the device has
         raise ValueError(f"the caches need {need / _GIB:.1f} GiB (a KV pool of {kv_tokens} tokens and the state "
                          f"pool), more than the {free / _GIB:.1f} GiB free on {device}: lower kv_cache_tokens, "
                          f"memory_budget_gb or max_num_seqs")
-    ahead = 2 * k  # a request at the limit still reserves its draft positions past it
+    ahead = positions_ahead(k)  # a request at the limit still reserves its draft positions past it
     if ec.max_model_len is not None and ec.max_model_len + ahead > kv_tokens:
         raise ValueError(f"max_model_len={ec.max_model_len} does not fit the KV pool of {kv_tokens} tokens"
                          + (f" with the {ahead} positions {k} speculative tokens reserve past it" if k else "")
@@ -132,7 +138,7 @@ def allocate_caches(mc: ModelConfig, ec: EngineConfig, dtype: torch.dtype, devic
             raise ValueError(f"the KV pool of {kv_tokens} tokens is too small for {k} speculative tokens")
     caches = Caches(
         # columns past max_model_len: positions a verify pass and its drafts reserve ahead of the last token
-        req_slots=ReqSlots(ec.max_num_seqs, max_model_len + 2 * k + 1, device),
+        req_slots=ReqSlots(ec.max_num_seqs, max_model_len + ahead + 1, device),
         kv_pool=KVPool(n_attn, kv_tokens, mc.num_key_value_heads, mc.head_dim, dtype, device),
         state_pool=StatePool(n_lin, ec.max_num_seqs + snapshots, *dims, dtype, state_dtype, device),
         max_model_len=max_model_len,

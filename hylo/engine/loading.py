@@ -16,7 +16,7 @@ from ..layers.weights import DictReader, TensorReader
 from ..models.default import (DEFAULT_MODEL_NAME, DEFAULT_SEED, TRAINED_DEFAULT_NAME, default_model_config,
                               trained_default_path)
 from ..models.hub import looks_like_repo_id, resolve as resolve_model
-from ..models.hybrid import HybridForCausalLM
+from ..models.causal_lm import CausalLM
 from ..models.loader import HeaderReader, SafetensorsReader
 from ..models.quant import keep_fp8, quantized_reader
 from ..models.random_init import random_checkpoint
@@ -71,7 +71,7 @@ HEADER_CHECK_MIN_BYTES = 1 << 30
 class LoadedModel:
     name: str
     config: ModelConfig
-    model: HybridForCausalLM
+    model: CausalLM
     reader: TensorReader
     tokenizer: object | None
     is_random: bool

@@ -8,7 +8,6 @@ import torch
 from ..core import Req, TokenLogprobs
 from .detok import detokenize_step, find_stop_string
 from .plan import ScheduledBatch
-from .worker import prompt_logprob_spans
 
 
 def append_token(req: Req, token: int, eos_ids: set[int], tokenizer, max_model_len: int) -> str | None:
@@ -51,7 +50,7 @@ def apply_prompt_logprobs(sched: ScheduledBatch, values: list[list[float]]) -> N
     """Each prefill chunk's prompt log probabilities into its request's list (the first prompt token has none:
     nothing precedes it)."""
     at = 0
-    spans = prompt_logprob_spans(sched)
+    spans = sched.prompt_logprob_spans()
     top_n = max((sched.reqs[j].params.prompt_logprobs for j, _, _ in spans), default=0)
     for i, _, count in spans:
         req, wanted = sched.reqs[i], sched.reqs[i].params.prompt_logprobs

@@ -55,6 +55,18 @@ class ScheduledBatch:
         run, cols = expand_runs(torch.cat([counts.new_zeros(1), counts.cumsum(0)]), firsts, locs.numel())
         return torch.stack([slots[run], cols, locs])
 
+    def prompt_logprob_spans(self) -> list[tuple[int, int, int]]:
+        """(row, first position, positions) of the fed prompt positions whose next token is a prompt token, for the
+        prefill rows of requests that asked for prompt log probabilities."""
+        out = []
+        for i, (req, n, p, dev) in enumerate(zip(self.reqs, self.extend_lens, self.prefix_lens, self.from_device)):
+            if dev or req.params.prompt_logprobs is None:
+                continue
+            count = min(p + n, len(req.prompt_ids) - 1) - p
+            if count > 0:
+                out.append((i, p, count))
+        return out
+
 
 def expand_runs(offsets: torch.Tensor, firsts: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Runs laid end to end: run r covers the entries [offsets[r], offsets[r + 1]) and counts up from firsts[r].

@@ -34,7 +34,7 @@ from collections import deque
 
 import torch
 
-from ..cache.memory import Caches
+from ..cache.memory import Caches, positions_ahead
 from ..cache.prefix_cache import PrefixCache
 from ..config import EngineConfig
 from ..core import ForwardMode, Req, ReqStatus
@@ -63,7 +63,7 @@ class Scheduler:
         self.reuse = (PrefixReuse(prefix_cache, ec.prefix_state_interval or ec.chunk_size)
                       if prefix_cache is not None else None)
         # an upper bound of the positions reserved past the fed tokens (see _kv_end)
-        self.kv_lookahead = 2 * num_spec_tokens
+        self.kv_lookahead = positions_ahead(num_spec_tokens)
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []  # in admission order
         self._last_was_prefill = False
@@ -216,12 +216,14 @@ class Scheduler:
             return None
         rows = [r for r in decoding if not self._surely_done(r)] or decoding
         choice = self.policy.choose(rows)
-        if self.host_matching and any(r.host_matched for r in decoding):
-            choice = StepChoice(False, False)  # a host-matched grammar's mask needs each token before the next
         if not choice.verify and all(r.has_drafts for r in rows) and any(map(self._may_end_in_flight, rows)):
             # a verify in flight may end one of them: verify again (a row past its request's end is inert there,
             # where a plain step would compute a token past it) rather than hold the row back for a step
             choice = StepChoice(True, True)
+        if self.host_matching and any(r.host_matched for r in decoding):
+            # last, over everything: a host-matched grammar's mask needs each token before the next (and no verify
+            # is in flight then, the engine having read it first)
+            choice = StepChoice(False, False)
         plan = self._schedule(self.running, prefill=False, decode=True, decode_len=self.k + 1 if choice.verify else 1)
         if plan is not None:
             plan.mode = ForwardMode.TARGET_VERIFY if choice.verify else ForwardMode.DECODE
@@ -335,13 +337,12 @@ class Scheduler:
 
     def _kv_end(self, req: Req, n: int, is_decode: bool, c: int) -> int:
         """Positions (exclusive) that need KV locations before a step that feeds ``n`` tokens after ``c`` computed
-        ones: the fed tokens and, with speculation, the positions written ahead of them. A verify row feeds
-        positions c..c+k and the k - 1 chained drafts after it reach c + 2k - 1; the last prefill chunk's chained
-        drafts reach k - 1 past it."""
+        ones: the fed tokens and, with speculation, the positions written ahead of them (``positions_ahead`` for a
+        decoding row; the last prefill chunk's chained drafts reach k - 1 past it)."""
         end = c + n
         if self.k:
             if is_decode:
-                end = c + 2 * self.k
+                end = c + self.kv_lookahead
             elif end == req.num_tokens:
                 end += self.k - 1
         return end

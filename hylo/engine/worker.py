@@ -12,8 +12,8 @@ from ..backends.hybrid import HybridBackend
 from ..backends.mamba2 import Mamba2Backend
 from ..cache.memory import Caches
 from ..cache.req_slots import SAMPLING_INTS
-from ..core import ForwardBatch, ForwardMode, SamplingBatch, to_device
-from ..models.hybrid import HybridForCausalLM
+from ..core import ForwardBatch, ForwardMode, SamplingBatch, host_tensor_to, to_device
+from ..models.causal_lm import CausalLM
 from ..ops.logits import apply_penalties, token_logprobs
 from ..ops.sampling import sample
 from ..ops.triton_utils import use_triton
@@ -60,19 +60,6 @@ def all_greedy(reqs) -> bool:
                and r.automaton is None for r in reqs)
 
 
-def prompt_logprob_spans(sched: ScheduledBatch) -> list[tuple[int, int, int]]:
-    """(row, first position, positions) of the fed prompt positions whose next token is a prompt token, for the
-    prefill rows of requests that asked for prompt log probabilities."""
-    out = []
-    for i, (req, n, p, dev) in enumerate(zip(sched.reqs, sched.extend_lens, sched.prefix_lens, sched.from_device)):
-        if dev or req.params.prompt_logprobs is None:
-            continue
-        count = min(p + n, len(req.prompt_ids) - 1) - p
-        if count > 0:
-            out.append((i, p, count))
-    return out
-
-
 def pack_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top_n: int) -> torch.Tensor:
     """[B, W, 1 + 2N] float32: the tokens' log probabilities under the raw ``logits`` [B * W, V], the top N."""
     rows, width = tokens.shape
@@ -80,12 +67,8 @@ def pack_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top_n: int) -> tor
     return torch.cat([chosen[:, None], vals, ids.float()], dim=1).view(rows, width, 1 + 2 * top_n)
 
 
-def _dev(values, device, dtype=torch.int64) -> torch.Tensor:
-    return to_device(torch.tensor(values, dtype=dtype), device)
-
-
 class ModelWorker:
-    def __init__(self, model: HybridForCausalLM, caches: Caches, device: torch.device, extra_attn_layers: int = 0,
+    def __init__(self, model: CausalLM, caches: Caches, device: torch.device, extra_attn_layers: int = 0,
                  vocab_size: int | None = None, eos_ids=()):
         self.model = model
         self.caches = caches
@@ -113,7 +96,7 @@ class ModelWorker:
         max_seq_len = max(p + n for p, n in zip(sched.prefix_lens, sched.extend_lens))
         if all(sched.from_device):  # DECODE / TARGET_VERIFY: everything comes from the device tables
             slots.write_locations(sched.kv_triples())
-            req_slots, state_slots = _dev([[r.req_slot for r in sched.reqs], [r.state_slot for r in sched.reqs]],
+            req_slots, state_slots = host_tensor_to([[r.req_slot for r in sched.reqs], [r.state_slot for r in sched.reqs]],
                                           dev)  # one copy for both
             return self.table_batch(sched.mode, sched.extend_lens[0], req_slots, state_slots, max_seq_len, drafts,
                                     input_ids)
@@ -266,9 +249,9 @@ class ModelWorker:
     def prompt_logprobs(self, sched: ScheduledBatch, hidden: torch.Tensor) -> torch.Tensor | None:
         """For the prefill rows whose requests asked for prompt log probabilities: at every fed position that is
         followed by another prompt token, that token's log probability, the top N and the token's rank in the
-        vocabulary ([P, 1 + 2N + 1] in row order, ``prompt_logprob_spans`` says which rows and positions). None
+        vocabulary ([P, 1 + 2N + 1] in row order, ``ScheduledBatch.prompt_logprob_spans`` says which rows and positions). None
         when no row asked."""
-        spans = prompt_logprob_spans(sched)
+        spans = sched.prompt_logprob_spans()
         if not spans:
             return None
         top_n = max(sched.reqs[i].params.prompt_logprobs for i, _, _ in spans)

@@ -23,6 +23,7 @@ from ..layers.weights import TensorReader, copy_into, fp8_block_of
 from ..ops.norm import add_rms_norm
 from ..parallel.group import SINGLE, TPGroup
 from ..progress import progress as progress_of
+from .causal_lm import CausalLM
 
 # (reader, tensor prefix of the layer's mixer, its shape, hidden size) -> the fused [q | k | v | z | b | a] rows
 InProjReader = Callable[[TensorReader, str, GDNShape, int], torch.Tensor]
@@ -68,24 +69,17 @@ class DecoderLayer(nn.Module):
         self.mlp.load(r, f"{prefix}.mlp")
 
 
-class HybridForCausalLM(nn.Module):
-    """The target model. Subclasses set ``family`` and implement ``read_in_proj`` (and ``text_prefix`` where the
-    text model's tensors are not under ``model.``)."""
+class HybridForCausalLM(CausalLM):
+    """The Qwen families' model: GDN or gated attention per layer, each followed by a MoE or an MLP. Subclasses set
+    ``family`` and implement ``read_in_proj`` (and ``text_prefix`` where the text model's tensors are not under
+    ``model.``)."""
 
     family = "hybrid"
 
     def __init__(self, mc: ModelConfig, dtype: torch.dtype, device=None, tp: TPGroup = SINGLE):
-        """``mc``: the config of this rank's shard (``parallel.sharding.local_config``); ``tp``: its group."""
-        super().__init__()
-        self.config = mc
-        self.dtype = dtype
-        self.tp = tp
-        kw = dict(dtype=dtype, device=device)
-        self.embed = nn.Parameter(torch.empty(mc.vocab_size, mc.hidden_size, **kw), requires_grad=False)
+        super().__init__(mc, dtype, device, tp)
         self.layers = nn.ModuleList(DecoderLayer(mc, i, dtype, device, tp=tp) for i in range(mc.num_hidden_layers))
         self.norm = RMSNorm(mc.hidden_size, mc.rms_norm_eps, dtype, device)
-        self.lm_head = (self.embed if mc.tie_word_embeddings
-                        else nn.Parameter(torch.empty(mc.vocab_size, mc.hidden_size, **kw), requires_grad=False))
 
     def forward(self, batch: ForwardBatch, backend) -> torch.Tensor:
         """Returns the final hidden states (after the final norm), [T, hidden]."""
@@ -96,7 +90,7 @@ class HybridForCausalLM(nn.Module):
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.embedding(ids, self.embed)
+            return super().embed_tokens(ids)
         # vocab-parallel: each rank looks up the ids in its slice, zeros elsewhere; the sum is the embedding
         rows = self.embed.shape[0]
         local = ids - self.tp.rank * rows
@@ -105,10 +99,7 @@ class HybridForCausalLM(nn.Module):
         return self.tp.all_reduce(out)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits in the activations' dtype: the greedy argmax reads them as they are (a cast to float32 is exact,
-        so it would pick the same tokens: at batch 256 the cast alone moved 233 MB per step), and sampling casts
-        them itself."""
-        return self.tp.all_gather_last(F.linear(hidden, self.lm_head))
+        return self.tp.all_gather_last(super().compute_logits(hidden))  # (each rank holds a slice of the vocabulary)
 
     # ---- loading -------------------------------------------------------------------------------------------------
     @staticmethod
@@ -127,10 +118,7 @@ class HybridForCausalLM(nn.Module):
 
     def load(self, r: TensorReader, progress: bool = False) -> None:
         mc, p = self.config, self.text_prefix(r)
-        shape = (mc.vocab_size, mc.hidden_size)
-        copy_into(self.embed, r.get(self.embed_name(r), shape))
-        if not mc.tie_word_embeddings:
-            copy_into(self.lm_head, r.get("lm_head.weight", shape))
+        self.load_embeddings(r)
         for i, layer in enumerate(progress_of(self.layers, "loading layers", enabled=progress, unit="layers")):
             layer.load(r, f"{p}.layers.{i}", self.read_in_proj)
         copy_into(self.norm.weight, r.get(f"{p}.norm.weight", (mc.hidden_size,)))

@@ -18,7 +18,7 @@ import torch
 from ..config import ModelConfig
 from . import falcon_h1, granite_hybrid, nemotron_h, qwen3_5, qwen3_next
 from .hf_config import check_config_values, eos_ids
-from .hybrid import HybridForCausalLM
+from .causal_lm import CausalLM
 from .loader import read_json
 from .mtp import MTPHead
 from .nemotron_mtp import NemotronMTPHead
@@ -30,7 +30,7 @@ class Family:
     name: str
     model_types: tuple[str, ...]
     parse: Callable[[dict[str, Any]], ModelConfig]  # config.json (as a dict) -> the text model's config
-    model: type[HybridForCausalLM]  # model(config, dtype, device, tp)
+    model: type[CausalLM]  # model(config, dtype, device, tp)
     mtp: type[MTPHead | NemotronMTPHead] | None  # mtp(config, target, dtype, device); None: no MTP head here
     # checkpoint tensors the family never reads, with what they are (reported once at start-up)
     ignored: tuple[tuple[str, str], ...] = ()
@@ -129,12 +129,12 @@ def read_config(path: str) -> ModelConfig:
     return mc
 
 
-def build_model(mc: ModelConfig, dtype, device, tp) -> HybridForCausalLM:
+def build_model(mc: ModelConfig, dtype, device, tp) -> CausalLM:
     """The (unloaded) target model of ``mc``'s family for one rank's shard."""
     return family_of(mc.model_type).model(mc, dtype, device, tp=tp)
 
 
-def build_mtp(mc: ModelConfig, target: HybridForCausalLM, dtype, device) -> MTPHead:
+def build_mtp(mc: ModelConfig, target: CausalLM, dtype, device) -> MTPHead | NemotronMTPHead:
     family = family_of(mc.model_type)
     if family.mtp is None:
         raise ValueError(f"{family.name} models have no MTP head: use speculative='ngram' instead")

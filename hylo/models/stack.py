@@ -7,9 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..config import Mamba2Spec, ModelConfig
@@ -18,6 +16,7 @@ from ..layers.weights import TensorReader, copy_into
 from ..ops.norm import rms_norm_plain
 from ..parallel.group import SINGLE, TPGroup
 from ..progress import progress as progress_of
+from .causal_lm import CausalLM
 
 
 def json_float(v: Any) -> float:
@@ -35,8 +34,7 @@ def mamba2_model_config(mamba: Mamba2Spec, **fields) -> ModelConfig:
     return ModelConfig(**{**neutral, **fields, "mamba": mamba})
 
 
-class LayerStack(nn.Module):
-    family = "layer stack"  # the family's name, in messages
+class LayerStack(CausalLM):
     EMBED, LAYERS, FINAL_NORM = "model.embed_tokens.weight", "model.layers", "model.norm.weight"
     NORM_WEIGHT_IN_FLOAT32 = False  # the final norm's weight applied in float32 (Nemotron-H) or in x's dtype
 
@@ -45,14 +43,9 @@ class LayerStack(nn.Module):
         raise NotImplementedError
 
     def __init__(self, mc: ModelConfig, dtype: torch.dtype, device=None, tp: TPGroup = SINGLE):
-        super().__init__()  # (tensor parallelism is refused before: parallel.sharding.check_divisible)
-        self.config, self.dtype, self.tp = mc, dtype, tp
-        kw = dict(dtype=dtype, device=device)
-        self.embed = nn.Parameter(torch.empty(mc.vocab_size, mc.hidden_size, **kw), requires_grad=False)
+        super().__init__(mc, dtype, device, tp)  # (tensor parallelism is refused before: sharding.check_divisible)
         self.layers = nn.ModuleList(self.make_layer(mc, i, dtype, device) for i in range(mc.num_hidden_layers))
-        self.norm = nn.Parameter(torch.empty(mc.hidden_size, **kw), requires_grad=False)
-        self.lm_head = (self.embed if mc.tie_word_embeddings
-                        else nn.Parameter(torch.empty(mc.vocab_size, mc.hidden_size, **kw), requires_grad=False))
+        self.norm = nn.Parameter(torch.empty(mc.hidden_size, dtype=dtype, device=device), requires_grad=False)
 
     def forward(self, batch: ForwardBatch, backend) -> torch.Tensor:
         """Returns the final hidden states (after the final norm), [T, hidden]."""
@@ -62,11 +55,11 @@ class LayerStack(nn.Module):
         return rms_norm_plain(h, self.norm, self.config.rms_norm_eps, self.NORM_WEIGHT_IN_FLOAT32)
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
-        e = F.embedding(ids, self.embed)
+        e = super().embed_tokens(ids)
         return e if self.config.mup is None else e * self.config.mup.embedding
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.lm_head)
+        logits = super().compute_logits(hidden)
         return logits if self.config.mup is None else logits / self.config.mup.logits
 
     @classmethod
@@ -74,11 +67,7 @@ class LayerStack(nn.Module):
         return cls.EMBED
 
     def load(self, r: TensorReader, progress: bool = False) -> None:
-        mc = self.config
-        shape = (mc.vocab_size, mc.hidden_size)
-        copy_into(self.embed, r.get(self.EMBED, shape))
-        if not mc.tie_word_embeddings:
-            copy_into(self.lm_head, r.get("lm_head.weight", shape))
+        self.load_embeddings(r)
         for i, layer in enumerate(progress_of(self.layers, "loading layers", enabled=progress, unit="layers")):
             layer.load(r, f"{self.LAYERS}.{i}")
-        copy_into(self.norm, r.get(self.FINAL_NORM, (mc.hidden_size,)))
+        copy_into(self.norm, r.get(self.FINAL_NORM, (self.config.hidden_size,)))

@@ -17,12 +17,16 @@ import torch
 from ..core import ForwardBatch, ForwardMode, SamplingBatch
 from ..models.mtp import MTPHead
 from ..ops.sampling import draw, greedy_tokens, sampling_probs
+from .drafter import Drafter
 
-class MTPDrafter:
+class MTPDrafter(Drafter):
+    fused_greedy = True
+
     def __init__(self, mtp: MTPHead, k: int, max_num_seqs: int, device: torch.device):
         self.mtp = mtp
         self.k = k
         self.drafts = torch.zeros(max_num_seqs + 1, k, dtype=torch.int64, device=device)
+        self._draft_states = None  # constrained rows: the automaton states after the drafts so far (``_pick``)
 
     def forward(self, worker, batch: ForwardBatch, hidden: torch.Tensor, graph: str | None = None):
         """The head over ``batch`` (its input_ids are the tokens) and the given hidden states: (MTP hidden, logits),

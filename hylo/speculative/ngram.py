@@ -8,9 +8,10 @@ from __future__ import annotations
 import torch
 
 from ..core import ForwardBatch, SamplingBatch, to_device
+from .drafter import Drafter
 
 
-class NgramDrafter:
+class NgramDrafter(Drafter):
 
     def __init__(self, k: int, max_num_seqs: int, max_context: int, device: torch.device, max_n: int = 4,
                  min_n: int = 1):

@@ -16,10 +16,10 @@ from dataclasses import replace
 
 import torch
 
-from ..core import ForwardMode
+from ..core import ForwardMode, host_tensor_to
 from ..engine.plan import ScheduledBatch
 from ..engine.graphs import GraphRunner
-from ..engine.worker import ModelWorker, StepResult, _dev, all_greedy, pack_logprobs
+from ..engine.worker import ModelWorker, StepResult, all_greedy, pack_logprobs
 from ..ops.logits import apply_penalties, verify_extra_counts
 from ..ops.sampling import greedy_tokens, uniform_noise
 from ..ops.triton_utils import use_triton
@@ -83,9 +83,9 @@ class SpecWorker:
             return {"hidden": hidden, "logits": model.compute_logits(hidden)}
 
         graphs.capture("verify", ForwardMode.TARGET_VERIFY, self.k + 1, verify)
-        if hasattr(self.drafter, "graph_fn"):
+        fn = self.drafter.graph_fn(backend)
+        if fn is not None:
             hidden = ((model.config.hidden_size,), model.dtype)
-            fn = self.drafter.graph_fn(backend)
             graphs.capture("draft_extend", ForwardMode.DRAFT_EXTEND, self.k + 1, fn, {"hidden": hidden})
             if self.k > 1:
                 graphs.capture("draft_decode", ForwardMode.DRAFT_DECODE, 1, fn, {"hidden": hidden})
@@ -154,7 +154,7 @@ class SpecWorker:
 
     def _prefill(self, sched: ScheduledBatch) -> StepResult:
         tw = self.target
-        if sched.hits and hasattr(self.drafter, "fill_history"):  # prefix-cache hits: the drafter's token history
+        if sched.hits:  # prefix-cache hits: their tokens, for a drafter that keeps a history
             self.drafter.fill_history(sched.hits)
         batch = tw.build_batch(sched)
         hidden = tw.forward_hidden(batch)
@@ -173,9 +173,9 @@ class SpecWorker:
             tokens = torch.empty(0, dtype=torch.int64, device=dev)
         tw.caches.req_slots.record(batch.req_slots, batch.seq_lens, batch.req_slots[row_idx], tokens)
         next_ids = batch.input_ids.roll(-1)
-        end_vals = _dev(next_host, dev)
+        end_vals = host_tensor_to(next_host, dev)
         end_vals[row_idx] = tokens
-        next_ids[_dev(ends, dev)] = end_vals
+        next_ids[host_tensor_to(ends, dev)] = end_vals
         max_len = max([p + n for p, n, keep in zip(sched.prefix_lens, sched.extend_lens, sched.sample) if keep],
                       default=1)
         self.drafter.after_prefill(tw, batch, hidden, next_ids, tok_idx, row_idx, sb, max_len)
@@ -183,7 +183,7 @@ class SpecWorker:
 
     def _fused_drafter(self) -> bool:
         """Whether the drafter can run inside the fused greedy step (the MTP head: all on the device)."""
-        return hasattr(self.drafter, "draft_greedy")
+        return self.drafter.fused_greedy
 
     def _greedy_step(self, batch, extras=None) -> dict[str, torch.Tensor]:
         """A verify step whose rows are all greedy, entirely on the device and fixed-shape, so that it can run as
@@ -226,9 +226,9 @@ class SpecWorker:
         accepted = torch.minimum(accepted, accept_limit(emitted, fed, batch.req_slots, batch.seq_lens,
                                                         tables.sampling_i, self.target.eos_tensor))
         # rows that drafted nothing (n-gram without a match), unless a test or the benchmark's simulation decides
-        if hasattr(self.drafter, "draft_limit") and self.draft_hook is None and self.simulate_accept_length is None:
-            accepted = torch.minimum(accepted, torch.where(accepted < 0, accepted,
-                                                           self.drafter.draft_limit(batch.req_slots)))
+        limit = self.drafter.draft_limit(batch.req_slots)
+        if limit is not None and self.draft_hook is None and self.simulate_accept_length is None:
+            accepted = torch.minimum(accepted, torch.where(accepted < 0, accepted, limit))
         slots, kept = inert_rows(batch.state_slots, accepted)
         self.backend.commit_verified(slots, kept)
         rows = torch.arange(accepted.shape[0], device=accepted.device)
