@@ -15,6 +15,7 @@ from .config import EngineConfig
 from .core import CompletionOutput, RequestOutput
 from .sampling_params import SamplingParams, wrap_int64
 from .launch import create_engine
+from .engine.detok import settled_length
 from .engine.intake import check_room, is_id_vector
 
 
@@ -96,7 +97,6 @@ class LLM:
             if p.n != 1:
                 raise ValueError(f"stream gives one sample; n={p.n} needs generate")
             rid = engine.add_request(prompt, p)
-        hold = max((len(s) for s in p.stop_strings), default=1) - 1
         seen = 0  # output tokens already yielded
         try:
             while True:
@@ -114,8 +114,8 @@ class LLM:
                     elif len(req.output_ids) > seen:
                         seen = len(req.output_ids)
                         out = engine.output_of(req)
-                        if hold and out.text is not None:
-                            out.text = out.text[:max(0, len(out.text) - hold)]
+                        if out.text is not None:  # what may still become a stop string waits
+                            out.text = out.text[:settled_length(req)]
                     else:
                         continue
                 if out.finished:

@@ -39,3 +39,12 @@ def find_stop_string(req: Req, delta: str) -> tuple[int, str] | None:
         if pos >= 0 and (best is None or pos < best[0]):
             best = (pos, s)
     return best
+
+
+def settled_length(req: Req) -> int:
+    """How much of ``req.text`` is final: all of it once the request finished, else all but what a stop string
+    could still claim (its longest length less one, from the end), which a stream holds back."""
+    text, stops = req.text or "", req.params.stop_strings
+    if req.finished or not stops:
+        return len(text)
+    return max(0, len(text) - max(len(s) for s in stops) + 1)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from ..core import Req
 from ..sampling_params import SamplingParams
+from ..engine.detok import settled_length
 from ..engine.engine import Engine
 from .metrics import Metrics
 
@@ -173,9 +174,7 @@ class EngineThread:
             stream.last_token_at = now
             m.generated_tokens += len(new_tokens)
         text = req.text or ""
-        safe = len(text)
-        if not req.finished and req.params.stop_strings:  # hold back what may still become a stop string
-            safe = max(stream.sent_chars, len(text) - max(len(s) for s in req.params.stop_strings) + 1)
+        safe = max(stream.sent_chars, settled_length(req))  # (what may still become a stop string waits)
         delta = Delta(text=text[stream.sent_chars:safe], token_ids=list(new_tokens),
                       prompt_tokens=len(req.prompt_ids), completion_tokens=len(req.output_ids),
                       cached_tokens=req.num_cached_tokens,

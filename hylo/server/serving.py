@@ -223,15 +223,8 @@ def _choice(index: int, r: Delta, prompt: list[int], body, chat: bool, fmt: Form
                   "logprobs": fmt.chat(r.token_ids, r.logprobs) if want_lp else None,
                   "finish_reason": finish, "stop_reason": r.stop_reason}
     else:
-        text, lp = r.text, None
-        if want_lp:
-            ids, lps = r.token_ids, r.logprobs
-            if echo is not None:
-                ids, lps = prompt + ids, (r.prompt_logprobs or [None] * len(prompt)) + lps
-            lp = fmt.completion(ids, lps, TextCursor(), verbatim=len(prompt) if echo is not None and echo.verbatim
-                                else 0)
-        if echo is not None:
-            text = echo.text + text
+        text, ids, lps, verbatim = _with_echo(echo, prompt, r.text, r.token_ids, r.logprobs or [], r.prompt_logprobs)
+        lp = fmt.completion(ids, lps, TextCursor(), verbatim) if want_lp else None
         choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": r.finish_reason,
                   "stop_reason": r.stop_reason,
                   "prompt_logprobs": fmt.prompt(prompt, r.prompt_logprobs or [])
@@ -239,6 +232,15 @@ def _choice(index: int, r: Delta, prompt: list[int], body, chat: bool, fmt: Form
                   "prompt_token_ids": prompt if body.return_token_ids else None}
     choice["token_ids"] = r.token_ids if body.return_token_ids else None
     return choice
+
+
+def _with_echo(echo: Echo | None, prompt: list[int], text: str, ids: list[int], lps: list, prompt_lps):
+    """A completion's text, token ids and log probabilities with its prompt before them where it echoes (``echo``),
+    and how many leading tokens are the prompt as the client sent it (``verbatim``, see ``Formatter``)."""
+    if echo is None:
+        return text, ids, lps, 0
+    return (echo.text + text, prompt + ids, (prompt_lps or [None] * len(prompt)) + lps,
+            len(prompt) if echo.verbatim else 0)
 
 
 def _scored_only(d: Delta) -> Delta:
@@ -328,14 +330,9 @@ async def _stream(runner: EngineThread, rid: str, created: int, model: str, obj:
 
     def completion_choice(index: int, d: Delta) -> dict:
         prompt = prompts[index // choices_per_prompt]
-        text, ids, lps = d.text, d.token_ids, d.logprobs
         first = index not in started
-        verbatim = 0
-        if first and echo_texts:
-            echo = echo_texts[index // choices_per_prompt]
-            text = echo.text + text
-            ids, lps = prompt + ids, (d.prompt_logprobs or [None] * len(prompt)) + lps
-            verbatim = len(prompt) if echo.verbatim else 0
+        echo = echo_texts[index // choices_per_prompt] if first and echo_texts else None
+        text, ids, lps, verbatim = _with_echo(echo, prompt, d.text, d.token_ids, d.logprobs, d.prompt_logprobs)
         lp = None
         if want_lp and ids:
             lp = fmt.completion(ids, lps, cursors[index], verbatim)
