@@ -190,6 +190,10 @@ def test_a_malformed_tuning_variable_is_one_cli_line():
     bad = subprocess.run([sys.executable, "-m", "hylo", "generate", "x", "--max-tokens", "2"], capture_output=True,
                          text=True, timeout=120, env=env)
     assert bad.returncode == 2 and "HYLO_PDL='abc'" in bad.stderr and "Traceback" not in bad.stderr
+    # a documented value at its edge is read, not refused: 0 keeps the W8A16 matmul for every row count
+    zero = subprocess.run([sys.executable, "-c", "import hylo.ops.linear as m; print(m.FP8_DEQUANT_ROWS)"],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "HYLO_FP8_DEQUANT_ROWS": "0"})
+    assert zero.returncode == 0 and zero.stdout.strip() == "0", zero.stderr
 
 
 def test_a_refused_or_interrupted_generate_leaves_nothing_queued(monkeypatch):

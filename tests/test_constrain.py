@@ -146,6 +146,32 @@ def test_string_formats_stay_valid_json(tok, cache, fmt, good, bad):
     assert ended >= 10
 
 
+def test_a_property_named_like_a_keyword_is_still_a_schema():
+    """A property called "enum" (or const, default, examples) holds a schema whose pattern is grouped like any
+    other: ungrouped, its top-level alternation split the object's expression (``{"enum":"a`` matched)."""
+    for name in ("enum", "const", "default", "examples"):
+        regex = Constraint.json_schema({"type": "object", "properties": {name: {"type": "string", "pattern": "a|b"}},
+                                        "required": [name]}).to_regex()
+        assert re.fullmatch(regex, json.dumps({name: "a"}, separators=(",", ":")))
+        assert not re.fullmatch(regex, f'{{"{name}":"a') and not re.fullmatch(regex, 'b"}')
+
+
+def test_a_long_list_of_choices_compiles_under_the_child_processs_limits(tok, monkeypatch):
+    """Choices up to a few thousand characters compile in-process; a longer list (its size is the client's to
+    choose) compiles in the child process, under its time and memory limits, as a regex does."""
+    from hylo.constrain import automaton
+
+    seen = []
+    child = automaton._compile_in_child
+    monkeypatch.setattr(automaton, "_compile_in_child", lambda c, *a: seen.append(c.kind) or child(c, *a))
+    cache = AutomatonCache(tok, tok.vocab_size, eos_ids={0})
+    short = cache.get(Constraint.choice(["yes", "no"]))
+    words = [f"word{i:05d}" for i in range(600)]  # 6000 characters
+    long = cache.get(Constraint.choice(words))
+    assert seen == ["choice"]
+    assert long.final[long.walk(tok.encode(words[123]))] and short.walk(tok.encode("maybe")) is None
+
+
 def test_string_keywords_the_translation_would_drop_are_refused():
     """The translation reads one of a string's length bounds, pattern or format and drops the others: a schema
     with two of them is refused by name (a length alone, or both bounds, is fine)."""

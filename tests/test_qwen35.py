@@ -165,8 +165,11 @@ def test_config_forms_and_refusals(q35_dense_vl):
     assert parse_config({**cfg, "tie_word_embeddings": True, "text_config": {**cfg["text_config"],
                                                                             "tie_word_embeddings": False}}
                         ).tie_word_embeddings
-    # the text form of the same model parses to the same shape
-    text = parse_config({**cfg["text_config"], "model_type": "qwen3_5_text"})
+    # the text form of the same model parses to the same shape, and the caller's dict stays as it was
+    given = {**cfg["text_config"], "model_type": "qwen3_5_text"}
+    before = json.dumps(given, sort_keys=True)
+    text = parse_config(given)
+    assert json.dumps(given, sort_keys=True) == before
     assert (text.hidden_size, text.layer_types, text.intermediate_size) == (mc.hidden_size, mc.layer_types,
                                                                            mc.intermediate_size)
     with pytest.raises(ValueError, match="mrope_section"):

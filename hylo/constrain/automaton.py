@@ -30,6 +30,9 @@ from .spec import Constraint
 if TYPE_CHECKING:
     from .host import HostGrammar
 
+# choices up to this many characters of regular expression compile in-process (a trie of that many states at most:
+# milliseconds); longer lists, whose size the client sets, under the child process's limits
+IN_PROCESS_CHOICE_CHARS = 4096
 # a constraint whose masks would take more device memory than this is refused (one 32-bit word per 32 tokens per
 # distinct mask; JSON schemas share most of theirs)
 MAX_MASK_BYTES = 256 << 20
@@ -126,13 +129,13 @@ def _limits() -> tuple[float, int]:
 def compile_automaton(constraint: Constraint, vocabulary: dict[bytes, list[int]], vocab: int) -> TokenAutomaton:
     """The constraint's automaton over ``vocabulary`` (``vocabulary_bytes``) for logits of width ``vocab``.
     Raises ValueError naming the problem: an expression the regex engine refuses, one that allows no output, one
-    too large for the device, or one whose compile passes its time or memory limit. A given regular expression or a
-    schema's compiles in a child process (``index_worker``); choices and ``json_object``, whose sizes are known,
-    in this one."""
+    too large for the device, or one whose compile passes its time or memory limit. A given regular expression, a
+    schema's and a long list of choices compile in a child process (``index_worker``); ``json_object`` and a few
+    short choices, whose sizes are small and known, in this one."""
     start = time.perf_counter()
     regex = constraint.to_regex()
     try:
-        if constraint.kind in ("choice", "json_object"):
+        if constraint.kind == "json_object" or constraint.kind == "choice" and len(regex) <= IN_PROCESS_CHOICE_CHARS:
             arrays = flatten_index(regex, vocab, vocabulary)
         else:
             arrays = _compile_in_child(constraint, regex, vocab, vocabulary)

@@ -156,10 +156,12 @@ def _grouped_patterns(schema):
             out[key] = f"({body})"
         elif key == "format" and isinstance(value, str) and value in _FORMAT_PATTERNS:
             out["pattern"] = f"({_FORMAT_PATTERNS[value]})"
-        elif key in ("enum", "const", "default", "examples"):
-            out[key] = value
-        else:
+        elif key in _CHILD_MAPS and isinstance(value, dict):  # names -> schemas (a property may be named "enum")
+            out[key] = {name: _grouped_patterns(sub) for name, sub in value.items()}
+        elif key in _CHILD_LISTS or key in _CHILD_ONE:
             out[key] = _grouped_patterns(value)
+        else:  # a keyword's value (enum, const, required, ...): data, not schemas
+            out[key] = value
     return out
 
 

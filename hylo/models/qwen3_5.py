@@ -39,7 +39,7 @@ def parse_config(cfg: dict[str, Any]) -> ModelConfig:
         if not text:
             raise ValueError(f"config.json: model_type {model_type!r} needs a 'text_config'")
     else:
-        text = cfg
+        text = dict(cfg)  # (updated below: the caller's dict stays as it was)
     moe = model_type in ("qwen3_5_moe", "qwen3_5_moe_text")
     rope = dict(text.get("rope_parameters") or {})
     _check_mrope(rope, text)

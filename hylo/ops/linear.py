@@ -31,7 +31,7 @@ def _few_rows(x: torch.Tensor, w) -> bool:
 # at batch 64 is 256 rows) went faster that way too, on the same H100 in one call (bench-6b-fp8's MTP step at batch
 # 64 15.74 -> 15.09 ms, Qwen3.5-35B-A3B's 30.15 -> 29.26; every other record even). HYLO_FP8_DEQUANT_ROWS=0 keeps
 # the W8A16 matmul for every size.
-FP8_DEQUANT_ROWS = env_int("HYLO_FP8_DEQUANT_ROWS", 128)
+FP8_DEQUANT_ROWS = env_int("HYLO_FP8_DEQUANT_ROWS", 128, minimum=0)
 
 
 def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
