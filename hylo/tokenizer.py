@@ -40,6 +40,8 @@ class ChatTemplateError(RuntimeError):
 
 class _TemplateMixin:
     chat_template: str | None = None
+    # the tokens a template writes as {{ bos_token }} / {{ eos_token }} (tokenizer_config.json's; "" where none)
+    bos_token = eos_token = ""
     _compiled = None
 
     def compiled_template(self):
@@ -67,7 +69,8 @@ class _TemplateMixin:
         """Render chat messages to a prompt string with the tokenizer's template (ChatML if it has none);
         ``extra``: more template variables (a request's ``chat_template_kwargs``, e.g. ``enable_thinking``)."""
         values = dict(extra or {})
-        values.update(messages=messages, add_generation_prompt=add_generation_prompt, bos_token="", eos_token="")
+        values.update(messages=messages, add_generation_prompt=add_generation_prompt, bos_token=self.bos_token,
+                      eos_token=self.eos_token)
         return self.compiled_template().render(**values)
 
 
@@ -99,7 +102,9 @@ class HFTokenizer(_TemplateMixin):
             self._tok = Tokenizer.from_file(file)
         except Exception as e:  # the tokenizers library raises its own bare Exception on a corrupt file
             raise ValueError(f"{file} cannot be read as a tokenizer ({str(e).strip() or type(e).__name__})") from None
-        self.chat_template = _read_chat_template(path)
+        config = _read_tokenizer_config(path)
+        self.chat_template = _read_chat_template(path, config)
+        self.bos_token, self.eos_token = (_token_text(config, name) for name in ("bos_token", "eos_token"))
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.special_ids = {i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
 
@@ -184,17 +189,11 @@ def _byte_alphabet() -> dict[str, int]:
 _UNICODE_TO_BYTE = _byte_alphabet()
 
 
-def _read_chat_template(path: str) -> str | None:
-    """The checkpoint's chat template: ``chat_template.jinja``, else ``tokenizer_config.json``'s ``chat_template``
-    (a string, or named templates of which the default one); None where it has none. A ValueError naming the file
-    that holds something else."""
-    jinja = os.path.join(path, "chat_template.jinja")
-    if os.path.isfile(jinja):
-        with open(jinja, encoding="utf-8") as f:
-            return f.read()
+def _read_tokenizer_config(path: str) -> dict:
+    """``tokenizer_config.json`` ({} where there is none); a ValueError naming the file where it is not an object."""
     file = os.path.join(path, "tokenizer_config.json")
     if not os.path.isfile(file):
-        return None
+        return {}
     try:
         with open(file, encoding="utf-8") as f:
             cfg = json.load(f)
@@ -202,6 +201,26 @@ def _read_chat_template(path: str) -> str | None:
         raise ValueError(f"{file} is not valid JSON ({e})") from None
     if not isinstance(cfg, dict):
         raise ValueError(f"{file} must hold a JSON object, got {type(cfg).__name__}")
+    return cfg
+
+
+def _token_text(config: dict, name: str) -> str:
+    """A special token's text in ``tokenizer_config.json`` (a string, or an added token's ``{"content": ...}``)."""
+    value = config.get(name)
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else ""
+
+
+def _read_chat_template(path: str, cfg: dict) -> str | None:
+    """The checkpoint's chat template: ``chat_template.jinja``, else ``tokenizer_config.json``'s ``chat_template``
+    (``cfg``: a string, or named templates of which the default one); None where it has none. A ValueError naming
+    the file that holds something else."""
+    jinja = os.path.join(path, "chat_template.jinja")
+    if os.path.isfile(jinja):
+        with open(jinja, encoding="utf-8") as f:
+            return f.read()
+    file = os.path.join(path, "tokenizer_config.json")
     tmpl = cfg.get("chat_template")
     if tmpl is None or isinstance(tmpl, str):
         return tmpl

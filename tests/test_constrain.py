@@ -172,6 +172,41 @@ def test_a_long_list_of_choices_compiles_under_the_child_processs_limits(tok, mo
     assert long.final[long.walk(tok.encode(words[123]))] and short.walk(tok.encode("maybe")) is None
 
 
+def test_a_constraint_that_fails_to_compile_is_not_compiled_again_by_each_caller(tok, monkeypatch):
+    """Callers waiting on a compile that fails (a time limit passed, say: a minute each) get its error at once, and
+    so does the next request with the same constraint for a while: the compile ran once, not once per caller."""
+    import threading
+    import time
+
+    from hylo.constrain import automaton
+
+    calls = []
+
+    def failing(constraint, *args):
+        calls.append(constraint)
+        time.sleep(0.3)  # the waiters arrive meanwhile
+        raise ValueError("regex constraint: its automaton did not compile within 60 s")
+    monkeypatch.setattr(automaton, "compile_automaton", failing)
+    cache = AutomatonCache(tok, tok.vocab_size, eos_ids={0})
+    bad, errors = Constraint.regex("(a|b)*a(a|b){25}"), []
+
+    def ask():
+        try:
+            cache.get(bad)
+        except ValueError as e:
+            errors.append(str(e))
+    threads = [threading.Thread(target=ask) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    ask()
+    assert len(calls) == 1 and len(errors) == 5 and all("within 60 s" in e for e in errors)
+    monkeypatch.setattr(automaton, "FAILED_TTL_S", 0.0)  # once it has expired, a compile is tried again
+    ask()
+    assert len(calls) == 2
+
+
 def test_string_keywords_the_translation_would_drop_are_refused():
     """The translation reads one of a string's length bounds, pattern or format and drops the others: a schema
     with two of them is refused by name (a length alone, or both bounds, is fine)."""
@@ -259,6 +294,23 @@ def test_tables_keep_live_automata_and_renumber_states(tok, cache):
     assert _allowed_by_tables(tables, 2, vocab) == before
     tables.register(1, None)
     assert tables.state[1].item() == -1 and len(_allowed_by_tables(tables, 1, vocab)) == vocab
+    # a finished request's automaton leaves at the next rebuild, not when its slot is next used
+    tables.release(2)
+    tables.register(3, a)
+    assert tables.num_states == 1 + a.num_states
+
+
+def test_an_ended_requests_automaton_leaves_the_device_table(llms):
+    """Through the engine: after a constrained request ends, the next constraint's rebuild drops its automaton
+    (the table held every finished slot's automaton until that slot was used again)."""
+    llm = llms(None)
+    tables_of = lambda: llm.engine.caches.req_slots.constraints  # noqa: E731
+    # the choice's request ends first, so its slot is not the one the next request takes
+    llm.generate(["\n", "x"], [SamplingParams(max_tokens=8, constraint=Constraint.choice(CHOICES)),
+                               SamplingParams(max_tokens=30, ignore_eos=True)], use_tqdm=False)
+    llm.generate(["\n"], SamplingParams(max_tokens=30, constraint=Constraint.regex(REGEX)), use_tqdm=False)
+    regex = llm.engine.compile_constraint(Constraint.regex(REGEX))
+    assert tables_of().num_states == 1 + regex.num_states
 
 
 def _check(constraint: Constraint, text: str) -> None:

@@ -151,15 +151,32 @@ def test_granite_refusals(tmp_path, granite_hybrid):
     path, _ = granite_hybrid
     with open(os.path.join(path, "config.json")) as f:
         cfg = json.load(f)
+    rope = {"position_embedding_type": "rope"}
     for change, words in (({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}}, "rope_type"),
+                          # the older spellings and a partial rotation are refused too (they were served as
+                          # plain RoPE over whole heads)
+                          ({**rope, "rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling"),
+                          ({**rope, "rope_parameters": {"type": "yarn", "rope_theta": 1e4}}, "rope_type 'yarn'"),
+                          ({**rope, "partial_rotary_factor": 0.5}, "partial_rotary_factor"),
                           ({"hidden_act": "gelu"}, "hidden_act"),
                           ({"mamba_d_head": 7}, "mamba_expand")):
-        bad = tmp_path / words
+        bad = tmp_path / words.replace(" ", "_").replace("'", "")
         bad.mkdir()
         with open(bad / "config.json", "w") as f:
             json.dump({**cfg, **change}, f)
         with pytest.raises(ValueError, match=words):
             Engine(str(bad), device="cpu", engine_config=EngineConfig(verbose=False))
+
+
+def test_falcon_rope_beyond_plain_is_refused():
+    from hylo.models.falcon_h1 import parse_config as falcon_config
+
+    for change, words in (({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling"),
+                          ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "rope_type"),
+                          ({"partial_rotary_factor": 0.5}, "partial_rotary_factor")):
+        with pytest.raises(ValueError, match=words):
+            falcon_config({"model_type": "falcon_h1", **change})
+    assert falcon_config({"model_type": "falcon_h1", "rope_theta": 5e5}).rope_theta == 5e5
 
 
 def test_falcon_with_its_gated_norm_matches_transformers(tmp_path):

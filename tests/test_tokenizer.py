@@ -138,3 +138,26 @@ def test_a_bos_tokenizer_adds_its_bos_to_prompts_and_never_twice_to_chat(tmp_pat
         assert r.json()["prompt_token_ids"] == chat
         r = http.post("/v1/completions", json={"prompt": "w3", "max_tokens": 2, "return_token_ids": True})
         assert r.json()["choices"][0]["prompt_token_ids"] == [1, 6]
+
+
+def test_a_template_writes_the_tokenizers_own_bos_and_eos(tmp_path, ckpt_with_tokenizer):
+    """``{{ bos_token }}`` and ``{{ eos_token }}`` in a chat template are tokenizer_config.json's tokens (a string or
+    an added token's content), as transformers renders them: they were empty, so such a template lost its BOS and
+    its turn ends."""
+    from fastapi.testclient import TestClient
+
+    from hylo.config import EngineConfig
+    from hylo.engine.engine import Engine
+    from hylo.server.app import create_app
+
+    path = tmp_path / "specials"
+    shutil.copytree(ckpt_with_tokenizer, path)
+    template = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{{ eos_token }}{% endfor %}"
+    with open(path / "tokenizer_config.json", "w") as f:
+        json.dump({"bos_token": {"content": "<|im_start|>", "special": True}, "eos_token": "<|im_end|>",
+                   "chat_template": template}, f)
+    engine = Engine(str(path), device="cpu", engine_config=EngineConfig(verbose=False))
+    assert (engine.tokenizer.bos_token, engine.tokenizer.eos_token) == ("<|im_start|>", "<|im_end|>")
+    with TestClient(create_app(engine)) as http:
+        chat = http.post("/tokenize", json={"messages": [{"role": "user", "content": "w3"}]}).json()["tokens"]
+    assert chat == [1, 6, 2]

@@ -68,6 +68,8 @@ class ReqSlots:
     def free(self, slot: int) -> None:
         assert 0 < slot <= self.max_num_seqs and slot not in self._free, f"bad request slot free: {slot}"
         self._free.append(slot)
+        if self.constraints is not None:  # its automaton leaves the table at the next rebuild
+            self.constraints.release(slot)
 
     def write_locations(self, triples: torch.Tensor | None) -> None:
         """Record the KV locations of newly allocated positions, given as host int64 (request slot, position,

@@ -33,6 +33,9 @@ if TYPE_CHECKING:
 # choices up to this many characters of regular expression compile in-process (a trie of that many states at most:
 # milliseconds); longer lists, whose size the client sets, under the child process's limits
 IN_PROCESS_CHOICE_CHARS = 4096
+# a constraint that failed to compile is refused with the same message for this long without compiling again (its
+# failure may have been a time limit passed under load, so not for good)
+FAILED_TTL_S = 600.0
 # a constraint whose masks would take more device memory than this is refused (one 32-bit word per 32 tokens per
 # distinct mask; JSON schemas share most of theirs)
 MAX_MASK_BYTES = 256 << 20
@@ -192,39 +195,63 @@ class AutomatonCache:
         self._done: OrderedDict[Constraint, TokenAutomaton] = OrderedDict()
         self._lock = threading.Lock()
         self._pending: dict[Constraint, threading.Lock] = {}
+        self._failed: OrderedDict[Constraint, tuple[str, float]] = OrderedDict()  # message, when
         self.compiles = 0
         self.compile_seconds = 0.0
 
     def get(self, constraint: Constraint) -> "TokenAutomaton | HostGrammar":
         with self._lock:
-            if constraint in self._done:
-                self._done.move_to_end(constraint)
-                return self._done[constraint]
+            hit = self._known(constraint)
+            if hit is not None:
+                return hit
             gate = self._pending.setdefault(constraint, threading.Lock())
-        with gate:
+        with gate:  # one compile per constraint: the other callers wait here, then find its result
             with self._lock:
-                if constraint in self._done:
-                    return self._done[constraint]
+                hit = self._known(constraint)
+                if hit is not None:
+                    return hit
             try:
-                if constraint.kind == "grammar":  # no device automaton: matched on the host (constrain.host)
-                    from .host import HostGrammar, llg_tokenizer
-
-                    start = time.perf_counter()
-                    if self._lltok is None:
-                        self._lltok = llg_tokenizer(self.tokenizer, self.vocab, self.eos_ids)
-                    auto = HostGrammar(constraint, self._lltok, self.vocab)
-                    auto.compile_seconds = time.perf_counter() - start
-                else:
-                    if self._vocabulary is None:
-                        self._vocabulary = vocabulary_bytes(self.tokenizer, self.vocab)
-                    auto = compile_automaton(constraint, self._vocabulary, self.vocab)
-            finally:
+                auto = self._compile(constraint)
+            except BaseException as e:
                 with self._lock:
                     self._pending.pop(constraint, None)
-            with self._lock:
+                    if isinstance(e, ValueError):  # the constraint's own fault: the waiters get it at once
+                        self._failed[constraint] = (str(e), time.monotonic())
+                        while len(self._failed) > self.capacity:
+                            self._failed.popitem(last=False)
+                raise
+            with self._lock:  # (in the lock that retires the gate: a new caller finds the result)
+                self._pending.pop(constraint, None)
                 self._done[constraint] = auto
                 self.compiles += 1
                 self.compile_seconds += auto.compile_seconds
                 while len(self._done) > self.capacity:
                     self._done.popitem(last=False)
             return auto
+
+    def _known(self, constraint: Constraint):
+        """(Under the lock.) The compiled constraint, None if there is none yet; raises the ValueError of a compile
+        that failed within ``FAILED_TTL_S`` (a request that keeps sending it is not compiled again and again)."""
+        if constraint in self._done:
+            self._done.move_to_end(constraint)
+            return self._done[constraint]
+        failed = self._failed.get(constraint)
+        if failed is not None:
+            if time.monotonic() - failed[1] < FAILED_TTL_S:
+                raise ValueError(failed[0])
+            del self._failed[constraint]
+        return None
+
+    def _compile(self, constraint: Constraint) -> "TokenAutomaton | HostGrammar":
+        if constraint.kind == "grammar":  # no device automaton: matched on the host (constrain.host)
+            from .host import HostGrammar, llg_tokenizer
+
+            start = time.perf_counter()
+            if self._lltok is None:
+                self._lltok = llg_tokenizer(self.tokenizer, self.vocab, self.eos_ids)
+            auto = HostGrammar(constraint, self._lltok, self.vocab)
+            auto.compile_seconds = time.perf_counter() - start
+            return auto
+        if self._vocabulary is None:
+            self._vocabulary = vocabulary_bytes(self.tokenizer, self.vocab)
+        return compile_automaton(constraint, self._vocabulary, self.vocab)

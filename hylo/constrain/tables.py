@@ -53,6 +53,11 @@ class ConstraintTables:
         local = automaton.walk(output_ids)
         self.state[slot] = DEAD if local is None else self._offsets[id(automaton)] + local
 
+    def release(self, slot: int) -> None:
+        """The request in ``slot`` ended (after its last step): its automaton no longer keeps a place in the table
+        (the next rebuild leaves it out unless another slot uses it; ``register`` sets the slot's next state)."""
+        self._slot_auto.pop(slot, None)
+
     def _build(self, automata: list[TokenAutomaton]) -> None:
         """The device tables of ``automata`` (state 0: dead); the slots' states renumbered into them."""
         old_offsets, old_total = self._offsets, getattr(self, "num_states", 1)

@@ -214,8 +214,7 @@ class ModelWorker:
         table = self.caches.req_slots
         f, i = table.sampling_f[slots], table.sampling_i[slots]
         seq_lens = batch.seq_lens if rows is None else batch.seq_lens[rows]
-        temps = [r.params.temperature for r in reqs]
-        greedy = [t == 0 for t in temps]
+        greedy = [r.params.is_greedy for r in reqs]
         v = self.vocab_size
         wanted = [r.params.logprobs for r in reqs if r.params.logprobs is not None]
         return SamplingBatch(

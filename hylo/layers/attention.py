@@ -1,4 +1,4 @@
-"""Gated full attention (Qwen3-Next): per-head q/k RMSNorm, partial rotary, output times sigmoid(gate).
+"""Gated full attention (Qwen3-Next, Qwen3.5): per-head q/k RMSNorm, partial rotary, output times sigmoid(gate).
 
 At load time ``q_proj`` (query and gate interleaved per head), ``k_proj`` and ``v_proj`` are fused into one
 projection laid out ``[q | gate | k | v]``.
@@ -110,7 +110,8 @@ class GatedAttention(nn.Module):
 
 class Attention(nn.Module):
     """Plain multi-head attention with grouped KV heads, no q/k norm, no output gate, and rotary on the whole head
-    where ``mc.rotary_dim`` says so (Granite-4.0-H's with RoPE) or no positional encoding (Nemotron-H's); scores
+    where ``mc.rotary_dim`` says so (Granite-4.0-H's with RoPE, Falcon-H1's) or no positional encoding
+    (Nemotron-H's); scores
     scaled by ``scaling`` (default 1/sqrt(head_dim)). ``q_proj``, ``k_proj`` and ``v_proj`` are fused at load into
     one ``[q | k | v]`` projection."""
 

@@ -10,7 +10,6 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, rotary_dim: int, base: float, device=None):
         super().__init__()
         self.rotary_dim = rotary_dim
-        self.base = base
         inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=device) / rotary_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 

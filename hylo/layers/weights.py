@@ -51,7 +51,8 @@ class TensorReader:
         return t
 
     def shape_of(self, name: str) -> tuple[int, ...]:
-        return tuple(self.get(name).shape)
+        """The stored shape, without marking the tensor read."""
+        return tuple(self._load(name).shape)
 
     def dtype_of(self, name: str) -> str:
         """The stored dtype's name (torch's, e.g. "bfloat16"; a file reader may give its format's code instead,

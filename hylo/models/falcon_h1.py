@@ -25,7 +25,7 @@ from ..layers.mamba2 import Mamba2Mixer
 from ..layers.moe import MLP
 from ..layers.weights import TensorReader, copy_into
 from ..ops.norm import rms_norm_plain
-from .hf_config import eos_ids
+from .hf_config import eos_ids, full_rope_of
 from .stack import LayerStack, json_float, mamba2_model_config
 
 MODEL_TYPES = ("falcon_h1",)
@@ -38,9 +38,7 @@ def parse_config(cfg: dict[str, Any]) -> ModelConfig:
         raise ValueError(f"{name}: hidden_act={cfg['hidden_act']!r} is not supported (only 'silu')")
     if cfg.get("mlp_bias"):
         raise ValueError(f"{name}: mlp_bias=true is not supported")
-    rope = cfg.get("rope_parameters") or {}
-    if rope.get("rope_type", "default") != "default":
-        raise ValueError(f"{name}: rope_type {rope['rope_type']!r} is not supported (only the default RoPE)")
+    theta = full_rope_of(cfg, name)
     hidden = cfg.get("hidden_size", 4096)
     heads = cfg.get("mamba_n_heads", 128)
     inner = cfg.get("mamba_d_ssm") or int(cfg.get("mamba_expand", 2) * hidden)
@@ -68,7 +66,7 @@ def parse_config(cfg: dict[str, Any]) -> ModelConfig:
         layer_types=("hybrid",) * layers, num_attention_heads=attn_heads,
         num_key_value_heads=cfg.get("num_key_value_heads") or attn_heads,
         head_dim=cfg.get("head_dim") or hidden // attn_heads,
-        rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))), partial_rotary_factor=1.0,
+        rope_theta=theta, partial_rotary_factor=1.0,
         attention_bias=bool(cfg.get("attention_bias", False)), intermediate_size=cfg.get("intermediate_size", 14336),
         rms_norm_eps=cfg.get("rms_norm_eps", 1e-5), max_position_embeddings=cfg.get("max_position_embeddings", 8192),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),

@@ -22,7 +22,7 @@ from ..layers.moe import MLP
 from ..layers.weights import TensorReader, copy_into
 from ..ops.moe import fused_moe, route_hidden
 from ..ops.norm import rms_norm_plain
-from .hf_config import eos_ids
+from .hf_config import eos_ids, full_rope_of
 from .stack import LayerStack, json_float, mamba2_model_config
 
 MODEL_TYPES = ("granitemoehybrid",)
@@ -60,11 +60,8 @@ def parse_config(cfg: dict[str, Any]) -> ModelConfig:
                        conv_bias=cfg.get("mamba_conv_bias", True), proj_bias=cfg.get("mamba_proj_bias", False),
                        norm_eps=cfg.get("rms_norm_eps", 1e-6), dt_limit=limit,
                        chunk_size=cfg.get("mamba_chunk_size", 256))
-    rope = cfg.get("rope_parameters") or {}
-    rope_type = rope.get("rope_type", "default")
     use_rope = cfg.get("position_embedding_type", "nope") == "rope"
-    if use_rope and rope_type != "default":
-        raise ValueError(f"{name}: rope_type {rope_type!r} is not supported (only the default RoPE)")
+    theta = full_rope_of(cfg, name) if use_rope else 10000.0
     attn_heads = cfg.get("num_attention_heads", 32)
     experts = cfg.get("num_local_experts", 0) or 0
     return mamba2_model_config(
@@ -72,8 +69,7 @@ def parse_config(cfg: dict[str, Any]) -> ModelConfig:
         layer_types=types, num_attention_heads=attn_heads,
         num_key_value_heads=cfg.get("num_key_value_heads") or attn_heads,
         head_dim=cfg.get("head_dim") or hidden // attn_heads,
-        rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
-        partial_rotary_factor=1.0 if use_rope else 0.0, attention_bias=bool(cfg.get("attention_bias", False)),
+        rope_theta=theta, partial_rotary_factor=1.0 if use_rope else 0.0, attention_bias=bool(cfg.get("attention_bias", False)),
         intermediate_size=cfg.get("shared_intermediate_size", 1024),
         num_experts=experts, num_experts_per_tok=cfg.get("num_experts_per_tok", 2) if experts else 0,
         moe_intermediate_size=cfg.get("intermediate_size", 1024) if experts else 0, norm_topk_prob=True,

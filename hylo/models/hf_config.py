@@ -92,19 +92,31 @@ def layer_types_of(cfg: dict[str, Any]) -> tuple[str, ...]:
     return layer_types
 
 
-def rope_of(cfg: dict[str, Any], allowed_extra: tuple[str, ...] = ()) -> tuple[float, float]:
+def rope_of(cfg: dict[str, Any], allowed_extra: tuple[str, ...] = (), default_partial: float = 0.25
+            ) -> tuple[float, float]:
     """(rope_theta, partial_rotary_factor) of plain RoPE; anything else (YaRN, linear scaling, ...) is refused by
-    name. ``allowed_extra``: keys of ``rope_parameters`` the family has checked itself (Qwen3.5's mrope fields)."""
+    name. ``allowed_extra``: keys of ``rope_parameters`` the family has checked itself (Qwen3.5's mrope fields);
+    ``default_partial``: the family's rotary fraction where the config gives none (Qwen's quarter of each head)."""
     if cfg.get("rope_scaling"):
         raise ValueError(f"config.json: rope_scaling {cfg['rope_scaling']!r} is not supported (only plain RoPE)")
     rope = cfg.get("rope_parameters") or {}
     if not isinstance(rope, dict):
         raise ValueError(f"config.json: rope_parameters must be an object, got {rope!r}")
     rope = dict(rope)
-    if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
-        raise ValueError(f"config.json: rope_type {rope.get('rope_type')!r} is not supported (only 'default')")
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in ("default", None):
+        raise ValueError(f"config.json: rope_type {kind!r} is not supported (only 'default')")
     unknown = set(rope) - {"rope_type", "type", "rope_theta", "partial_rotary_factor", *allowed_extra}
     if unknown:
         raise ValueError(f"config.json: rope_parameters {sorted(unknown)} are not supported (only plain RoPE)")
     theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-    return theta, float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25)))
+    return theta, float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", default_partial)))
+
+
+def full_rope_of(cfg: dict[str, Any], name: str) -> float:
+    """rope_theta of plain RoPE over whole heads (the Mamba2 families' attention): ``rope_of``'s refusals, and a
+    partial rotary fraction refused too."""
+    theta, partial = rope_of(cfg, default_partial=1.0)
+    if partial != 1.0:
+        raise ValueError(f"{name}: partial_rotary_factor {partial} is not supported (RoPE over whole heads only)")
+    return theta

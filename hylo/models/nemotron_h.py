@@ -143,7 +143,6 @@ class Block(nn.Module):
 class NemotronHForCausalLM(LayerStack):
     family = "Nemotron-H"
     EMBED, LAYERS, FINAL_NORM = "backbone.embeddings.weight", "backbone.layers", "backbone.norm_f.weight"
-    NORM_WEIGHT_IN_FLOAT32 = True
 
     def make_layer(self, mc, layer_id, dtype, device):
         return Block(mc, layer_id, dtype, device)

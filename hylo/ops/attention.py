@@ -115,6 +115,8 @@ def _sdpa(q, k, v, mask, scaling):
                     out = F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **kw)
                 _GQA_FUSED[key] = True
                 return out
+            except torch.OutOfMemoryError:  # a transient shortage says nothing of the kernels: not remembered
+                raise
             except (RuntimeError, TypeError, AttributeError):  # no such kernel here, or a torch before enable_gqa
                 _GQA_FUSED[key] = False
     if heads != kv_heads:

@@ -2,7 +2,8 @@
 ``[bn, bk]`` block of the weight's last two dimensions (partial blocks at the right and bottom edges), stored as
 ``<name>_scale_inv`` beside ``<name>``. The stored scale multiplies: ``w ~= q * scale_inv`` over its block.
 
-These are the torch references; a checkpoint is dequantized through them at load.
+These are the torch references: on the CPU a checkpoint is dequantized through them at load; on a GPU its weights
+stay ``Fp8Weight`` and the Triton kernels (``fp8_triton``) dequantize each block as they load it.
 """
 
 from __future__ import annotations

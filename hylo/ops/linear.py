@@ -17,9 +17,10 @@ from .triton_utils import env_flag, env_int, use_triton
 def _few_rows(x: torch.Tensor, w) -> bool:
     if not use_triton(x):
         return False
-    from .linear_triton import GEMV_MAX_ROWS, fp8_gemv_ok
+    from .fp8_triton import fp8_tiles_ok
+    from .linear_triton import GEMV_MAX_ROWS
 
-    if not isinstance(w, torch.Tensor) and not fp8_gemv_ok(w):
+    if not isinstance(w, torch.Tensor) and not fp8_tiles_ok(w):
         return False
     return x.shape[0] <= GEMV_MAX_ROWS and x.stride(-1) == 1
 

@@ -190,7 +190,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, gat
     every D-channel head of x, ``gated_rms_norm(x, gate, norm_weight, eps)``, or with ``swiglu`` (x [M, 2K]: the
     gate half, then the up half) the dense MLP's ``silu(gate) * up``.
     ``fma``: a single row multiplied on the CUDA cores (default ``GEMV_FMA`` for one row; ignored for more).
-    ``w`` may be an ``ops.fp8.Fp8Weight`` whose column blocks are a power of two (``fp8_gemv_ok``)."""
+    ``w`` may be an ``ops.fp8.Fp8Weight`` whose column blocks are a power of two (``fp8_triton.fp8_tiles_ok``)."""
     fp8 = None
     if not isinstance(w, torch.Tensor):  # block FP8: the tiles stay inside one column block of scales
         fp8, w = w, w.q
@@ -242,12 +242,6 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, gat
            if fp8 is not None else {}),
         **(dict(t_ptr=tail, NT=nt, TAIL=True, TBK=min(plain_bk, bk)) if tail is not None else {}))
     return y
-
-
-def fp8_gemv_ok(w) -> bool:
-    """Whether the GEMV takes this FP8 weight: column blocks a power of two of at least 16 (Qwen's are 128)."""
-    sbk = w.block[1]
-    return sbk >= 16 and sbk & (sbk - 1) == 0
 
 
 @triton.jit

@@ -219,10 +219,17 @@ def parse_grouped_cfg(text: str, var: str = "HYLO_GROUPED_CFG") -> tuple:
     table = []
     for part in filter(None, (p.strip() for p in text.split(";"))):
         limit, _, cfg = part.partition(":")
-        values = tuple(int(v) for v in cfg.split(","))
-        if len(values) not in (5, 9):
-            raise ValueError(f"{var} entry {part!r}: expected 5 or 9 integers after the pair limit")
-        table.append((1 << 62 if limit.strip() == "max" else int(limit), values))
+        try:
+            values = tuple(int(v) for v in cfg.split(","))
+            bound = 1 << 62 if limit.strip() == "max" else int(limit)
+        except ValueError:
+            values, bound = (), 0
+        if len(values) not in (5, 9) or min(values) < 1 or bound < 1:
+            raise ValueError(f"{var} entry {part!r}: expected a pair limit (a positive integer or 'max'), then 5 or "
+                             f"9 positive integers")
+        if table and bound <= table[-1][0]:
+            raise ValueError(f"{var} entry {part!r}: the pair limits must increase")
+        table.append((bound, values))
     if not table or table[-1][0] != 1 << 62:
         raise ValueError(f"{var} {text!r}: the last entry's limit must be 'max'")
     return tuple(table)

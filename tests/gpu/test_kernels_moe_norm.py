@@ -250,8 +250,11 @@ def test_grouped_cfg_setting_parses_and_names_bad_entries():
 
     table = parse_grouped_cfg("1024:16,64,128,4,3; max:64,64,64,4,3,128,64,8,3")
     assert table == ((1024, (16, 64, 128, 4, 3)), (1 << 62, (64, 64, 64, 4, 3, 128, 64, 8, 3)))
-    with pytest.raises(ValueError, match="5 or 9 integers"):
-        parse_grouped_cfg("max:64,64,64")
+    for bad in ("max:64,64,64", "max:64,64,x,4,3", "1O24:16,64,128,4,3;max:64,64,64,4,3", "max:64,0,64,4,3"):
+        with pytest.raises(ValueError, match="HYLO_GROUPED_CFG entry.*5 or 9 positive integers"):
+            parse_grouped_cfg(bad)
+    with pytest.raises(ValueError, match="limits must increase"):
+        parse_grouped_cfg("1024:16,64,128,4,3;512:16,64,128,4,3;max:64,64,64,4,3")
     with pytest.raises(ValueError, match="'max'"):
         parse_grouped_cfg("1024:16,64,128,4,3")
 
