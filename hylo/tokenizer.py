@@ -106,7 +106,12 @@ class HFTokenizer(_TemplateMixin):
         self.chat_template = _read_chat_template(path, config)
         self.bos_token, self.eos_token = (_token_text(config, name) for name in ("bos_token", "eos_token"))
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-        self.special_ids = {i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
+        added = self._tok.get_added_tokens_decoder()
+        self.special_ids = {i for i, t in added.items() if t.special}
+        self._added_ids = set(added)  # written as themselves (UTF-8), not in the model's byte alphabet
+        # SentencePiece-style vocabularies (Metaspace: "▁" for a space; byte fallback: "<0x0A>" for a byte)
+        decoder = json.dumps(json.loads(self._tok.to_str()).get("decoder"))
+        self._metaspace = "Metaspace" in decoder or "ByteFallback" in decoder or "\\u2581" in decoder
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         check_text(text)
@@ -123,12 +128,21 @@ class HFTokenizer(_TemplateMixin):
         return self._tok.id_to_token(token_id) or ""
 
     def token_bytes(self, token_id: int) -> bytes:
-        """The bytes one token stands for (a byte-level BPE token may be part of a UTF-8 character)."""
+        """The bytes one token stands for, as it appears inside a text: a byte-level BPE token's (maybe part of a
+        UTF-8 character), a SentencePiece token's with its leading space (``▁``) and a byte fallback token's
+        one byte (``<0x0A>``), an added token's own text."""
         piece = self._tok.id_to_token(token_id)
         if piece is None:
             return b""
-        if token_id in self.special_ids:
+        if token_id in self._added_ids:
             return piece.encode("utf-8")
+        if self._metaspace:
+            if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                try:
+                    return bytes([int(piece[3:5], 16)])
+                except ValueError:
+                    pass
+            return piece.replace("▁", " ").encode("utf-8")
         if all(c in _UNICODE_TO_BYTE for c in piece):  # the byte-level alphabet: one character per byte
             return bytes(_UNICODE_TO_BYTE[c] for c in piece)
         return self._tok.decode([token_id], skip_special_tokens=False).encode("utf-8")

@@ -1,6 +1,7 @@
 """A checkpoint's own tokenizer.json and chat template: text in, text out, stop strings on real text."""
 
 import json
+import os
 import shutil
 
 import pytest
@@ -161,3 +162,24 @@ def test_a_template_writes_the_tokenizers_own_bos_and_eos(tmp_path, ckpt_with_to
     with TestClient(create_app(engine)) as http:
         chat = http.post("/tokenize", json={"messages": [{"role": "user", "content": "w3"}]}).json()["tokens"]
     assert chat == [1, 6, 2]
+
+
+def test_token_bytes_of_a_sentencepiece_style_vocabulary(tmp_path):
+    """The bytes a token stands for, which the constraint automata are built from: a Metaspace token keeps its
+    leading space ("\u2581the" is b" the"), a byte fallback token is its byte ("<0x0A>" is b"\\n"), an added token
+    is its own text; and a byte-level BPE vocabulary keeps reading through its byte alphabet."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "<0x0A>": 1, "<0xE2>": 2, "\u2581the": 3, "\u2581": 4, "t": 5, "h": 6, "e": 7}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    tok.add_tokens([AddedToken("<tool>", special=False)])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    t = load_tokenizer(str(tmp_path))
+    assert [t.token_bytes(i) for i in range(9)] == [b"<unk>", b"\n", b"\xe2", b" the", b" ", b"t", b"h", b"e",
+                                                    b"<tool>"]
+    byte_level = load_tokenizer(os.path.dirname(__file__) + "/../hylo/models/default_ckpt")
+    space_a = byte_level.encode(" a")
+    assert b"".join(byte_level.token_bytes(i) for i in space_a) == b" a"
