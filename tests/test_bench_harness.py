@@ -62,8 +62,10 @@ def test_fake_prefill_of_sampling_rows():
 def _simulated_mean_accept(rows: int, target: float, steps: int, built_with: float | None = None) -> float:
     """Mean tokens per verify step of ``rows`` fake-prefilled MTP requests (k = 3) with simulated acceptance
     (the engine built with ``built_with``, then set to ``target``, as the benchmark does between records)."""
-    ec = EngineConfig(enable_prefix_caching=False, verbose=False, max_num_seqs=rows, speculative="mtp", num_speculative_tokens=3,
-                      simulate_accept_length=built_with or target)
+    # every step verifies (the adaptive policy would choose by the steps' measured times, which a busy machine
+    # changes: fewer verify steps, fewer draws, a mean further from the target)
+    ec = EngineConfig(enable_prefix_caching=False, verbose=False, max_num_seqs=rows, speculative="mtp",
+                      num_speculative_tokens=3, simulate_accept_length=built_with or target, spec_policy="fixed")
     eng = Engine(None, device="cpu", engine_config=ec, spec_setup=SpecSetup("mtp"))
     eng.worker.simulate_accept_length = target
     rids = fake_prefill(eng, rows, 30)

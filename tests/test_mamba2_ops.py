@@ -101,5 +101,5 @@ def test_conv_with_bias_and_gated_norm_match_transformers():
     with torch.no_grad():
         norm.weight.copy_(torch.randn(size, generator=g))
     y, z = torch.randn(5, size, generator=g), torch.randn(5, size, generator=g)
-    got = mamba2.gated_rms_norm_ref(y, z, norm.weight.detach(), size // groups, 1e-5)
+    got = mamba2.gate_then_norm_ref(y, z, norm.weight.detach(), size // groups, 1e-5)
     assert torch.allclose(got, norm(y, z).detach(), atol=1e-6)

@@ -41,7 +41,9 @@ SPEC_KV_TOKENS = SPEC_MODEL_LEN + 128
 def build_model(mc: ModelConfig, device, seed: int = 0, hf_model=None, name: str = "bench-6b") -> LoadedModel:
     dtype = torch.bfloat16
     q = mc.quantization
-    reader = RandomFp8Reader(seed, device, q.block) if q is not None else RandomReader(seed, device)
+    plain = mc.mamba is not None  # the Mamba2 families' norms multiply by their weight
+    reader = (RandomFp8Reader(seed, device, q.block, plain_norms=plain) if q is not None
+              else RandomReader(seed, device, plain_norms=plain))
     if hf_model is not None:
         if q is not None:
             raise ValueError(f"{name}: the HF comparison is not available for the FP8 shapes")

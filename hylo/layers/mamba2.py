@@ -17,7 +17,7 @@ from ..backends.mamba2 import Mamba2Params
 from ..config import Mamba2Spec
 from ..core import ForwardBatch
 from ..ops.linear import dense, out_proj
-from ..ops.mamba2 import gated_rms_norm_ref, norm_then_gate_ref
+from ..ops.mamba2 import gate_then_norm_ref, norm_then_gate_ref
 from ..ops.triton_utils import use_triton
 from .weights import TensorReader, copy_into
 
@@ -61,7 +61,7 @@ class Mamba2Mixer(nn.Module):
 
             y = gated_group_norm(y, z, self.norm_weight, s.n_groups, s.norm_eps, norm == "gate_then_norm", x.dtype)
         elif norm == "gate_then_norm":
-            y = gated_rms_norm_ref(y, z, self.norm_weight, group, s.norm_eps)
+            y = gate_then_norm_ref(y, z, self.norm_weight, group, s.norm_eps)
         elif norm == "norm_then_gate":
             y = norm_then_gate_ref(y, z, self.norm_weight, group, s.norm_eps)
         else:

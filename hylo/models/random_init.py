@@ -109,11 +109,15 @@ class RandomReader(TensorReader):
 
     Builds benchmark models directly on the GPU without a checkpoint; the rules follow ``random_checkpoint``. Each
     tensor's values depend only on (seed, name), so two readers with the same seed build the same model.
+    ``plain_norms``: the model's norms multiply by their weight (the Mamba2 families'), so their weights are drawn
+    near 1; else near 0 (the Qwen families' zero-centred norms, all but GDN's output norm).
     """
 
-    def __init__(self, seed: int, device: torch.device, std: float = 0.02, with_mtp: bool = True):
+    def __init__(self, seed: int, device: torch.device, std: float = 0.02, with_mtp: bool = True,
+                 plain_norms: bool = False):
         super().__init__()
         self.seed, self.device, self.std, self.with_mtp = seed, torch.device(device), std, with_mtp
+        self.plain_norms = plain_norms
 
     def keys(self):
         return self.used
@@ -133,7 +137,7 @@ class RandomReader(TensorReader):
         self.used.add(name)
         g = torch.Generator(device=self.device).manual_seed((self.seed * 1000003 + zlib.crc32(name.encode())) % 2**63)
         kw = dict(generator=g, device=self.device, dtype=torch.float32)
-        if name.endswith("linear_attn.norm.weight"):
+        if name.endswith("linear_attn.norm.weight") or "norm" in name and self.plain_norms:  # plain weights
             return 1 + torch.randn(shape, **kw) * 0.1
         if "norm" in name:  # zero-centred norms
             return torch.randn(shape, **kw) * 0.1
@@ -152,8 +156,8 @@ class RandomFp8Reader(RandomReader):
     built with FP8 weights in memory (the FP8 benchmark shapes) holds exactly these FP8 values."""
 
     def __init__(self, seed: int, device: torch.device, block: tuple[int, int], std: float = 0.02,
-                 with_mtp: bool = True):
-        super().__init__(seed, device, std, with_mtp)
+                 with_mtp: bool = True, plain_norms: bool = False):
+        super().__init__(seed, device, std, with_mtp, plain_norms)
         self.block = tuple(block)
 
     def fp8(self, name: str, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:

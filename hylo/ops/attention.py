@@ -45,6 +45,25 @@ def _attend(q, k, v, mask, scaling):
     return out.flatten(-4, -3)  # [..., H, Lq, D]
 
 
+def _extend_rows(q, k_cache, v_cache, req_to_token, req_slots_cpu, prefix_lens_cpu, extend_lens_cpu, rows=None):
+    """Per prefill row (all, or ``rows``): its first token in ``q``, its length, its queries [H, L, D], the keys and
+    values of its whole context [KVH, P + L, D], and the mask over that context [L, P + L] (True: attend), None
+    where the row has no cached prefix (plain causal: no mask built, which at 8192 tokens would be 64 MB)."""
+    starts = [0]
+    for length in extend_lens_cpu:
+        starts.append(starts[-1] + length)
+    for i in range(len(extend_lens_cpu)) if rows is None else rows:
+        slot, prefix, length, start = req_slots_cpu[i], prefix_lens_cpu[i], extend_lens_cpu[i], starts[i]
+        total = prefix + length
+        locs = req_to_token[slot, :total]
+        mask = None
+        if prefix:
+            q_pos = torch.arange(prefix, total, device=q.device)
+            mask = q_pos[:, None] >= torch.arange(total, device=q.device)[None, :]
+        yield (start, length, q[start:start + length].transpose(0, 1), k_cache[locs].transpose(0, 1),
+               v_cache[locs].transpose(0, 1), mask)
+
+
 def extend_attention_ref(q, k_cache, v_cache, req_to_token, req_slots_cpu, prefix_lens_cpu, extend_lens_cpu,
                          scaling):
     """Prefill chunks of several requests, each attending to its cached prefix and causally to itself.
@@ -53,16 +72,11 @@ def extend_attention_ref(q, k_cache, v_cache, req_to_token, req_slots_cpu, prefi
     Returns [T, H, D] in q's dtype.
     """
     out = torch.empty_like(q)
-    start = 0
-    for slot, prefix, length in zip(req_slots_cpu, prefix_lens_cpu, extend_lens_cpu):
-        total = prefix + length
-        locs = req_to_token[slot, :total]
-        k, v = k_cache[locs].transpose(0, 1), v_cache[locs].transpose(0, 1)  # [KVH, total, D]
-        qi = q[start:start + length].transpose(0, 1)  # [H, length, D]
-        q_pos = torch.arange(prefix, total, device=q.device)
-        mask = q_pos[:, None] >= torch.arange(total, device=q.device)[None, :]  # [length, total]
+    for start, length, qi, k, v, mask in _extend_rows(q, k_cache, v_cache, req_to_token, req_slots_cpu,
+                                                      prefix_lens_cpu, extend_lens_cpu):
+        if mask is None:
+            mask = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
         out[start:start + length] = _attend(qi, k, v, mask[None], scaling).transpose(0, 1).to(q.dtype)
-        start += length
     return out
 
 
@@ -130,19 +144,8 @@ def extend_attention_sdpa(q, k_cache, v_cache, req_to_token, req_slots_cpu, pref
     kernels on CUDA, reading the K/V heads shared by several query heads as they are), row by row; ``rows``: only
     these rows (into ``out``, whose other rows are left as they are)."""
     out = torch.empty_like(q) if out is None else out
-    starts = [0]
-    for length in extend_lens_cpu:
-        starts.append(starts[-1] + length)
-    for i in range(len(extend_lens_cpu)) if rows is None else rows:
-        slot, prefix, length, start = req_slots_cpu[i], prefix_lens_cpu[i], extend_lens_cpu[i], starts[i]
-        total = prefix + length
-        locs = req_to_token[slot, :total]
-        k = k_cache[locs].transpose(0, 1)[None]  # [1, KVH, total, D]
-        v = v_cache[locs].transpose(0, 1)[None]
-        qi = q[start:start + length].transpose(0, 1)[None]
-        mask = None
-        if prefix:
-            q_pos = torch.arange(prefix, total, device=q.device)
-            mask = q_pos[:, None] >= torch.arange(total, device=q.device)[None, :]
+    for start, length, qi, k, v, mask in _extend_rows(q, k_cache, v_cache, req_to_token, req_slots_cpu,
+                                                      prefix_lens_cpu, extend_lens_cpu, rows):
+        qi, k, v = qi[None], k[None], v[None]  # [1, H, L, D], [1, KVH, P + L, D]
         out[start:start + length] = _sdpa(qi, k, v, mask, scaling)[0].transpose(0, 1)
     return out

@@ -108,7 +108,7 @@ def ssd_verify_ref(x, dt, A, B, C, D, state: torch.Tensor):
     return torch.stack(ys, 1), torch.stack(states, 1)
 
 
-def gated_rms_norm_ref(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group_size: int,
+def gate_then_norm_ref(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group_size: int,
                        eps: float) -> torch.Tensor:
     """``weight * rms_norm(y * silu(z))`` with the mean of squares taken over groups of ``group_size`` channels
     (Mamba2's norm: gate first, then the norm). y, z: [T, C]; returns [T, C] in weight's dtype, the normalized

@@ -59,7 +59,8 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """The GDN output norm: ``(x / rms(x)) * w * silu(gate)`` with a plain (not zero-centred) weight.
+    """The GDN output norm: ``(x / rms(x)) * w * silu(gate)`` with a plain (not zero-centred) weight, over each
+    whole head (the Mamba2 families' grouped norms are ``ops.mamba2.gate_then_norm_ref`` / ``norm_then_gate_ref``).
 
     The order of casts follows the reference model: normalise in float32, scale by ``w`` in the input dtype, gate
     in float32.

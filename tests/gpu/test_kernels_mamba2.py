@@ -115,7 +115,7 @@ def test_gated_group_norm_matches_the_references(dev, channels, groups, gate_fir
     proj = torch.randn(5, 2 * channels + 3, generator=g)
     z = proj[:, channels + 3:]
     w = torch.randn(channels, generator=g)
-    fn = ref.gated_rms_norm_ref if gate_first else ref.norm_then_gate_ref
+    fn = ref.gate_then_norm_ref if gate_first else ref.norm_then_gate_ref
     want = fn(y, z, w, channels // groups, 1e-5)
     out = gated_group_norm(y.to(dev), z.to(dev), w.to(dev), groups, 1e-5, gate_first, torch.float32)
     assert torch.allclose(out.cpu(), want, atol=1e-5, rtol=1e-5)
