@@ -341,6 +341,19 @@ def test_fp8_weights_setting_is_checked(monkeypatch, fp8_a):
         LLM(fp8_a, verbose=False)
 
 
+def test_fp8_blocks_the_kernels_cannot_tile_are_dequantized_at_load_on_a_gpu(monkeypatch):
+    """On a GPU, "auto" keeps FP8 only for blocks whose columns the kernels tile (a power of two, at least 16):
+    another block would be dequantized whole at every step, so it is dequantized once at load; "keep" still
+    keeps it (the reference path), and the CPU dequantizes at load whatever the block."""
+    from hylo.models.quant import keep_fp8
+
+    monkeypatch.delenv("HYLO_FP8_WEIGHTS", raising=False)
+    assert keep_fp8("cuda", (128, 128)) and keep_fp8("cuda", (16, 16))
+    assert not keep_fp8("cuda", (128, 96)) and not keep_fp8("cuda", (8, 8)) and not keep_fp8("cpu", (128, 128))
+    monkeypatch.setenv("HYLO_FP8_WEIGHTS", "keep")
+    assert keep_fp8("cuda", (128, 96)) and keep_fp8("cpu", (128, 96))
+
+
 def test_fp8_weights_kept_in_memory_under_tensor_parallelism(fp8_a, monkeypatch):
     """Each rank keeps its slice of every FP8 weight with the slice's block scales (a slice that starts inside a
     block is kept in the compute dtype instead); two ranks give one rank's tokens."""

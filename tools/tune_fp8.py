@@ -19,7 +19,8 @@ import os
 
 from gpu_only import require
 
-require("tools/tune_fp8.py")  # one line, not a traceback, where there is no CUDA GPU or no Triton
+if __name__ == "__main__":  # one line, not a traceback, where there is no CUDA GPU or no Triton (tests import it)
+    require("tools/tune_fp8.py")
 
 import torch  # noqa: E402
 

@@ -18,7 +18,8 @@ import os
 
 from gpu_only import require
 
-require("tools/tune_kernels.py")  # one line, not a traceback, where there is no CUDA GPU or no Triton
+if __name__ == "__main__":  # one line, not a traceback, where there is no CUDA GPU or no Triton (tests import it)
+    require("tools/tune_kernels.py")
 
 import torch  # noqa: E402
 import triton  # noqa: E402

@@ -111,7 +111,7 @@ def load_model(path: str | None, dtype: torch.dtype, device: torch.device, progr
                 print(f"[hylo] {len(headers.used)} tensors checked against config.json from the files' headers "
                       f"({time.perf_counter() - t0:.1f}s); loading {files.nbytes / 2**30:.1f} GiB", file=sys.stderr,
                       flush=True)
-        if mc.quantization is not None and keep_fp8(device):  # FP8 weights stay FP8 in memory (on the GPU)
+        if mc.quantization is not None and keep_fp8(device, mc.quantization.block):  # FP8 in memory (GPU)
             mc = replace(mc, quantization=replace(mc.quantization, keep=True))
         name = display_name or name
         tokenizer, is_random = load_tokenizer(path), False

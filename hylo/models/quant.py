@@ -179,14 +179,16 @@ class ScaleMapReader(ReaderOver):
         return self.get(name).narrow(dim, start, stop - start)
 
 
-def keep_fp8(device) -> bool:
+def keep_fp8(device, block: tuple[int, int] = (128, 128)) -> bool:
     """Whether block-FP8 weights stay FP8 in memory on ``device`` (DESIGN.md section 12: on the GPU, where the
     kernels dequantize as they load; on the CPU the reference dequantizes at load). ``HYLO_FP8_WEIGHTS``: "auto"
-    (the default), "keep" or "dequantize"."""
+    (the default), "keep" or "dequantize". "auto" keeps only blocks the kernels tile (columns a power of two of at
+    least 16, as every release's 128): any other block would be dequantized whole at every step."""
     mode = os.environ.get("HYLO_FP8_WEIGHTS", "auto")
     if mode not in ("auto", "keep", "dequantize"):
         raise ValueError(f"HYLO_FP8_WEIGHTS={mode!r}: expected 'auto', 'keep' or 'dequantize'")
-    return mode == "keep" or (mode == "auto" and torch.device(device).type == "cuda")
+    tiled = block[1] >= 16 and block[1] & (block[1] - 1) == 0
+    return mode == "keep" or (mode == "auto" and torch.device(device).type == "cuda" and tiled)
 
 
 def quantized_reader(reader: TensorReader, quant: QuantConfig | None) -> TensorReader:
