@@ -24,7 +24,7 @@ from .engine_thread import EngineThread
 from .metrics import Metrics
 from .protocol import (DEFAULT_COMPLETION_MAX_TOKENS, APIError, ChatCompletionRequest, CompletionRequest,
                        DetokenizeRequest, TokenizeRequest, error_body)
-from .serving import Echo, Formatter, serve
+from .serving import Echo, Formatter, Reply, serve
 from .structured import compile_constraint, constraint_of
 from .tools import Tools, parse_tools
 
@@ -284,9 +284,10 @@ def create_app(engine: Engine, api_key: str | None = None, served_model_name: st
             echo = [Echo(p, True) if isinstance(p, str) else
                     Echo(engine.tokenizer.decode(ids) if engine.tokenizer else "", False)
                     for p, ids in zip(raw, prompts)]
-        return await serve(request, runner, "cmpl", "text_completion", model_name, prompts, params, body,
-                           chat=False, fmt=Formatter(engine.tokenizer, body.return_tokens_as_token_ids),
-                           echo_texts=echo, score_only=score_only, rooms=rooms)
+        reply = Reply("cmpl", "text_completion", model_name, body, chat=False,
+                      fmt=Formatter(engine.tokenizer, body.return_tokens_as_token_ids), echo_texts=echo,
+                      score_only=score_only)
+        return await serve(request, runner, reply, prompts, params, rooms=rooms)
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -311,8 +312,9 @@ def create_app(engine: Engine, api_key: str | None = None, served_model_name: st
         params = body.choice_params(room, constraint)  # without max_tokens: the room the prompt leaves
         _check_token_ids(engine, params[0])
         await compile_constraint(engine, constraint, field)
-        return await serve(request, runner, "chatcmpl", "chat.completion", model_name, [prompt], params, body,
-                           chat=True, fmt=Formatter(engine.tokenizer, body.return_tokens_as_token_ids), tools=tools)
+        reply = Reply("chatcmpl", "chat.completion", model_name, body, chat=True,
+                      fmt=Formatter(engine.tokenizer, body.return_tokens_as_token_ids), tools=tools)
+        return await serve(request, runner, reply, [prompt], params)
 
     if max_body_bytes:
         app.add_middleware(BodyLimit, limit=max_body_bytes, api_key=api_key)

@@ -8,7 +8,7 @@ import asyncio
 import codecs
 import dataclasses
 import json
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -146,16 +146,30 @@ def _abandon(runner: EngineThread, rid: str, queues: dict, collect: asyncio.Futu
         runner.abort(f"{rid}-{index}")
 
 
-async def serve(request: Request, runner: EngineThread, id_prefix: str, obj: str, model: str,
-                prompts: list[list[int]], params: list, body, chat: bool, fmt: Formatter,
-                echo_texts: list[Echo] | None = None, score_only: bool = False, tools=None,
+@dataclasses.dataclass
+class Reply:
+    """What shapes an answer, beside its results: the endpoint's ids and object name, the request's body, and
+    ``echo_texts``: the prompts' texts, returned before each choice's completion (completions with ``echo``);
+    ``score_only``: the requests generate one token that the answer leaves out (echo with max_tokens 0: the prompt
+    scored only); ``tools`` (chat, ``server.tools.Tools``): the model's tool calls parsed out of its text."""
+
+    id_prefix: str  # "cmpl", "chatcmpl"
+    obj: str  # "text_completion", "chat.completion"
+    model: str
+    body: Any
+    chat: bool
+    fmt: Formatter
+    echo_texts: list[Echo] | None = None
+    score_only: bool = False
+    tools: Any = None
+
+
+async def serve(request: Request, runner: EngineThread, reply: Reply, prompts: list[list[int]], params: list,
                 rooms: list[int] | None = None):
-    """Submit one request per (prompt, choice) and answer with one response or a stream. ``echo_texts``: the
-    prompts' texts, returned before each choice's completion (completions with ``echo``); ``score_only``: the
-    requests generate one token that the answer leaves out (echo with max_tokens 0: the prompt scored only);
-    ``tools`` (chat, ``server.tools.Tools``): the model's tool calls parsed out of its text; ``rooms``: per prompt,
-    the most tokens its outputs may take (a default max_tokens within the room the prompt leaves)."""
-    rid = new_id(id_prefix)
+    """Submit one request per (prompt, choice) and answer with one response or a stream (``reply``); ``rooms``: per
+    prompt, the most tokens its outputs may take (a default max_tokens within the room the prompt leaves)."""
+    body, chat, fmt, obj, model = reply.body, reply.chat, reply.fmt, reply.obj, reply.model
+    rid = new_id(reply.id_prefix)
     created = now()
     jobs = [(i * len(params) + j, prompt, p if rooms is None or p.max_tokens <= rooms[i]
              else dataclasses.replace(p, max_tokens=rooms[i]))
@@ -163,8 +177,7 @@ async def serve(request: Request, runner: EngineThread, id_prefix: str, obj: str
     queues = {index: runner.submit(f"{rid}-{index}", prompt, p) for index, prompt, p in jobs}
     prompt_tokens = sum(len(p) for p in prompts)
     if body.stream:
-        return StreamingResponse(_stream(runner, rid, created, model, obj, queues, prompts, len(params), body, chat,
-                                         fmt, echo_texts, score_only, tools),
+        return StreamingResponse(_stream(runner, rid, created, reply, queues, prompts, len(params)),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     collect = asyncio.ensure_future(asyncio.gather(*(_collect(q) for q in queues.values())))
     collect.add_done_callback(_retrieved)
@@ -181,7 +194,7 @@ async def serve(request: Request, runner: EngineThread, id_prefix: str, obj: str
         _abandon(runner, rid, queues, collect)
         return JSONResponse(error_body("client disconnected"), status_code=499)
     results = collect.result()
-    if score_only:
+    if reply.score_only:
         results = [_scored_only(r) for r in results]
     failed = [r for r in results if r.error]
     if failed:
@@ -194,8 +207,7 @@ async def serve(request: Request, runner: EngineThread, id_prefix: str, obj: str
     choices = []
     for index, r in zip(queues, results):
         prompt = prompts[index // n]
-        choices.append(_choice(index, r, prompt, body, chat, fmt, echo_texts[index // n] if echo_texts else None,
-                               tools))
+        choices.append(_choice(index, r, prompt, reply, reply.echo_texts[index // n] if reply.echo_texts else None))
     completion_tokens = sum(r.completion_tokens for r in results)
     # each prompt counts once (its first choice), as prompt_tokens does
     cached = sum(r.cached_tokens for index, r in zip(queues, results) if index % n == 0)
@@ -208,9 +220,9 @@ async def serve(request: Request, runner: EngineThread, id_prefix: str, obj: str
     return response
 
 
-def _choice(index: int, r: Delta, prompt: list[int], body, chat: bool, fmt: Formatter, echo: Echo | None,
-            tools=None) -> dict:
+def _choice(index: int, r: Delta, prompt: list[int], reply: Reply, echo: Echo | None) -> dict:
     """One choice of a whole (not streamed) response; ``echo``: its prompt's text before its own (completions)."""
+    body, chat, fmt, tools = reply.body, reply.chat, reply.fmt, reply.tools
     want_lp = body.logprobs_n() is not None
     if chat:
         message, finish = {"role": "assistant", "content": r.text}, r.finish_reason
@@ -271,12 +283,13 @@ async def _collect(q: asyncio.Queue) -> Delta:
             return total
 
 
-async def _stream(runner: EngineThread, rid: str, created: int, model: str, obj: str, queues: dict,
-                  prompts: list[list[int]], choices_per_prompt: int, body, chat: bool, fmt: Formatter,
-                  echo_texts: list[Echo] | None, score_only: bool = False, tools=None):
+async def _stream(runner: EngineThread, rid: str, created: int, reply: Reply, queues: dict,
+                  prompts: list[list[int]], choices_per_prompt: int):
     """Server-sent events in OpenAI's chunk format; aborts every unfinished choice if the client goes away.
     A completions choice's first chunk carries its echoed prompt (with the prompt's log probabilities, which
     come with the first token) and, with return_token_ids, its prompt_token_ids."""
+    body, chat, fmt, model, obj = reply.body, reply.chat, reply.fmt, reply.model, reply.obj
+    echo_texts, score_only, tools = reply.echo_texts, reply.score_only, reply.tools
     merged: asyncio.Queue = asyncio.Queue()
     opts = body.stream_options
     include_usage = bool(opts and opts.include_usage)
