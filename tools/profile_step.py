@@ -211,6 +211,7 @@ def layer_timeline(eng, prompt) -> list[dict]:
     timed(eng.scheduler, "schedule")
     timed(worker, "build_batch")
     timed(worker.backend, "init_forward_metadata")
+
     def embedded(module, args):  # returns None: a pre-hook's return value would replace the layer's arguments
         stages.setdefault("embedding", time.perf_counter())
 

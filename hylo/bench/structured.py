@@ -125,4 +125,3 @@ def run_structured_bench(model_name: str = "bench-6b", out_dir: str = "bench/res
     save()
     print(f"[bench] wrote {path}", flush=True)
     return records
-

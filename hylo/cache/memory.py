@@ -17,6 +17,7 @@ def positions_ahead(k: int) -> int:
     row feeds positions c..c+k, and the k - 1 drafts chained after it reach c + 2k - 1."""
     return 2 * k
 
+
 _GIB = 1 << 30
 CPU_DEFAULT_BUDGET_GB = 2.0
 CUDA_FREE_FRACTION = 0.9

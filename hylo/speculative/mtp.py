@@ -19,6 +19,7 @@ from ..models.mtp import MTPHead
 from ..ops.sampling import draw, greedy_tokens, sampling_probs
 from .drafter import Drafter
 
+
 class MTPDrafter(Drafter):
     fused_greedy = True
 

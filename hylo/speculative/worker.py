@@ -291,7 +291,6 @@ class SpecWorker:
         out[rows, forced] = emitted[rows, forced]
         return out, forced
 
-
     def _forced_accepts(self, batch) -> torch.Tensor:
         """Each row's simulated accepted count [B]: floor(want) or one more, drawn so that E[a + 1] = the target."""
         want = self._sim_want[batch.req_slots]

@@ -6,6 +6,7 @@ import torch
 from hylo.ops.moe import fused_moe_ref, route_topk
 from hylo.ops.norm import gated_rms_norm, rms_norm
 
+
 def _moe_case(dev, seed, tokens, experts, top_k, hidden, inter, gated=True):
     """Random MoE inputs on ``dev`` (bfloat16 on CUDA; float32 under the interpreter, which has no bfloat16 dot)
     as ``fused_moe``'s arguments (SwiGLU experts, or with ``gated=False`` squared-ReLU ones), and their float64
@@ -242,7 +243,6 @@ def test_gated_norm_reads_a_strided_gate(dev, tokens):
     w = torch.randn(20, generator=g)
     out = gated_rms_norm_triton(x.to(dev), proj.to(dev)[:, 10:90].reshape(tokens, 4, 20), w.to(dev), 1e-6)
     assert torch.allclose(out.cpu(), gated_rms_norm(x, gate, w, 1e-6), atol=1e-5)
-
 
 
 def test_grouped_cfg_setting_parses_and_names_bad_entries():
