@@ -14,9 +14,8 @@ state is read from the pool by slot (-1: zero state, nothing written). The same 
   A float32 state of bench-6b is 2 MB per layer: a verify of k + 1 = 4 steps writing every state moves 4 of them
   per row and layer, and the commit copy 2 more; the replay moves 2 and rereads a few KB of inputs.
 
-(The conv of a decode step inside this kernel, one launch per GDN layer fewer, was measured slower on the H200,
-session 15: 1.583 against 1.504 ms per batch-1 step, every value head's program recomputing its key head's q/k
-conv; it was taken out in session 20.)
+(The conv of a decode step inside this kernel, one launch per GDN layer fewer, measured slower on the H200: 1.583
+against 1.504 ms per batch-1 step, every value head's program recomputing its key head's q/k conv.)
 """
 
 from __future__ import annotations

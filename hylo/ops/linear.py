@@ -62,8 +62,8 @@ def dense(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
 
 # The GDN input projection of an FP8 checkpoint is an FP8 weight (q, k, v, z) and a plain one (b, a: the releases
 # keep those rows unquantized). On the few-row path both run in one GEMV launch, as bfloat16's single fused weight
-# does; until session 28 the b / a rows were a second GEMV of 8 programs on every GDN layer's critical path (18
-# launches of a bench-6b-fp8 batch-1 step). HYLO_FP8_TAIL_ROWS=0 launches them apart again.
+# does (apart, the b / a rows are a second GEMV of 8 programs on every GDN layer's critical path: 18 more launches
+# in a bench-6b-fp8 batch-1 step). HYLO_FP8_TAIL_ROWS=0 launches them apart, for an A/B.
 FP8_TAIL_ROWS = env_flag("HYLO_FP8_TAIL_ROWS", True)
 
 

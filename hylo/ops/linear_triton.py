@@ -38,9 +38,9 @@ def _gemv_kernel(x_ptr, g_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, M, N, K: tl.constexp
     block holds BK / D whole heads of D channels; with SWIGLU the input is silu(x) * g (g the up half). With FP8,
     W is float8_e4m3fn with one float32 scale per [SBN, SBK] block (``ws_ptr``, SK scales a row): a tile's
     partial products are taken on the FP8 values (exact in x's dtype) and scaled once per output row and column
-    block, as the MoE kernels and the W8A16 matmul do (until session 24 every element was scaled and rounded as it
-    was loaded: at batch 1 the FP8 model decoded slower than bfloat16). On the tensor cores BK divides SBK; one
-    row's tile may span several column blocks (``fp8_triton.scaled_row_dot``: session 26).
+    block, as the MoE kernels and the W8A16 matmul do (scaling and rounding every element as it is loaded made the
+    FP8 model decode slower than bfloat16 at batch 1). On the tensor cores BK divides SBK; one row's tile may span
+    several column blocks (``fp8_triton.scaled_row_dot``).
     With TAIL, NT more output rows follow W's N from a plain weight ``t_ptr`` [NT, K] (the GDN input projection's
     b / a rows, which the FP8 releases keep unquantized), taken by the programs past W's blocks with K tiles of
     TBK: y is [M, SPLIT, N + NT] and one launch does both."""
@@ -163,8 +163,8 @@ def fma_tile(n: int, split: int, k_split: int, device: torch.device) -> tuple[in
 
 # The gated norm in the loads makes the GDN output projection 7.8 us against 6.1 without it (batch 1); loading its
 # x and gate tiles one K block ahead was no faster (7.7, tune-gates-20261204-0407.json) and was taken out again.
-# Up to session 16 a K block with the norm was one head (128 channels, four times narrower loads than the plain
-# one-row GEMV's); GEMV_NORM_BK bounds how many channels (whole heads) a block takes now (HYLO_GEMV_NORM_BK).
+# A K block with the norm takes whole heads, up to GEMV_NORM_BK channels (HYLO_GEMV_NORM_BK): one head a block
+# (128 channels) would load four times narrower than the plain one-row GEMV.
 GEMV_NORM_BK = env_int("HYLO_GEMV_NORM_BK", 512)
 SPLIT_GEMV_CFG = (64, 128, 4, 4)
 
