@@ -73,10 +73,27 @@ def _free_bytes(device: torch.device) -> int | None:
     return None
 
 
-def allocate_caches(mc: ModelConfig, ec: EngineConfig, dtype: torch.dtype, device: torch.device,
-                    extra_attn_layers: int = 0) -> Caches:
+@dataclass(frozen=True)
+class CachePlan:
+    """The caches' sizes for a model and engine config (``plan_caches``), before anything is allocated."""
+
+    n_lin: int  # linear-attention layers (their state slots)
+    n_attn: int  # attention layers with KV, the MTP head's included
+    dims: tuple  # ``ModelConfig.state_dims``
+    state_dtype: torch.dtype
+    spec_tokens: int  # k (0: no speculation)
+    keep_inputs: bool  # a verify keeps its steps' inputs (the replay commit) rather than each step's state
+    kv_tokens: int
+    snapshots: int  # state slots for prefix-cache snapshots
+    slot_bytes: int  # one state slot (all linear layers)
+    max_model_len: int
+
+
+def plan_caches(mc: ModelConfig, ec: EngineConfig, dtype: torch.dtype, device: torch.device,
+                extra_attn_layers: int = 0) -> CachePlan:
     """Size the state pool (and, with speculative decoding, its verify buffers: k + 1 steps per request) for
-    ``max_num_seqs`` requests, give the KV pool the rest of the budget, allocate all.
+    ``max_num_seqs`` requests and the prefix cache's snapshots, and give the KV pool the rest of the budget; a
+    ValueError naming what to change where they do not fit (the budget, the device's free memory, max_model_len).
 
     ``extra_attn_layers``: KV layers beyond the model's attention layers (the MTP head's).
     """
@@ -132,20 +149,28 @@ def allocate_caches(mc: ModelConfig, ec: EngineConfig, dtype: torch.dtype, devic
     max_model_len = min(len_limit, kv_tokens)
     if max_model_len < 2:
         raise ValueError(f"the KV pool holds only {kv_tokens} tokens: raise memory_budget_gb or kv_cache_tokens")
-
     if k and kv_tokens < max_model_len + ahead:  # (a limit from the pool's size: it leaves room for them)
         max_model_len = kv_tokens - ahead
         if max_model_len < 2:
             raise ValueError(f"the KV pool of {kv_tokens} tokens is too small for {k} speculative tokens")
+    return CachePlan(n_lin, n_attn, dims, state_dtype, k, keep_inputs, kv_tokens, snapshots, slot_bytes,
+                     max_model_len)
+
+
+def allocate_caches(mc: ModelConfig, ec: EngineConfig, dtype: torch.dtype, device: torch.device,
+                    extra_attn_layers: int = 0) -> Caches:
+    """The caches ``plan_caches`` sizes, allocated on ``device``."""
+    plan = plan_caches(mc, ec, dtype, device, extra_attn_layers)
+    k, seqs = plan.spec_tokens, ec.max_num_seqs
     caches = Caches(
         # columns past max_model_len: positions a verify pass and its drafts reserve ahead of the last token
-        req_slots=ReqSlots(ec.max_num_seqs, max_model_len + ahead + 1, device),
-        kv_pool=KVPool(n_attn, kv_tokens, mc.num_key_value_heads, mc.head_dim, dtype, device),
-        state_pool=StatePool(n_lin, ec.max_num_seqs + snapshots, *dims, dtype, state_dtype, device),
-        max_model_len=max_model_len,
-        snapshot_slots=snapshots,
-        slot_bytes=slot_bytes,
+        req_slots=ReqSlots(seqs, plan.max_model_len + positions_ahead(k) + 1, device),
+        kv_pool=KVPool(plan.n_attn, plan.kv_tokens, mc.num_key_value_heads, mc.head_dim, dtype, device),
+        state_pool=StatePool(plan.n_lin, seqs + plan.snapshots, *plan.dims, dtype, plan.state_dtype, device),
+        max_model_len=plan.max_model_len,
+        snapshot_slots=plan.snapshots,
+        slot_bytes=plan.slot_bytes,
     )
     if k:
-        caches.state_pool.alloc_verify_buffers(ec.max_num_seqs, k + 1, keep_inputs, dtype)
+        caches.state_pool.alloc_verify_buffers(seqs, k + 1, plan.keep_inputs, dtype)
     return caches
