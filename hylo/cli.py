@@ -9,6 +9,8 @@ import time
 from .bench.shapes import ALIASES, BENCH_MODELS, canonical_name
 from .config import EngineConfig
 
+SHUTDOWN_GRACE_S = 10  # seconds a stopping server gives its running responses
+
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
@@ -215,7 +217,10 @@ def _serve(args) -> int:
     host = f"[{args.host}]" if ":" in args.host else args.host  # (an IPv6 address in a URL)
     print(f"[hylo] serving {args.served_model_name or engine.model_name} on http://{host}:{args.port}/v1",
           file=sys.stderr, flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    # Ctrl-C (or SIGTERM) lets running responses finish for SHUTDOWN_GRACE_S, then ends them: without a bound the
+    # server went on generating every request, queued ones too, for minutes
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
     return 0
 
 

@@ -207,6 +207,33 @@ def test_a_constraint_that_fails_to_compile_is_not_compiled_again_by_each_caller
     assert len(calls) == 2
 
 
+def test_at_most_two_child_compiles_run_at_once(monkeypatch):
+    """A burst of constraints whose automata explode (each child may take its whole memory cap) runs two children
+    at a time; the others wait their turn."""
+    import threading
+    import time
+
+    from hylo.constrain import automaton
+
+    running, peak, lock = [0], [0], threading.Lock()
+
+    def child(*args):
+        with lock:
+            running[0] += 1
+            peak[0] = max(peak[0], running[0])
+        time.sleep(0.2)
+        with lock:
+            running[0] -= 1
+        return {}
+    monkeypatch.setattr(automaton, "_run_child", child)
+    threads = [threading.Thread(target=automaton._compile_in_child, args=(None, "a", 4, {})) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert peak[0] == 2
+
+
 def test_string_keywords_the_translation_would_drop_are_refused():
     """The translation reads one of a string's length bounds, pattern or format and drops the others: a schema
     with two of them is refused by name (a length alone, or both bounds, is fine)."""

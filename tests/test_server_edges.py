@@ -278,3 +278,25 @@ def test_vllm_request_rules(http):
     assert entries[0] is None and len(entries) == len(ids)
     for tok, entry in zip(ids[1:], entries[1:]):
         assert list(entry) == [str(tok)] and isinstance(entry[str(tok)]["rank"], int) and entry[str(tok)]["rank"] >= 1
+
+
+def test_a_response_too_large_to_build_is_refused_and_a_large_one_is_built_off_the_event_loop(http, monkeypatch):
+    """A few kilobytes of request can ask for gigabytes of log probabilities (many echoed prompts, n choices, 20
+    alternatives): past ``MAX_LOGPROB_ENTRIES`` it is a 400 naming logprobs; a stream, which holds none, is not
+    refused. A whole response is formatted in a worker thread, not on the event loop every other client shares."""
+    import threading
+
+    from hylo.server import serving
+
+    body = {"prompt": [[5] * 100] * 20, "n": 50, "echo": True, "logprobs": 20, "max_tokens": 1}
+    r = http.post("/v1/completions", json=body)  # 20 x 50 x (100 + 1) x 21 entries
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs", r.text
+    assert "2121000 entries" in r.json()["error"]["message"]
+    threads = {}
+    choice, new_id = serving._choice, serving.new_id
+    monkeypatch.setattr(serving, "new_id", lambda *a: threads.setdefault("loop", threading.get_ident()) and new_id(*a))
+    monkeypatch.setattr(serving, "_choice",
+                        lambda *a: threads.setdefault("build", threading.get_ident()) and choice(*a))
+    r = http.post("/v1/completions", json={"prompt": [5, 6, 7], "echo": True, "logprobs": 2, "max_tokens": 2})
+    assert r.status_code == 200 and len(r.json()["choices"][0]["logprobs"]["tokens"]) == 5
+    assert threads["build"] != threads["loop"]

@@ -155,7 +155,17 @@ def compile_automaton(constraint: Constraint, vocabulary: dict[bytes, list[int]]
     return TokenAutomaton(constraint, vocab, compile_seconds=time.perf_counter() - start, **arrays)
 
 
+# How many child compiles run at once (each may take its whole memory cap): others wait their turn, so that a burst
+# of explosive constraints costs time, not the machine's memory
+_CHILD_COMPILES = threading.BoundedSemaphore(2)
+
+
 def _compile_in_child(constraint: Constraint, regex: str, vocab: int, vocabulary: dict[bytes, list[int]]) -> dict:
+    with _CHILD_COMPILES:
+        return _run_child(regex, vocab, vocabulary)
+
+
+def _run_child(regex: str, vocab: int, vocabulary: dict[bytes, list[int]]) -> dict:
     timeout_s, memory_bytes = _limits()
     job = pickle.dumps(dict(regex=regex, vocab=vocab, vocabulary=vocabulary, memory_bytes=memory_bytes),
                        protocol=pickle.HIGHEST_PROTOCOL)

@@ -12,6 +12,7 @@ from typing import Any, NamedTuple
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 
 from .engine_thread import Delta, EngineThread
 from .protocol import APIError, error_body, new_id, now, usage
@@ -174,6 +175,8 @@ async def serve(request: Request, runner: EngineThread, reply: Reply, prompts: l
     jobs = [(i * len(params) + j, prompt, p if rooms is None or p.max_tokens <= rooms[i]
              else dataclasses.replace(p, max_tokens=rooms[i]))
             for i, prompt in enumerate(prompts) for j, p in enumerate(params)]
+    if not body.stream:  # (a stream sends its entries as they come, holding none)
+        _check_logprob_volume(body, jobs)
     queues = {index: runner.submit(f"{rid}-{index}", prompt, p) for index, prompt, p in jobs}
     prompt_tokens = sum(len(p) for p in prompts)
     if body.stream:
@@ -203,21 +206,50 @@ async def serve(request: Request, runner: EngineThread, reply: Reply, prompts: l
         worst = max(failed, key=lambda r: r.status)
         raise APIError(worst.error, status=worst.status,
                        type="server_error" if worst.status >= 500 else "invalid_request_error")
-    n = len(params)
-    choices = []
-    for index, r in zip(queues, results):
-        prompt = prompts[index // n]
-        choices.append(_choice(index, r, prompt, reply, reply.echo_texts[index // n] if reply.echo_texts else None))
-    completion_tokens = sum(r.completion_tokens for r in results)
-    # each prompt counts once (its first choice), as prompt_tokens does
-    cached = sum(r.cached_tokens for index, r in zip(queues, results) if index % n == 0)
-    response = {"id": rid, "object": obj, "created": created, "model": model, "choices": choices,
-                "usage": usage(prompt_tokens, completion_tokens, cached)}
-    if chat:  # vLLM's fields, null when not asked for
-        response["prompt_token_ids"] = prompts[0] if body.return_token_ids else None
-        response["prompt_logprobs"] = (fmt.prompt(prompts[0], results[0].prompt_logprobs or [])
-                                       if body.prompt_logprobs is not None else None)
-    return response
+
+    def build() -> JSONResponse:
+        n = len(params)
+        choices = []
+        for index, r in zip(queues, results):
+            echo = reply.echo_texts[index // n] if reply.echo_texts else None
+            choices.append(_choice(index, r, prompts[index // n], reply, echo))
+        completion_tokens = sum(r.completion_tokens for r in results)
+        # each prompt counts once (its first choice), as prompt_tokens does
+        cached = sum(r.cached_tokens for index, r in zip(queues, results) if index % n == 0)
+        response = {"id": rid, "object": obj, "created": created, "model": model, "choices": choices,
+                    "usage": usage(prompt_tokens, completion_tokens, cached)}
+        if chat:  # vLLM's fields, null when not asked for
+            response["prompt_token_ids"] = prompts[0] if body.return_token_ids else None
+            response["prompt_logprobs"] = (fmt.prompt(prompts[0], results[0].prompt_logprobs or [])
+                                           if body.prompt_logprobs is not None else None)
+        return JSONResponse(response)
+    # formatted and encoded in a worker thread: tens of megabytes of log probabilities would otherwise hold the
+    # event loop, and every other client's stream, for seconds
+    return await run_in_threadpool(build)
+
+
+# The most log-probability entries (a token's own, and each alternative) one response may hold: each takes about 200
+# bytes in the server before it is sent, so this bounds a response at about 400 MB (a request of a few kilobytes
+# could otherwise ask for tens of gigabytes: thousands of echoed prompts, n choices each, 20 alternatives a token).
+MAX_LOGPROB_ENTRIES = 2_000_000
+
+
+def _check_logprob_volume(body, jobs) -> None:
+    """A 400 for a request whose log probabilities (every choice's: its prompt's where scored, its output's up to an
+    output limit it gave) pass ``MAX_LOGPROB_ENTRIES``. (Without a limit, a chat's default is the room its prompt
+    leaves, which a long-context model's output rarely fills: not counted.)"""
+    top, prompt_top = body.logprobs_n(), body.prompt_logprobs_n()
+    if top is None and prompt_top is None:
+        return
+    # a completion's default is 16 tokens, counted; a chat's, without a limit, is not
+    counted = body.output_limit()[1] is not None or not hasattr(body, "messages")
+    entries = sum((top + 1) * p.max_tokens if top is not None and counted else 0 for _, _, p in jobs)
+    entries += sum((prompt_top + 1) * len(prompt) if prompt_top is not None else 0 for _, prompt, _ in jobs)
+    if entries > MAX_LOGPROB_ENTRIES:
+        raise APIError(f"the log probabilities asked for (every choice's tokens, the prompts' too where scored, with "
+                       f"their alternatives) come to {entries} entries, more than the {MAX_LOGPROB_ENTRIES} one "
+                       f"response may hold: ask for fewer alternatives, choices, prompts or tokens",
+                       param="logprobs")
 
 
 def _choice(index: int, r: Delta, prompt: list[int], reply: Reply, echo: Echo | None) -> dict:
