@@ -64,6 +64,24 @@ def test_kv_exhaustion_preempts_and_recomputes_without_changing_outputs(ckpt_a):
     assert _free_everything(tight.engine)
 
 
+def test_a_prompt_that_fills_the_pool_is_not_preempted_over_and_over(ckpt_a):
+    """A prompt near the KV pool's size among short requests, the prefix cache off: it is admitted once its whole
+    prefill fits beside what the running requests still need, so it is not preempted before its last chunk and
+    computed again (13 times here before: every preemption wasted its chunks so far); the outputs are unchanged."""
+    vocab = vocab_of(ckpt_a)
+    tight = LLM(ckpt_a, kv_cache_tokens=400, max_num_seqs=6, chunk_size=64, enable_prefix_caching=False,
+                verbose=False)
+    long = random_prompts(vocab, [tight.engine.max_model_len - 10], seed=3)[0]
+    prompts = random_prompts(vocab, [30, 40, 25], seed=4) + [long] + random_prompts(vocab, [35, 20, 30, 45], seed=5)
+    params = [SamplingParams(max_tokens=30, temperature=0.8, seed=i) for i in range(8)]
+    params[3] = SamplingParams(max_tokens=8, temperature=0)
+    outs = tight.generate(prompts, params, use_tqdm=False)
+    assert outs[3].num_preemptions == 0 and sum(o.num_preemptions for o in outs) <= 2
+    ref = LLM(ckpt_a, enable_prefix_caching=False, verbose=False).generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    assert _free_everything(tight.engine)
+
+
 def test_abort_frees_slots_and_others_carry_on(ckpt_a):
     prompts = random_prompts(vocab_of(ckpt_a), [10, 15, 8], seed=10)
     ref = _run_all(Engine(ckpt_a, engine_config=EngineConfig(verbose=False)), [prompts[0], prompts[2]], GREEDY)

@@ -183,6 +183,13 @@ class Scheduler:
         req.kv_locs = [locs[:keep - req.prefix_len]]
         req.num_kv = keep
 
+    def _still_needed(self, req: Req) -> int:
+        """KV locations a running request may still take before it decodes on: the rest of its prefill, then one
+        more step's (``kv_lookahead + 1``)."""
+        c = req.computed_bound
+        rest = 0 if req.decoding else max(0, self._kv_end(req, req.num_tokens - c, False, c) - req.num_kv)
+        return rest + self.kv_lookahead + 1
+
     def _ends_within(self, req: Req, more: int) -> bool:
         """``more`` output tokens beyond those the host has reach the request's max_tokens or the context limit."""
         return (len(req.output_ids) + more >= req.params.max_tokens
@@ -272,11 +279,14 @@ class Scheduler:
             m = hit.length if hit is not None else 0
             n = self._chunk(req, m, budget)
             need = self._kv_end(req, n, False, m) - m  # new locations (a waiting request holds none)
-            # keep room for one more step of every running request, so admissions do not force preemptions at once
-            room = len(self.running) * (self.kv_lookahead + 1)
+            # Admitted only when its whole prefill fits beside what the running requests still need (one more step
+            # each, and the rest of their prefills): admitted on its first chunk alone, a long prompt would be
+            # preempted by its neighbours' growth before its last chunk and computed again, over and over.
+            whole = self._kv_end(req, req.num_tokens - m, False, m) - m
+            room = sum(self._still_needed(r) for r in self.running)
             if hit is not None:
                 self.cache.lock(hit.node)  # before any eviction below can take it
-            if self.caches.kv_pool.num_free < need + room and not self._evict_for(need + room):
+            if self.caches.kv_pool.num_free < whole + room and not self._evict_for(whole + room):
                 if hit is not None:
                     self.cache.unlock(hit.node)
                 break
