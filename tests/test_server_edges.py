@@ -300,3 +300,16 @@ def test_a_response_too_large_to_build_is_refused_and_a_large_one_is_built_off_t
     r = http.post("/v1/completions", json={"prompt": [5, 6, 7], "echo": True, "logprobs": 2, "max_tokens": 2})
     assert r.status_code == 200 and len(r.json()["choices"][0]["logprobs"]["tokens"]) == 5
     assert threads["build"] != threads["loop"]
+
+
+def test_constraints_compile_in_threads_of_their_own(http, monkeypatch):
+    """A request's constraint compiles in the constraint pool's threads, not in the shared pool that encodes every
+    request's prompt (a burst of slow compiles, each up to its time limit, would otherwise stall every client)."""
+    import threading
+
+    names = []
+    compile_constraint = Engine.compile_constraint
+    monkeypatch.setattr(Engine, "compile_constraint",
+                        lambda self, c: names.append(threading.current_thread().name) or compile_constraint(self, c))
+    r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 4, "structured_outputs": {"regex": "[a-c]{2}"}})
+    assert r.status_code == 200 and names and names[0].startswith("hylo-constraint"), (r.text, names)

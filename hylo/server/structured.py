@@ -11,6 +11,9 @@ At most one of them per request. Every problem is a 400 naming the field.
 
 from __future__ import annotations
 
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+
 from ..constrain.spec import Constraint
 from .protocol import APIError
 
@@ -43,16 +46,19 @@ def constraint_of(body) -> tuple[str | None, Constraint | None]:
     return found[0] if found else (None, None)
 
 
+# The threads constraint compiles wait and run in: their own, so that a burst of slow compiles (each up to its
+# time limit) never takes the shared pool's threads that encode every request's prompt
+_COMPILE_THREADS = ThreadPoolExecutor(max_workers=8, thread_name_prefix="hylo-constraint")
+
+
 async def compile_constraint(engine, constraint: Constraint | None, param: str | None) -> None:
-    """Compile the request's constraint now, in a worker thread (seconds at a large vocabulary, the first time a
-    constraint is seen; cached after): the engine thread then finds it compiled, and a constraint that cannot be
-    compiled is a 400 naming the field."""
+    """Compile the request's constraint now, in a worker thread of its own pool (seconds at a large vocabulary, the
+    first time a constraint is seen; cached after): the engine thread then finds it compiled, and a constraint that
+    cannot be compiled is a 400 naming the field."""
     if constraint is None:
         return
-    from starlette.concurrency import run_in_threadpool
-
     try:
-        await run_in_threadpool(engine.compile_constraint, constraint)
+        await asyncio.get_running_loop().run_in_executor(_COMPILE_THREADS, engine.compile_constraint, constraint)
     except ValueError as e:
         raise APIError(f"{param}: {e}", param=param) from None
 
