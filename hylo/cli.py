@@ -291,8 +291,8 @@ def build_parser() -> argparse.ArgumentParser:
                                      "the tiny shapes only)")
     b.add_argument("--model-name", default="bench-6b", choices=BENCH_MODELS + tuple(ALIASES), metavar="NAME",
                    help="benchmark model (random weights at a real shape): bench-6b, qwen3.5-9b, qwen3.5-35b-a3b, "
-                        "or qwen3-next-80b (also qwen3-next-80b-a3b; needs --tensor-parallel-size), each also with -fp8 "
-                        "(block-FP8 projections kept FP8: qwen3-next-80b-fp8 fits one H200); the Mamba2 shapes "
+                        "or qwen3-next-80b (also qwen3-next-80b-a3b; needs --tensor-parallel-size), each also with "
+                        "-fp8 (block-FP8 projections kept FP8: qwen3-next-80b-fp8 fits one H200); the Mamba2 shapes "
                         "nemotron-h-8b and nemotron-3-nano-30b-a3b; on a CPU the tiny shapes tiny, tiny-dense, "
                         "tiny-mamba2 (tiny and tiny-dense also with -fp8); default %(default)s")
     b.add_argument("--tensor-parallel-size", type=int, default=1,

@@ -292,6 +292,12 @@ def test_a_response_too_large_to_build_is_refused_and_a_large_one_is_built_off_t
     r = http.post("/v1/completions", json=body)  # 20 x 50 x (100 + 1) x 21 entries
     assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs", r.text
     assert "2121000 entries" in r.json()["error"]["message"]
+    # a chat response carries its prompt's log probabilities once, whatever n: 21 x 1000 entries, not x 100
+    chat = {"messages": [{"role": "user", "content": "ab" * 500}], "n": 100, "max_tokens": 1,
+            "prompt_logprobs": 20}
+    assert serving.MAX_LOGPROB_ENTRIES < 21 * 1000 * 100
+    r = http.post("/v1/chat/completions", json=chat)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 100, r.text
     threads = {}
     choice, new_id = serving._choice, serving.new_id
     monkeypatch.setattr(serving, "new_id", lambda *a: threads.setdefault("loop", threading.get_ident()) and new_id(*a))

@@ -33,7 +33,8 @@ BENCH_MODELS = BASE_MODELS + tuple(f"{m}-fp8" for m in BASE_MODELS) + MAMBA2_MOD
 ALIASES = {"qwen3-next-80b-a3b": "qwen3-next-80b", "qwen3-next-80b-a3b-fp8": "qwen3-next-80b-fp8"}
 
 
-CPU_MODELS = ("tiny", "tiny-dense", "tiny-fp8", "tiny-dense-fp8", "tiny-mamba2")  # the shapes a CPU holds and runs in seconds
+# the shapes a CPU holds and runs in seconds
+CPU_MODELS = ("tiny", "tiny-dense", "tiny-fp8", "tiny-dense-fp8", "tiny-mamba2")
 
 
 def check_cpu_shape(model_name: str, device) -> None:

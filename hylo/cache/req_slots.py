@@ -21,8 +21,8 @@ class ReqSlots:
     step's results.
 
     NOTE: slot 0 is reserved as the padding row. Padded batch rows point at it, its ``req_to_token`` row is all
-    location 0 (the KV pool's dummy location) and a padded row's state slot is -1, so a padded row reads nothing real and its
-    writes land on dummies.
+    location 0 (the KV pool's dummy location) and a padded row's state slot is -1, so a padded row reads nothing
+    real and its writes land on dummies.
     """
 
     def __init__(self, max_num_seqs: int, max_context: int, device: torch.device):

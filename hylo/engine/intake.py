@@ -51,7 +51,7 @@ def encode_prompt(prompt, tokenizer, vocab_size: int, max_model_len: int,
                              f"(ids are 0..{vocab_size - 1})")
     if len(ids) >= max_model_len:
         raise ContextLengthError(f"prompt has {len(ids)} tokens, but the context limit (max_model_len) is "
-                         f"{max_model_len}: it must be shorter to leave room for output")
+                                 f"{max_model_len}: it must be shorter to leave room for output")
     return ids
 
 

@@ -96,8 +96,8 @@ class ModelWorker:
         max_seq_len = max(p + n for p, n in zip(sched.prefix_lens, sched.extend_lens))
         if all(sched.from_device):  # DECODE / TARGET_VERIFY: everything comes from the device tables
             slots.write_locations(sched.kv_triples())
-            req_slots, state_slots = host_tensor_to([[r.req_slot for r in sched.reqs], [r.state_slot for r in sched.reqs]],
-                                          dev)  # one copy for both
+            req_slots, state_slots = host_tensor_to(  # one copy for both
+                [[r.req_slot for r in sched.reqs], [r.state_slot for r in sched.reqs]], dev)
             return self.table_batch(sched.mode, sched.extend_lens[0], req_slots, state_slots, max_seq_len, drafts,
                                     input_ids)
         # EXTEND: prefill chunks, known to the host, and decoding rows riding along (plain decoding only), which
@@ -248,7 +248,8 @@ class ModelWorker:
     def prompt_logprobs(self, sched: ScheduledBatch, hidden: torch.Tensor) -> torch.Tensor | None:
         """For the prefill rows whose requests asked for prompt log probabilities: at every fed position that is
         followed by another prompt token, that token's log probability, the top N and the token's rank in the
-        vocabulary ([P, 1 + 2N + 1] in row order, ``ScheduledBatch.prompt_logprob_spans`` says which rows and positions). None
+        vocabulary ([P, 1 + 2N + 1] in row order, ``ScheduledBatch.prompt_logprob_spans`` says which rows and
+        positions). None
         when no row asked."""
         spans = sched.prompt_logprob_spans()
         if not spans:

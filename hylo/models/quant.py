@@ -5,7 +5,8 @@ Served: block FP8 as Qwen and DeepSeek release it (``quant_method: fp8``, ``weig
 float8_e4m3fn weights with a ``<name>_scale_inv`` of one scale per block, dynamic activations). On the CPU the
 weights are dequantized at load into the compute dtype (the torch reference of ``ops.fp8``), so the model computes
 what transformers computes from the same files; on a GPU they stay FP8 with their scales (``keep_fp8``) and the
-kernels dequantize each block as they load it (``ops.fp8_triton``). Anything else that is quantized (another method, per-tensor FP8,
+kernels dequantize each block as they load it (``ops.fp8_triton``). Anything else that is quantized (another method,
+per-tensor FP8,
 static activation scales, UE8M0 scales, or quantized tensors without a ``quantization_config``) is an error that
 names it: a checkpoint hylo cannot run correctly never loads.
 """
@@ -20,7 +21,7 @@ import torch
 
 from ..config import QuantConfig
 from ..layers.weights import CheckpointError, ReaderOver, TensorReader
-from ..ops.fp8 import dequantize_fp8_block, expand_scales, scale_grid
+from ..ops.fp8 import dequantize_fp8_block, expand_scales, kernel_tileable, scale_grid
 
 SCALE_SUFFIX = "_scale_inv"
 # tensor names that only quantized checkpoints have (GPTQ/AWQ, bitsandbytes, compressed-tensors, FP8, MXFP4)
@@ -187,8 +188,7 @@ def keep_fp8(device, block: tuple[int, int] = (128, 128)) -> bool:
     mode = os.environ.get("HYLO_FP8_WEIGHTS", "auto")
     if mode not in ("auto", "keep", "dequantize"):
         raise ValueError(f"HYLO_FP8_WEIGHTS={mode!r}: expected 'auto', 'keep' or 'dequantize'")
-    tiled = block[1] >= 16 and block[1] & (block[1] - 1) == 0
-    return mode == "keep" or (mode == "auto" and torch.device(device).type == "cuda" and tiled)
+    return mode == "keep" or (mode == "auto" and torch.device(device).type == "cuda" and kernel_tileable(block))
 
 
 def quantized_reader(reader: TensorReader, quant: QuantConfig | None) -> TensorReader:

@@ -137,7 +137,7 @@ class RandomReader(TensorReader):
         self.used.add(name)
         g = torch.Generator(device=self.device).manual_seed((self.seed * 1000003 + zlib.crc32(name.encode())) % 2**63)
         kw = dict(generator=g, device=self.device, dtype=torch.float32)
-        if name.endswith("linear_attn.norm.weight") or "norm" in name and self.plain_norms:  # plain weights
+        if name.endswith("linear_attn.norm.weight") or ("norm" in name and self.plain_norms):  # plain weights
             return 1 + torch.randn(shape, **kw) * 0.1
         if "norm" in name:  # zero-centred norms
             return torch.randn(shape, **kw) * 0.1

@@ -14,6 +14,12 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 
 
+def kernel_tileable(block: tuple[int, int]) -> bool:
+    """Whether the W8A16 kernels (the GEMV, the matmul, the MoE kernels) tile weights of this block: its columns a
+    power of two of at least 16 (Qwen's are 128), so that a K tile lies inside one block."""
+    return block[1] >= 16 and block[1] & (block[1] - 1) == 0
+
+
 def scale_grid(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, ...]:
     """The shape of a weight's scale tensor: one entry per (possibly partial) block of its last two dims."""
     *lead, n, k = shape

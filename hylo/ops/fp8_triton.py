@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .fp8 import kernel_tileable
 from .triton_utils import env_cfg, env_flag, env_int, next_pow2
 
 
@@ -98,10 +99,8 @@ FP8_MATMUL_CFG = env_cfg("HYLO_FP8_MATMUL_CFG", (64, 64, 128, 4, 3))
 
 
 def fp8_tiles_ok(w) -> bool:
-    """Whether the W8A16 kernels (this matmul, the GEMV, the MoE kernels) take this weight: column blocks a power of
-    two of at least 16 (Qwen's are 128), so that a K tile lies inside one block."""
-    sbk = w.block[1]
-    return sbk >= 16 and sbk & (sbk - 1) == 0
+    """Whether the W8A16 kernels (this matmul, the GEMV, the MoE kernels) take this weight (``fp8.kernel_tileable``)."""
+    return kernel_tileable(w.block)
 
 
 def fp8_matmul_ok(w) -> bool:

@@ -176,7 +176,7 @@ async def serve(request: Request, runner: EngineThread, reply: Reply, prompts: l
              else dataclasses.replace(p, max_tokens=rooms[i]))
             for i, prompt in enumerate(prompts) for j, p in enumerate(params)]
     if not body.stream:  # (a stream sends its entries as they come, holding none)
-        _check_logprob_volume(body, jobs)
+        _check_logprob_volume(reply, prompts, jobs)
     queues = {index: runner.submit(f"{rid}-{index}", prompt, p) for index, prompt, p in jobs}
     prompt_tokens = sum(len(p) for p in prompts)
     if body.stream:
@@ -234,17 +234,20 @@ async def serve(request: Request, runner: EngineThread, reply: Reply, prompts: l
 MAX_LOGPROB_ENTRIES = 2_000_000
 
 
-def _check_logprob_volume(body, jobs) -> None:
-    """A 400 for a request whose log probabilities (every choice's: its prompt's where scored, its output's up to an
-    output limit it gave) pass ``MAX_LOGPROB_ENTRIES``. (Without a limit, a chat's default is the room its prompt
-    leaves, which a long-context model's output rarely fills: not counted.)"""
+def _check_logprob_volume(reply: Reply, prompts: list[list[int]], jobs) -> None:
+    """A 400 for a request whose log probabilities (every choice's output up to an output limit it gave, and the
+    scored prompts': each completion choice carries its prompt's, a chat response its one prompt's once) pass
+    ``MAX_LOGPROB_ENTRIES``. (Without a limit, a chat's default is the room its prompt leaves, which a long-context
+    model's output rarely fills: not counted.)"""
+    body = reply.body
     top, prompt_top = body.logprobs_n(), body.prompt_logprobs_n()
     if top is None and prompt_top is None:
         return
-    # a completion's default is 16 tokens, counted; a chat's, without a limit, is not
-    counted = body.output_limit()[1] is not None or not hasattr(body, "messages")
-    entries = sum((top + 1) * p.max_tokens if top is not None and counted else 0 for _, _, p in jobs)
-    entries += sum((prompt_top + 1) * len(prompt) if prompt_top is not None else 0 for _, prompt, _ in jobs)
+    entries = 0
+    if top is not None and (body.output_limit()[1] is not None or not reply.chat):  # (a completion's default: 16)
+        entries += (top + 1) * sum(p.max_tokens for _, _, p in jobs)
+    if prompt_top is not None:
+        entries += (prompt_top + 1) * (len(prompts[0]) if reply.chat else sum(len(prompt) for _, prompt, _ in jobs))
     if entries > MAX_LOGPROB_ENTRIES:
         raise APIError(f"the log probabilities asked for (every choice's tokens, the prompts' too where scored, with "
                        f"their alternatives) come to {entries} entries, more than the {MAX_LOGPROB_ENTRIES} one "

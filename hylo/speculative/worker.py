@@ -226,8 +226,9 @@ class SpecWorker:
         accepted = torch.minimum(accepted, accept_limit(emitted, fed, batch.req_slots, batch.seq_lens,
                                                         tables.sampling_i, self.target.eos_tensor))
         # rows that drafted nothing (n-gram without a match), unless a test or the benchmark's simulation decides
-        limit = self.drafter.draft_limit(batch.req_slots)
-        if limit is not None and self.draft_hook is None and self.simulate_accept_length is None:
+        limit = (self.drafter.draft_limit(batch.req_slots)
+                 if self.draft_hook is None and self.simulate_accept_length is None else None)
+        if limit is not None:
             accepted = torch.minimum(accepted, torch.where(accepted < 0, accepted, limit))
         slots, kept = inert_rows(batch.state_slots, accepted)
         self.backend.commit_verified(slots, kept)
